@@ -1,0 +1,54 @@
+import hashlib
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from trl_ext.assets import DEFAULT_MODEL_NAME, load_dataset_by_name, load_default_dataset, resolve_model
+from trl_ext.assets.data_gen import build as build_data
+from trl_ext.assets.tiny_model import build
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256((path / "model.safetensors").read_bytes() + (path / "tokenizer.json").read_bytes()).hexdigest()
+
+
+def test_model_build_is_deterministic(tmp_path, tiny_model_path):
+    build(tmp_path)
+    assert _digest(tmp_path) == _digest(Path(tiny_model_path))
+
+
+def test_embedded_model_resolves_and_loads_as_lm_and_reward_base(tiny_model_path):
+    assert resolve_model(DEFAULT_MODEL_NAME) == tiny_model_path == resolve_model(None)
+    assert resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert type(lm).__name__ == "LlamaForCausalLM"
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    assert rm.score.out_features == 1
+
+
+def test_chat_template_marks_assistant_tokens(tiny_model_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    messages = [{"role": "user", "content": "What is 3+4?"}, {"role": "assistant", "content": "7"}]
+    out = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+    masked = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
+    assert tok.decode(masked) == "7<|im_end|>"  # the answer and its end-of-turn, nothing else
+    assert tok.pad_token == "<|pad|>" and tok.eos_token == "<|im_end|>"
+
+
+def test_bundled_datasets_have_the_columns_trl_expects():
+    expected = {"sft": {"messages"}, "preference": {"prompt", "chosen", "rejected"}, "reward": {"chosen", "rejected"}}
+    for kind, columns in expected.items():
+        data = load_default_dataset(kind)
+        assert set(data) == {"train", "test"}
+        assert set(data["train"].column_names) == columns
+        assert len(data["train"]) > 5 * len(data["test"]) > 0
+    assert load_dataset_by_name("trl-ext/arithmetic-preference")["test"].num_rows == data["test"].num_rows
+
+
+def test_bundled_files_match_their_generator():
+    built = build_data()
+    pref = load_default_dataset("preference")["train"]
+    assert pref[0] == built["preference"]["train"][0]
+    assert pref.num_rows == len(built["preference"]["train"])
+    row = pref[0]
+    assert row["chosen"][0]["content"] != row["rejected"][0]["content"]

@@ -1,0 +1,72 @@
+import pytest
+import trl
+
+import trl_ext
+from trl_ext import runtime
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    monkeypatch.setattr(runtime, "is_torch_bf16_gpu_available", lambda: False)
+    monkeypatch.setattr(runtime, "has_accelerator", lambda: False)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    monkeypatch.setattr(runtime, "is_torch_bf16_gpu_available", lambda: True)
+    monkeypatch.setattr(runtime, "has_accelerator", lambda: True)
+
+
+def _fields(**kw):
+    base = dict(use_cpu=False, bf16=None, bf16_full_eval=False, fp16=False, fp16_full_eval=False, ddp_backend=None)
+    return type("Args", (), {**base, **kw})()
+
+
+def test_trl_default_bf16_falls_back_to_fp32_on_cpu(cpu_only, caplog):
+    args = _fields()
+    runtime.adapt_to_hardware(args)
+    assert args.bf16 is False
+    assert "training in fp32" in caplog.text
+
+
+def test_fp16_falls_back_without_gpu(cpu_only, caplog):
+    args = _fields(bf16=False, fp16=True)
+    runtime.adapt_to_hardware(args)
+    assert (args.fp16, args.bf16) == (False, False)
+    assert "fp16 needs a GPU" in caplog.text
+
+
+def test_gloo_only_for_multi_process_cpu_launch(cpu_only, monkeypatch):
+    args = _fields(bf16=False)
+    runtime.adapt_to_hardware(args)
+    assert args.ddp_backend is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    runtime.adapt_to_hardware(args)
+    assert args.ddp_backend == "gloo"
+    chosen = _fields(bf16=False, ddp_backend="mpi")
+    runtime.adapt_to_hardware(chosen)
+    assert chosen.ddp_backend == "mpi"  # an explicit choice is kept
+
+
+def test_nothing_changes_on_a_gpu_machine(gpu, monkeypatch, caplog):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = _fields(bf16=True)
+    runtime.adapt_to_hardware(args)
+    assert (args.bf16, args.fp16, args.ddp_backend) == (True, False, None)
+    assert caplog.text == ""
+
+
+def test_configs_are_trl_configs_that_build_on_cpu(tmp_path):
+    for ours, theirs in [(trl_ext.SFTConfig, trl.SFTConfig), (trl_ext.RewardConfig, trl.RewardConfig),
+                         (trl_ext.DPOConfig, trl.DPOConfig)]:
+        cfg = ours(output_dir=str(tmp_path))  # TRL's own default (bf16) raises on CPU
+        assert isinstance(cfg, theirs)
+        assert [f.name for f in theirs.__dataclass_fields__.values()] == [
+            f.name for f in ours.__dataclass_fields__.values()]
+
+
+def test_single_training_process_in_a_multi_process_launch_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = type("Args", (), {"world_size": 1})()
+    with pytest.raises(RuntimeError, match="ddp_backend='gloo'"):
+        runtime.check_distributed_setup(args)

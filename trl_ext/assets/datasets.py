@@ -1,0 +1,24 @@
+"""Load the bundled arithmetic datasets as a ``DatasetDict`` with ``train`` and ``test`` splits."""
+
+from pathlib import Path
+
+from datasets import DatasetDict, load_dataset
+
+DATA_DIR = Path(__file__).parent / "data"
+# sft: conversational "messages"; preference: prompt/chosen/rejected (DPO); reward: chosen/rejected.
+DATASET_KINDS = ("sft", "preference", "reward")
+DATASET_NAMES = {f"trl-ext/arithmetic-{kind}": kind for kind in DATASET_KINDS}
+
+
+def load_default_dataset(kind: str) -> DatasetDict:
+    if kind not in DATASET_KINDS:
+        raise ValueError(f"Unknown bundled dataset {kind!r}; choose one of {', '.join(DATASET_KINDS)}.")
+    files = {split: str(DATA_DIR / f"{kind}_{split}.jsonl") for split in ("train", "test")}
+    return load_dataset("json", data_files=files)
+
+
+def load_dataset_by_name(name: str, config: str | None = None) -> DatasetDict:
+    """``trl-ext/arithmetic-{sft,preference,reward}`` load the bundled data; anything else goes to ``load_dataset``."""
+    if name in DATASET_NAMES:
+        return load_default_dataset(DATASET_NAMES[name])
+    return load_dataset(name, config)

@@ -1,0 +1,118 @@
+"""Build the embedded default model: a tiny Llama causal LM and a byte-level BPE chat tokenizer.
+
+Built deterministically from code on first use and cached on disk, so the rest of the stack loads it with the
+ordinary ``from_pretrained(path)``. The same directory serves as a sequence-classification (reward) base.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "trl-ext/tiny-llama"  # resolved to a local build, never fetched from the Hub
+_BUILD_DIR_NAME = "tiny-llama-v1"  # bump when the build changes
+SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
+# ChatML with {% generation %} markers, so SFT can train on assistant tokens only (assistant_only_loss=True).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MODEL_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TRL_EXT_CACHE", Path.home() / ".cache" / "trl_ext"))
+
+
+def default_model_path() -> str:
+    """Return the local path of the embedded model, building it on first use."""
+    target = cache_root() / _BUILD_DIR_NAME
+    if not (target / "config.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{_BUILD_DIR_NAME}-", dir=target.parent))
+        try:
+            build(tmp)
+            try:
+                os.rename(tmp, target)  # atomic; another rank may have won the race, which is fine
+            except OSError:
+                if not (target / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def resolve_model(name_or_path: str | None) -> str:
+    """Map ``None`` or the embedded model's name to its local path; pass any other hub id or path through."""
+    return default_model_path() if name_or_path in (None, DEFAULT_MODEL_NAME) else name_or_path
+
+
+def _training_corpus() -> list[str]:
+    from .datasets import DATA_DIR
+
+    return [line for path in sorted(DATA_DIR.glob("sft_*.jsonl")) for line in path.read_text().splitlines()]
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+    )
+
+
+def build(path: str | os.PathLike) -> None:
+    """Write the tokenizer and a freshly initialised tiny Llama (seed 0) to ``path``."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **MODEL_CONFIG,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        max_new_tokens=8,
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
