@@ -1,11 +1,10 @@
 """DPO with trl_ext: TRL's DPO script, with ZeRO-3-safe saving and CPU fallbacks.
 
-With no arguments it trains the embedded tiny model on the bundled arithmetic preferences (CPU, a couple of
-minutes), so the whole pipeline can be tried offline:
+The tiny config trains the embedded model on the bundled arithmetic preferences (offline, CPU, under a minute):
 
 ```bash
-python recipes/dpo.py
-python recipes/dpo.py --config recipes/configs/dpo.yaml --output_dir outputs/my-dpo
+python recipes/dpo.py --config recipes/configs/dpo.yaml
+python recipes/dpo.py --config recipes/configs/dpo.yaml --output_dir outputs/my-dpo --use_peft --lora_r 8
 ```
 
 A real model (GPU), LoRA:
@@ -49,10 +48,10 @@ def main(script_args, training_args, model_args):
     # Save and evaluate
     trainer.save_model(training_args.output_dir)
     if trainer.eval_dataset is not None:
-        metrics = trainer.evaluate()
-        trainer.log_metrics("eval", metrics)
+        trainer.log_metrics("eval", trainer.evaluate())
+    chat = "[{'role': 'user', 'content': 'What is 2+3?'}]"
     announce_done(trainer, "DPO model", f"python -c \"from transformers import pipeline; "
-                  f"print(pipeline('text-generation', '{training_args.output_dir}')('What is 2+3?'))\"")
+                  f"print(pipeline('text-generation', '{training_args.output_dir}')({chat}))\"")
 
 
 if __name__ == "__main__":

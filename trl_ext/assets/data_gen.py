@@ -18,9 +18,10 @@ def _problems(rng: random.Random):
     return problems
 
 
-def _wrong(rng: random.Random, answer: int) -> int:
-    offset = rng.choice([-3, -2, -1, 1, 2, 3, 10])
-    return answer + offset if answer + offset >= 0 else answer + abs(offset)
+def _wrong(rng: random.Random, a: int, b: int) -> int:
+    """A typical mistake: multiplying, subtracting, or being off by one or ten."""
+    candidates = {a * b, abs(a - b), a + b + 1, a + b + 10, max(a + b - 1, 0)} - {a + b}
+    return rng.choice(sorted(candidates))
 
 
 def build(seed: int = 0) -> dict[str, dict[str, list[dict]]]:
@@ -33,7 +34,7 @@ def build(seed: int = 0) -> dict[str, dict[str, list[dict]]]:
         sft, pref, reward = [], [], []
         for a, b, template in rows:
             question = template.format(a=a, b=b)
-            good, bad = str(a + b), str(_wrong(rng, a + b))
+            good, bad = str(a + b), str(_wrong(rng, a, b))
             user = {"role": "user", "content": question}
             sft.append({"messages": [user, {"role": "assistant", "content": good}]})
             pref.append(

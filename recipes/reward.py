@@ -1,0 +1,57 @@
+"""Reward modelling with trl_ext: TRL's reward script, with ZeRO-3-safe saving and CPU fallbacks.
+
+With no arguments it trains a one-output reward model on the embedded tiny model and bundled arithmetic pairs:
+
+```bash
+python recipes/reward.py --config recipes/configs/reward.yaml
+```
+
+A real model (GPU), LoRA:
+
+```bash
+accelerate launch recipes/reward.py \
+    --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/ultrafeedback_binarized \
+    --learning_rate 1e-4 --per_device_train_batch_size 4 --gradient_accumulation_steps 4 \
+    --use_peft --lora_r 32 --lora_alpha 16 --output_dir Qwen2.5-0.5B-Reward
+```
+"""
+
+from trl import get_peft_config
+
+from trl_ext import ModelConfig, RewardConfig, RewardTrainer, ScriptArguments, TrlParser
+from trl_ext.assets import load_dataset_by_name, resolve_model
+from trl_ext.scripting import announce_done, prepare_output_dir
+
+DEFAULT_DATASET = "trl-ext/arithmetic-reward"  # bundled chosen/rejected conversations
+
+
+def main(script_args, training_args, model_args):
+    # Setup: a fresh run directory unless one was chosen; never train over another run.
+    prepare_output_dir(training_args, "reward")
+
+    # Model and data: the embedded defaults unless the config names others.
+    model = resolve_model(model_args.model_name_or_path)
+    training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
+    dataset = load_dataset_by_name(script_args.dataset_name or DEFAULT_DATASET, script_args.dataset_config)
+
+    # Train
+    trainer = RewardTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+
+    # Save and evaluate
+    trainer.save_model(training_args.output_dir)
+    if trainer.eval_dataset is not None:
+        trainer.log_metrics("eval", trainer.evaluate())
+    announce_done(trainer, "Reward model", f"python -c \"from transformers import AutoModelForSequenceClassification as M; "
+                  f"print(M.from_pretrained('{training_args.output_dir}').config.num_labels)\"")
+
+
+if __name__ == "__main__":
+    parser = TrlParser((ScriptArguments, RewardConfig, ModelConfig))
+    main(*parser.parse_args_and_config())
