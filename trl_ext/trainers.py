@@ -8,7 +8,7 @@ import inspect
 
 import trl
 
-from . import configs
+from . import checkpointing, configs
 from .runtime import check_distributed_setup
 
 
@@ -29,7 +29,16 @@ class TrlExtMixin:
                 output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{self._default_run_suffix}"
             )
         check_distributed_setup(training_args)
+        user_reentrant = checkpointing.take_user_choice(training_args)
         super().__init__(*bound.args, **bound.kwargs)
+
+        # Gradient checkpointing: non-reentrant unless the user or an unfixed DeepSpeed says otherwise.
+        use_reentrant = checkpointing.decide(self.args, self.model, user_reentrant)
+        checkpointing.apply(self.args, use_reentrant)
+        if use_reentrant is not None:
+            if not use_reentrant:
+                checkpointing.remove_input_require_grads_hooks(self.model)  # TRL registered it for PEFT
+            self.add_callback(checkpointing.CheckpointingPolicy(use_reentrant))
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

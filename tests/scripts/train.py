@@ -10,9 +10,12 @@ import os
 
 import torch
 from peft import LoraConfig
+from safetensors.torch import save_file
+from transformers import TrainerCallback
 
 import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
+from trl_ext.checkpointing import layer_settings
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -31,6 +34,39 @@ def partition_report(model) -> dict:
     }
 
 
+GC_MODES = {
+    "default": {},  # TRL's config default: checkpointing on, use_reentrant unset
+    "off": {"gradient_checkpointing": False},
+    "reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": True}},
+    "nonreentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": False}},
+}
+
+
+class RecordCheckpointing(TrainerCallback):
+    """What the layers' checkpoint functions actually use, seen mid-training, and whether input hooks exist."""
+
+    def __init__(self):
+        self.seen = None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.seen is None:
+            hooks = [m for m in model.modules() if getattr(m, "_require_grads_hooks", None)]
+            self.seen = {"layers": layer_settings(model), "input_hooks": len(hooks)}
+
+
+def gathered_trainable(model) -> dict:
+    """Full (gathered) trainable weights, on every rank."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    try:
+        import deepspeed
+
+        ctx = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None)
+    except ImportError:
+        ctx = torch.no_grad()
+    with ctx:
+        return {n: p.detach().cpu().clone().contiguous() for n, p in params.items()}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=TRAINERS, required=True)
@@ -38,6 +74,8 @@ def main():
     parser.add_argument("--max_steps", type=int, default=3)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--gc", choices=GC_MODES, default="default")
+    parser.add_argument("--grad_accum", type=int, default=1)
     cli = parser.parse_args()
 
     trainer_cls, config_cls, data_kind = TRAINERS[cli.trainer]
@@ -46,16 +84,19 @@ def main():
         output_dir=cli.output_dir,
         max_steps=cli.max_steps,
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=cli.grad_accum,
         learning_rate=1e-3,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         seed=0,
         dataloader_num_workers=0,
+        **GC_MODES[cli.gc],
     )
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if cli.lora else None
-    trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, peft_config=peft_config)
+    recorder = RecordCheckpointing()
+    trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, peft_config=peft_config,
+                          callbacks=[recorder])
     report = {"world_size": args.world_size, "zero_stage": None, "partition": None}
     if args.deepspeed_plugin is not None:
         report["zero_stage"] = args.deepspeed_plugin.zero_stage
@@ -65,6 +106,10 @@ def main():
     report["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     report["train_loss"] = result.training_loss
     report["global_step"] = trainer.state.global_step
+    report["checkpointing"] = recorder.seen
+    weights = gathered_trainable(trainer.model)
+    if trainer.accelerator.is_main_process:
+        save_file(weights, os.path.join(cli.output_dir, "trained.safetensors"))
     if trainer.accelerator.is_main_process:
         with open(os.path.join(cli.output_dir, f"report_rank{trainer.accelerator.process_index}.json"), "w") as f:
             json.dump(report, f)

@@ -1,0 +1,50 @@
+"""Gradient checkpointing on CPU, 2-process ZeRO-3 + LoRA: none vs reentrant vs non-reentrant, in one run.
+
+    python bench/checkpointing.py [--repeats 2] [--steps 8]
+
+Runs are interleaved (none, reentrant, non-reentrant, none, ...) and the median of the repeats is reported.
+Memory is rank 0's peak RSS growth during training (activations and their recomputation dominate it here).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.harness import launch, write_accelerate_config  # noqa: E402
+
+MODES = ["none", "reentrant", "non-reentrant"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    cli = parser.parse_args()
+
+    config = write_accelerate_config(Path(tempfile.mkdtemp(prefix="bench-gc-")), "zero3")
+    worker = Path(__file__).with_name("_checkpointing_worker.py")
+    results = {mode: [] for mode in MODES}
+    for repeat in range(cli.repeats):
+        for mode in MODES:
+            run = launch(worker, ["--mode", mode, "--steps", str(cli.steps)], config, timeout=900)
+            lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
+            if run.returncode != 0 or not lines:
+                sys.exit(f"{mode} run failed ({run.returncode}):\n{run.output[-3000:]}")
+            results[mode].append(json.loads(lines[-1][6:]))
+            print(f"repeat {repeat + 1} {mode:<14} step {results[mode][-1]['step_s']:.3f}s  "
+                  f"peak +{results[mode][-1]['peak_growth_mb']:.0f} MiB", flush=True)
+
+    med = {m: {k: statistics.median(r[k] for r in results[m]) for k in ("step_s", "peak_growth_mb")} for m in MODES}
+    print("\nmode            step (s)   peak growth (MiB)   time vs reentrant   memory vs reentrant")
+    for mode in MODES:
+        print(f"{mode:<15} {med[mode]['step_s']:8.3f}   {med[mode]['peak_growth_mb']:17.0f}   "
+              f"{med[mode]['step_s'] / med['reentrant']['step_s']:17.2f}   "
+              f"{med[mode]['peak_growth_mb'] / max(med['reentrant']['peak_growth_mb'], 1e-9):19.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+import pytest
+from peft import LoraConfig
+
+import trl_ext
+from trl_ext import checkpointing
+from trl_ext.assets import default_model_path, load_default_dataset
+
+
+def test_installed_deepspeed_has_the_recompute_fix():
+    assert checkpointing.deepspeed_keeps_frozen_params_on_recompute()
+
+
+def _trainer(tmp_path, **config):
+    args = trl_ext.SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no", **config)
+    data = load_default_dataset("sft")["train"].select(range(4))
+    return trl_ext.SFTTrainer(model=default_model_path(), args=args, train_dataset=data,
+                              peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+
+
+def test_default_is_non_reentrant_without_input_hook(tmp_path):
+    trainer = _trainer(tmp_path)
+    assert trainer.args.activation_checkpointing_kwargs == {"use_reentrant": False}
+    assert not [m for m in trainer.model.modules() if getattr(m, "_require_grads_hooks", None)]
+    trainer.train()
+    assert set(checkpointing.layer_settings(trainer.model).values()) == {False}
+    assert not [m for m in trainer.model.modules() if getattr(m, "_require_grads_hooks", None)]
+
+
+def test_explicit_reentrant_kept(tmp_path):
+    trainer = _trainer(tmp_path, gradient_checkpointing_kwargs={"use_reentrant": True})
+    trainer.train()
+    assert set(checkpointing.layer_settings(trainer.model).values()) == {True}
+
+
+def test_unfixed_deepspeed_falls_back_with_one_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(checkpointing, "deepspeed_keeps_frozen_params_on_recompute", lambda: False)
+    args = type("Args", (), {"activation_checkpointing": True,
+                             "deepspeed_plugin": type("P", (), {"zero_stage": 3})()})()
+    frozen = type("M", (), {"parameters": lambda self: iter([type("P", (), {"requires_grad": False})()])})()
+    assert checkpointing.decide(args, frozen, None) is True
+    assert "deepspeed>=0.19.3" in caplog.text
+    caplog.clear()
+    assert checkpointing.decide(args, frozen, False) is False  # explicit choice wins
+    args.deepspeed_plugin.zero_stage = 2
+    assert checkpointing.decide(args, frozen, None) is False and caplog.text == ""
+
+
+def test_overridden_setting_is_caught():
+    layer = type("L", (), {})
+    policy = checkpointing.CheckpointingPolicy(use_reentrant=False)
+    args = type("Args", (), {"activation_checkpointing": True})()
+    model = type("M", (), {"modules": lambda self: iter([]), "named_modules": lambda self: iter([("x", layer())])})()
+    with pytest.raises(RuntimeError, match="no layer checkpoints"):
+        policy.on_train_begin(args, None, None, model=model)

@@ -1,0 +1,124 @@
+"""Gradient-checkpointing policy: ``use_reentrant=False`` everywhere, PEFT + ZeRO-3 included.
+
+Why: non-reentrant checkpointing is PyTorch's recommendation (no input-require-grads hook, selective checkpointing,
+``torch.compile``). TRL 1.16 forces reentrant for PEFT + ZeRO-3 because older DeepSpeed re-partitioned frozen
+parameters during the recompute ("CheckpointError: Recomputed values ... have different metadata"). DeepSpeed
+>= 0.19.3 (PR #8148) keeps them gathered, so we only fall back where that fix is missing.
+"""
+
+import functools
+import inspect
+
+from transformers import PreTrainedModel, TrainerCallback
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .runtime import notice
+
+DEEPSPEED_FIX_VERSION = "0.19.3"
+
+
+@functools.cache
+def deepspeed_keeps_frozen_params_on_recompute() -> bool:
+    """Capability check for DeepSpeed PR #8148: the ZeRO-3 coordinator tracks recompute-owned parameters."""
+    try:
+        import deepspeed
+        from deepspeed.runtime.zero import partitioned_param_coordinator
+    except ImportError:
+        return True  # no DeepSpeed, no ZeRO-3 problem
+    try:
+        # The fix keeps recompute-owned params in ``ds_recompute_parameters`` until the backward releases them.
+        return "ds_recompute_parameters" in inspect.getsource(partitioned_param_coordinator)
+    except (OSError, TypeError):  # no source shipped: fall back to the version
+        from packaging.version import Version
+
+        return Version(deepspeed.__version__) >= Version(DEEPSPEED_FIX_VERSION)
+
+
+def take_user_choice(args):
+    """Read (and hide from TRL, which would warn and override it) the user's explicit ``use_reentrant``.
+
+    Call before TRL's ``__init__``. Returns True/False for an explicit choice, None when unset.
+    """
+    kwargs = args.activation_checkpointing_kwargs
+    if not args.activation_checkpointing or not kwargs or "use_reentrant" not in kwargs:
+        return None
+    choice = bool(kwargs["use_reentrant"])
+    if not choice:  # TRL warns "forced to True" for an explicit False under PEFT + ZeRO-3; we decide instead
+        args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs = {
+            k: v for k, v in kwargs.items() if k != "use_reentrant"
+        }
+    return choice
+
+
+def decide(args, model, user_choice):
+    """The ``use_reentrant`` value training will use, or None when checkpointing is off."""
+    if not args.activation_checkpointing:
+        return None
+    if user_choice is not None:
+        return user_choice
+    zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
+    has_frozen = any(not p.requires_grad for p in model.parameters())
+    if zero3 and has_frozen and not deepspeed_keeps_frozen_params_on_recompute():
+        import deepspeed
+
+        notice(
+            f"DeepSpeed {deepspeed.__version__} cannot recompute frozen ZeRO-3 parameters with non-reentrant "
+            f"checkpointing: using use_reentrant=True. Upgrade to deepspeed>={DEEPSPEED_FIX_VERSION} to remove this."
+        )
+        return True
+    return False
+
+
+def apply(args, use_reentrant) -> None:
+    """Write the decision where transformers reads it when it enables checkpointing at train time."""
+    if use_reentrant is None:
+        return
+    kwargs = {**(args.activation_checkpointing_kwargs or {}), "use_reentrant": use_reentrant}
+    args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs = kwargs
+
+
+def _skip_input_require_grads():
+    """Stands in for ``enable_input_require_grads`` on a model trained with non-reentrant checkpointing."""
+
+
+def remove_input_require_grads_hooks(model) -> None:
+    """Non-reentrant checkpointing needs no grad-requiring inputs; the hook only costs memory.
+
+    transformers re-registers the hook each time checkpointing is enabled, and TRL's DPO re-enables it every step
+    (around the reference forward), so the model's own method is replaced by a no-op too.
+    """
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.disable_input_require_grads()
+            module.enable_input_require_grads = _skip_input_require_grads
+
+
+def layer_settings(model) -> dict[str, object]:
+    """``{layer name: use_reentrant}`` for every layer that checkpoints, as its checkpoint function will call it."""
+    settings = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
+            func = getattr(module, "_gradient_checkpointing_func", None)
+            settings[name] = func.keywords.get("use_reentrant") if isinstance(func, functools.partial) else None
+    return settings
+
+
+class CheckpointingPolicy(TrainerCallback):
+    """At train start, after transformers enabled checkpointing: drop the hook, and prove every layer got the setting."""
+
+    def __init__(self, use_reentrant: bool):
+        self.use_reentrant = use_reentrant
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None or not args.activation_checkpointing:
+            return
+        if not self.use_reentrant:
+            remove_input_require_grads_hooks(model)
+        settings = layer_settings(model)
+        wrong = sorted(name for name, value in settings.items() if value is not self.use_reentrant)
+        if not settings or wrong:
+            raise RuntimeError(
+                f"Gradient checkpointing should run with use_reentrant={self.use_reentrant}, but "
+                + (f"{len(wrong)} layers use another setting (e.g. {wrong[0]})." if wrong else "no layer checkpoints.")
+                + " Something overrode `activation_checkpointing_kwargs` after the trainer was built."
+            )
