@@ -1,6 +1,7 @@
 """Gradient checkpointing on CPU, 2-process ZeRO-3 + LoRA: none vs reentrant vs non-reentrant, in one run.
 
     python bench/checkpointing.py [--repeats 2] [--steps 8]
+    python bench/checkpointing.py --gpu_0p5b        # one GPU, single process, ~0.5B model in bf16
 
 Runs are interleaved (none, reentrant, non-reentrant, none, ...) and the median of the repeats is reported.
 Memory is rank 0's peak RSS growth during training (activations and their recomputation dominate it here).
@@ -19,10 +20,18 @@ from tests.harness import launch, write_accelerate_config  # noqa: E402
 MODES = ["none", "reentrant", "non-reentrant"]
 
 
+def run_single(worker, args):
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(worker), *args], capture_output=True, text=True, timeout=900)
+    return type("Run", (), {"returncode": done.returncode, "output": done.stdout + done.stderr})()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--gpu_0p5b", action="store_true", help="single-process GPU variant, ~0.5B parameters")
     cli = parser.parse_args()
 
     config = write_accelerate_config(Path(tempfile.mkdtemp(prefix="bench-gc-")), "zero3")
@@ -30,7 +39,8 @@ def main():
     results = {mode: [] for mode in MODES}
     for repeat in range(cli.repeats):
         for mode in MODES:
-            run = launch(worker, ["--mode", mode, "--steps", str(cli.steps)], config, timeout=900)
+            worker_args = ["--mode", mode, "--steps", str(cli.steps)] + (["--gpu_0p5b"] if cli.gpu_0p5b else [])
+            run = run_single(worker, worker_args) if cli.gpu_0p5b else launch(worker, worker_args, config, 900)
             lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
             if run.returncode != 0 or not lines:
                 sys.exit(f"{mode} run failed ({run.returncode}):\n{run.output[-3000:]}")
