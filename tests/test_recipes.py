@@ -7,13 +7,15 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from tests.harness import REPO, launch, write_accelerate_config
+from trl_ext.assets import default_model_path
+from trl_ext.verify import audit
 
 SHORT = ["--max_steps", "4", "--eval_steps", "2", "--logging_steps", "2", "--per_device_eval_batch_size", "64"]
 
 
 def run_recipe(name, *args):
     cmd = [sys.executable, f"recipes/{name}.py", "--config", f"recipes/configs/{name}.yaml", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
 
 
 @pytest.mark.parametrize("name", ["sft", "reward", "dpo"])
@@ -49,3 +51,5 @@ def test_dpo_recipe_under_zero3_with_lora(tmp_path):
     assert result.returncode == 0, result.output[-6000:]
     assert "gloo backend" in result.output
     assert (out / "adapter_config.json").exists()
+    report = audit(str(out), base=default_model_path())
+    assert report.ok, report.format()

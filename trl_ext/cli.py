@@ -30,11 +30,26 @@ def _model(_: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    """Audit a saved checkpoint (adapter or full model); exit 1 if it has problems."""
+    from .verify import audit
+
+    report = audit(args.path, base=args.base, num_labels=args.num_labels)
+    print(report.format())
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trl-ext", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("env", help=_env.__doc__).set_defaults(func=_env)
     commands.add_parser("model", help=_model.__doc__).set_defaults(func=_model)
+    verify = commands.add_parser("verify", help=_verify.__doc__, description=_verify.__doc__)
+    verify.add_argument("path", help="checkpoint directory (adapter or full model)")
+    verify.add_argument("--base", help="base model id or path: check that the adapter's shapes match it")
+    verify.add_argument("--num-labels", type=int, default=1,
+                        help="outputs a sequence-classification head must have (default 1: a reward model)")
+    verify.set_defaults(func=_verify)
     args = parser.parse_args(argv)
     return args.func(args)
 

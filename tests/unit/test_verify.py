@@ -1,0 +1,136 @@
+"""`trl-ext verify` on good checkpoints and on the broken ones from user reports (built here as fixtures)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import LoraConfig, TaskType, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+from trl_ext.cli import main as cli
+from trl_ext.verify import CheckpointError, audit, verify_or_raise
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+
+@pytest.fixture(scope="module")
+def good_adapter(tmp_path_factory, tiny_model_path):
+    path = tmp_path_factory.mktemp("ckpt") / "good_adapter"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), LoraConfig(**LORA))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def good_reward_adapter(tmp_path_factory, tiny_model_path):
+    path = tmp_path_factory.mktemp("ckpt") / "good_reward"
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    get_peft_model(base, LoraConfig(task_type=TaskType.SEQ_CLS, **LORA)).save_pretrained(path)
+    return path
+
+
+def _rewrite(src, dst, edit):
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "adapter_model.safetensors")
+    save_file(edit(weights), dst / "adapter_model.safetensors")
+    return dst
+
+
+def run_cli(capsys, *args):
+    code = cli(["verify", *map(str, args)])
+    return code, capsys.readouterr().out
+
+
+def test_good_checkpoints_pass(capsys, good_adapter, good_reward_adapter, tiny_model_path):
+    for path in (good_adapter, good_reward_adapter):
+        code, out = run_cli(capsys, path, "--base", tiny_model_path)
+        assert code == 0, out
+        assert "adapter checkpoint" in out and "OK" in out
+    code, out = run_cli(capsys, tiny_model_path)
+    assert code == 0 and "full checkpoint" in out
+
+
+def test_empty_zero3_placeholders(capsys, good_adapter, tmp_path):
+    broken = _rewrite(good_adapter, tmp_path / "empty",
+                      lambda w: {k: (torch.empty(0) if "lora_B" in k else v) for k, v in w.items()})
+    code, out = run_cli(capsys, broken)
+    assert code == 1
+    assert "4 empty tensors" in out and "lora_B.weight [0]" in out and "ZeRO-3 placeholders" in out
+    with pytest.raises(CheckpointError, match="empty tensors"):
+        verify_or_raise(str(broken))
+
+
+def test_adapter_name_in_keys(capsys, good_adapter, tmp_path):
+    broken = _rewrite(good_adapter, tmp_path / "named",
+                      lambda w: {k.replace(".weight", ".default.weight"): v for k, v in w.items()})
+    code, out = run_cli(capsys, broken)
+    assert code == 1 and "carry the adapter name '.default'" in out
+
+
+def test_lora_wrapped_reward_head(capsys, tmp_path, tiny_model_path):
+    """TRL 1.16 with target_modules='all-linear' and no task_type: only score.lora_A/B are saved."""
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    path = tmp_path / "lora_head"
+    get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(path)
+    code, out = run_cli(capsys, path)
+    assert code == 1 and "the head 'score' was LoRA-wrapped" in out and "modules_to_save" in out
+
+
+def test_reward_head_missing_or_wrong_size(capsys, good_reward_adapter, tmp_path, tiny_model_path):
+    missing = _rewrite(good_reward_adapter, tmp_path / "no_head",
+                       lambda w: {k: v for k, v in w.items() if ".score." not in k})
+    code, out = run_cli(capsys, missing)
+    assert code == 1 and "no head weights" in out
+
+    full = tmp_path / "two_labels"
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=2).save_pretrained(full)
+    code, out = run_cli(capsys, full)
+    assert code == 1 and "declares 2 labels" in out and "num_labels=1" in out
+    assert run_cli(capsys, full, "--num-labels", "2")[0] == 0
+
+
+def test_adapter_shapes_against_another_base(capsys, good_adapter, tmp_path, tiny_model_path):
+    other = tmp_path / "wider"
+    config = LlamaConfig.from_pretrained(tiny_model_path)
+    config.hidden_size, config.intermediate_size = 96, 192
+    LlamaForCausalLM(config).save_pretrained(other)
+    code, out = run_cli(capsys, good_adapter, "--base", other)
+    assert code == 1 and "do not match the base model" in out and "in_features" in out
+
+
+def test_corrupted_and_missing_files(capsys, good_adapter, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(good_adapter, corrupt)
+    data = (corrupt / "adapter_model.safetensors").read_bytes()
+    (corrupt / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    code, out = run_cli(capsys, corrupt)
+    assert code == 1 and "cannot be read as safetensors" in out
+
+    no_config = tmp_path / "no_config"
+    shutil.copytree(good_adapter, no_config)
+    (no_config / "adapter_config.json").unlink()
+    assert "adapter_config.json is missing" in run_cli(capsys, no_config)[1]
+
+    assert "no adapter_model.safetensors" in audit(str(tmp_path)).format()
+
+
+def test_sharded_index_with_missing_shard(capsys, tmp_path, tiny_model_path):
+    path = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_model_path).save_pretrained(path, max_shard_size="100KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    assert run_cli(capsys, path)[0] == 0
+    (path / shards[-1]).unlink()
+    code, out = run_cli(capsys, path)
+    assert code == 1 and "shards that do not exist" in out
+
+
+def test_nested_modules_to_save_are_found(capsys, tmp_path, tiny_model_path):
+    path = tmp_path / "embed"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    get_peft_model(model, LoraConfig(modules_to_save=["embed_tokens"], **LORA)).save_pretrained(path)
+    code, out = run_cli(capsys, path, "--base", tiny_model_path)
+    assert code == 0, out

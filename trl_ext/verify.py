@@ -1,0 +1,219 @@
+"""Audit a saved checkpoint (adapter or full model) from its safetensors headers, without loading the model.
+
+Catches the broken checkpoints users report after ZeRO-3 runs: empty ``[0]`` placeholder tensors, adapter keys that
+still carry the adapter name (``.default``), a reward head that was LoRA-wrapped instead of saved (``score.weight``
+missing) or has the wrong number of outputs, and an adapter whose shapes do not match its base model.
+Used by ``trl-ext verify PATH [--base MODEL]``.
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+FULL_WEIGHTS, FULL_INDEX = "model.safetensors", "model.safetensors.index.json"
+HEAD_NAMES = ("score", "classifier", "v_head")  # reward / classification heads across architectures
+VALUE_SAMPLES = 4  # tensors per file whose values are read (NaN/inf check); the rest is headers only
+
+
+@dataclass
+class Report:
+    path: str
+    kind: str = "unknown"  # "adapter" or "full"
+    num_tensors: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def format(self) -> str:
+        lines = [f"{self.path}: {self.kind} checkpoint, {self.num_tensors} tensors"]
+        lines += [f"  PROBLEM: {p}" for p in self.problems] or ["  OK: no problems found"]
+        return "\n".join(lines)
+
+
+class CheckpointError(RuntimeError):
+    """A saved checkpoint failed its audit."""
+
+
+def _headers(files: list[Path], report: Report) -> dict[str, tuple[list[int], str]]:
+    """{tensor name: (shape, dtype)} read from the safetensors headers; reads only a few tensors' values."""
+    tensors = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for i, name in enumerate(f.keys()):
+                    sl = f.get_slice(name)
+                    tensors[name] = (list(sl.get_shape()), sl.get_dtype())
+                    if i < VALUE_SAMPLES and math.prod(tensors[name][0]) > 0:
+                        value = f.get_tensor(name)
+                        if value.is_floating_point() and not torch.isfinite(value).all():
+                            report.problems.append(f"{name}: contains NaN or inf values")
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:  # a truncated or corrupted file
+            report.problems.append(f"{path.name}: cannot be read as safetensors ({exc})")
+    return tensors
+
+
+def _weight_files(root: Path, report: Report) -> list[Path]:
+    if (root / ADAPTER_WEIGHTS).exists():
+        report.kind = "adapter"
+        return [root / ADAPTER_WEIGHTS]
+    if (root / FULL_INDEX).exists():
+        report.kind = "full"
+        weight_map = json.loads((root / FULL_INDEX).read_text()).get("weight_map", {})
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (root / s).exists()]
+        if missing:
+            report.problems.append(f"index lists shards that do not exist: {', '.join(missing)}")
+        return [root / s for s in shards if (root / s).exists()]
+    if (root / FULL_WEIGHTS).exists():
+        report.kind = "full"
+        return [root / FULL_WEIGHTS]
+    report.problems.append(f"no {ADAPTER_WEIGHTS}, {FULL_WEIGHTS} or {FULL_INDEX} found")
+    return []
+
+
+def _strip_peft_prefix(name: str) -> str:
+    return name.removeprefix("base_model.model.")
+
+
+def _base_shapes(base: str, sequence_classification: bool, num_labels: int) -> dict[str, list[int]]:
+    """Parameter shapes of the base model, built on the meta device (no weights are loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(base)
+    auto = AutoModelForCausalLM
+    if sequence_classification:
+        config.num_labels, auto = num_labels, AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def _check_adapter(root: Path, tensors: dict, report: Report, base: str | None, num_labels: int) -> None:
+    config_path = root / "adapter_config.json"
+    if not config_path.exists():
+        report.problems.append("adapter_config.json is missing: PeftModel.from_pretrained cannot load this adapter")
+        return
+    config = json.loads(config_path.read_text())
+    named = sorted(n for n in tensors if ".default." in n or n.endswith(".default"))
+    if named:
+        report.problems.append(
+            f"{len(named)} keys carry the adapter name '.default' (e.g. {named[0]}); PEFT expects canonical keys "
+            "without it. Save with PeftModel.save_pretrained or peft.get_peft_model_state_dict."
+        )
+    modules_to_save = set(config.get("modules_to_save") or [])
+    is_seq_cls = config.get("task_type") == "SEQ_CLS"
+    for head in HEAD_NAMES:
+        lora_keys = [n for n in tensors if f".{head}.lora_" in n or n.startswith(f"{head}.lora_")]
+        full_keys = [n for n in tensors if _strip_peft_prefix(n).split(".")[0] == head and "lora_" not in n]
+        if lora_keys and not full_keys:
+            report.problems.append(
+                f"the head '{head}' was LoRA-wrapped and its own weights ({head}.weight) were not saved: it will "
+                f"load randomly initialised. Train it through modules_to_save=['{head}'] (task_type='SEQ_CLS')."
+            )
+        elif is_seq_cls and full_keys:
+            for name in full_keys:
+                if name.endswith("weight") and tensors[name][0] and tensors[name][0][0] != num_labels:
+                    report.problems.append(
+                        f"{name}: head has {tensors[name][0][0]} outputs, expected num_labels={num_labels}"
+                    )
+    if is_seq_cls and not any(_strip_peft_prefix(n).split(".")[0] in HEAD_NAMES for n in tensors):
+        report.problems.append(
+            "task_type is SEQ_CLS but no head weights (score/classifier) were saved; add the head to modules_to_save"
+        )
+    # PEFT lists candidate names (SEQ_CLS adds both "classifier" and "score"); only those the base has must be saved.
+    full_keys = ["." + _strip_peft_prefix(n) for n in tensors if "lora_" not in n]
+
+    def has(module: str, keys) -> bool:
+        return any(f".{module}." in key for key in keys)
+
+    base_shapes = _base_shapes(base, is_seq_cls, num_labels) if base is not None else None
+    if base_shapes is not None:
+        in_base = ["." + name for name in base_shapes]
+        unsaved = sorted(m for m in modules_to_save if has(m, in_base) and not has(m, full_keys))
+    elif not any(has(m, full_keys) for m in modules_to_save):
+        unsaved = sorted(modules_to_save)
+    else:
+        unsaved = []
+    for module in unsaved:
+        report.problems.append(f"modules_to_save lists '{module}' but none of its weights were saved")
+    if base_shapes is not None:
+        _check_against_base(tensors, base_shapes, report, adapter=True)
+
+
+def _check_against_base(tensors: dict, base_shapes: dict, report: Report, adapter: bool) -> None:
+    mismatched = []
+    for name, (shape, _) in tensors.items():
+        key = _strip_peft_prefix(name)
+        if adapter and ".lora_" in key:
+            module, rest = key.split(".lora_", 1)
+            base_weight = base_shapes.get(f"{module}.weight")
+            if base_weight is None:
+                mismatched.append(f"{name} targets '{module}', which the base model does not have")
+            elif rest.startswith("A") and shape[-1:] != base_weight[-1:]:
+                mismatched.append(f"{name} {shape} expects in_features {shape[-1]}, base has {base_weight[-1]}")
+            elif rest.startswith("B") and shape[:1] != base_weight[:1]:
+                mismatched.append(f"{name} {shape} expects out_features {shape[0]}, base has {base_weight[0]}")
+        elif key in base_shapes and base_shapes[key] != shape:
+            mismatched.append(f"{name} has shape {shape}, base has {base_shapes[key]}")
+    if mismatched:
+        report.problems.append(
+            f"{len(mismatched)} tensors do not match the base model: " + "; ".join(mismatched[:3])
+            + (" ..." if len(mismatched) > 3 else "")
+        )
+
+
+def _check_full(root: Path, tensors: dict, report: Report, base: str | None, num_labels: int) -> None:
+    config_path = root / "config.json"
+    if not config_path.exists():
+        report.problems.append("config.json is missing: from_pretrained cannot load this model")
+        return
+    config = json.loads(config_path.read_text())
+    is_seq_cls = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    if is_seq_cls:
+        labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        if labels != num_labels:
+            report.problems.append(
+                f"config declares {labels} labels; a reward model needs num_labels={num_labels} "
+                "(otherwise it reloads with a head of the wrong size)"
+            )
+        heads = [n for n in tensors if n.split(".")[0] in HEAD_NAMES]
+        if not heads:
+            report.problems.append("a sequence-classification model without head weights (score.weight missing)")
+    if base is not None:
+        _check_against_base(tensors, _base_shapes(base, is_seq_cls, num_labels), report, adapter=False)
+
+
+def audit(path: str, base: str | None = None, num_labels: int = 1) -> Report:
+    """Audit the checkpoint at ``path``. ``base``: a model id/path to check shapes against."""
+    root = Path(path)
+    report = Report(str(path))
+    if not root.is_dir():
+        report.problems.append("not a directory")
+        return report
+    tensors = _headers(_weight_files(root, report), report)
+    report.num_tensors = len(tensors)
+    empty = sorted(n for n, (shape, _) in tensors.items() if math.prod(shape) == 0)
+    if empty:
+        report.problems.append(
+            f"{len(empty)} empty tensors (e.g. {empty[0]} {tensors[empty[0]][0]}): ZeRO-3 placeholders saved without "
+            "gathering the parameters first: " + ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else "")
+        )
+    if report.kind == "adapter":
+        _check_adapter(root, tensors, report, base, num_labels)
+    elif report.kind == "full":
+        _check_full(root, tensors, report, base, num_labels)
+    return report
+
+
+def verify_or_raise(path: str, **kwargs) -> Report:
+    report = audit(path, **kwargs)
+    if not report.ok:
+        raise CheckpointError(report.format())
+    return report
