@@ -109,16 +109,21 @@ def _check_adapter(root: Path, tensors: dict, report: Report, base: str | None, 
         )
     modules_to_save = set(config.get("modules_to_save") or [])
     is_seq_cls = config.get("task_type") == "SEQ_CLS"
+    # Dotted, PEFT-prefix-free names of the fully saved (non-LoRA) tensors: ".score.weight", ".model.norm.weight".
+    saved = {"." + _strip_peft_prefix(n): n for n in tensors if "lora_" not in n}
+
+    def has(module: str, dotted_names) -> bool:
+        return any(f".{module}." in name for name in dotted_names)
+
     for head in HEAD_NAMES:
-        lora_keys = [n for n in tensors if f".{head}.lora_" in n or n.startswith(f"{head}.lora_")]
-        full_keys = [n for n in tensors if _strip_peft_prefix(n).split(".")[0] == head and "lora_" not in n]
-        if lora_keys and not full_keys:
+        head_keys = [n for dotted, n in saved.items() if dotted.startswith(f".{head}.")]
+        if not head_keys and any(f".{head}.lora_" in "." + n for n in tensors):
             report.problems.append(
                 f"the head '{head}' was LoRA-wrapped and its own weights ({head}.weight) were not saved: it will "
                 f"load randomly initialised. Train it through modules_to_save=['{head}'] (task_type='SEQ_CLS')."
             )
-        elif is_seq_cls and full_keys:
-            for name in full_keys:
+        elif is_seq_cls:
+            for name in head_keys:
                 if name.endswith("weight") and tensors[name][0] and tensors[name][0][0] != num_labels:
                     report.problems.append(
                         f"{name}: head has {tensors[name][0][0]} outputs, expected num_labels={num_labels}"
@@ -128,16 +133,11 @@ def _check_adapter(root: Path, tensors: dict, report: Report, base: str | None, 
             "task_type is SEQ_CLS but no head weights (score/classifier) were saved; add the head to modules_to_save"
         )
     # PEFT lists candidate names (SEQ_CLS adds both "classifier" and "score"); only those the base has must be saved.
-    full_keys = ["." + _strip_peft_prefix(n) for n in tensors if "lora_" not in n]
-
-    def has(module: str, keys) -> bool:
-        return any(f".{module}." in key for key in keys)
-
     base_shapes = _base_shapes(base, is_seq_cls, num_labels) if base is not None else None
     if base_shapes is not None:
         in_base = ["." + name for name in base_shapes]
-        unsaved = sorted(m for m in modules_to_save if has(m, in_base) and not has(m, full_keys))
-    elif not any(has(m, full_keys) for m in modules_to_save):
+        unsaved = sorted(m for m in modules_to_save if has(m, in_base) and not has(m, saved))
+    elif not any(has(m, saved) for m in modules_to_save):
         unsaved = sorted(modules_to_save)
     else:
         unsaved = []
