@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS, FULL_INDEX = "model.safetensors", "model.safetensors.index.json"
 HEAD_NAMES = ("score", "classifier", "v_head")  # reward / classification heads across architectures
-VALUE_SAMPLES = 4  # tensors per file whose values are read (NaN/inf check); the rest is headers only
+VALUE_SAMPLES = 4  # tensors per file whose leading values are read (NaN/inf check); the rest is headers only
 
 
 @dataclass
@@ -41,6 +41,14 @@ class CheckpointError(RuntimeError):
     """A saved checkpoint failed its audit."""
 
 
+def _sample(sl, shape: list[int], elements: int = 16384) -> torch.Tensor:
+    """The leading values of a tensor (whole rows), without reading the rest of it."""
+    if not shape:
+        return sl[...]
+    rows = max(1, elements // max(1, math.prod(shape[1:])))
+    return sl[:rows]
+
+
 def _headers(files: list[Path], report: Report) -> dict[str, tuple[list[int], str]]:
     """{tensor name: (shape, dtype)} read from the safetensors headers; reads only a few tensors' values."""
     tensors = {}
@@ -51,7 +59,7 @@ def _headers(files: list[Path], report: Report) -> dict[str, tuple[list[int], st
                     sl = f.get_slice(name)
                     tensors[name] = (list(sl.get_shape()), sl.get_dtype())
                     if i < VALUE_SAMPLES and math.prod(tensors[name][0]) > 0:
-                        value = f.get_tensor(name)
+                        value = _sample(sl, tensors[name][0])
                         if value.is_floating_point() and not torch.isfinite(value).all():
                             report.problems.append(f"{name}: contains NaN or inf values")
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:  # a truncated or corrupted file
@@ -210,6 +218,58 @@ def audit(path: str, base: str | None = None, num_labels: int = 1) -> Report:
     elif report.kind == "full":
         _check_full(root, tensors, report, base, num_labels)
     return report
+
+
+def check_against_plan(path: str, plan: dict, checksums: dict[str, dict[str, int]]) -> list[str]:
+    """Compare files just written with what was meant to be written: every planned tensor present, with its full
+    shape and dtype, nothing extra, and each tensor's first bytes unchanged. Headers plus a few KiB per tensor."""
+    import zlib
+
+    from .shards import DTYPE_CODES, read_prefixes
+
+    problems = []
+    for filename, specs in plan.items():
+        file = Path(path) / filename
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                found = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}  # noqa: SIM118 - not iterable
+            sums = {n: crc for n, crc in checksums.get(filename, {}).items() if n in found}
+            prefixes = read_prefixes(file, sums)
+            changed = [n for n, crc in sums.items() if zlib.crc32(prefixes[n]) != crc]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            problems.append(f"{filename}: cannot be read back ({exc})")
+            continue
+        expected = {s.name: (s.shape, DTYPE_CODES[s.dtype]) for s in specs}
+        missing = sorted(set(expected) - set(found))
+        extra = sorted(set(found) - set(expected))
+        wrong = sorted(n for n in set(expected) & set(found) if found[n] != expected[n])
+        if missing:
+            problems.append(f"{filename}: {len(missing)} tensors missing, e.g. {missing[0]}")
+        if extra:
+            problems.append(f"{filename}: {len(extra)} unexpected tensors, e.g. {extra[0]}")
+        for name in wrong[:5]:
+            problems.append(f"{name}: written {found[name]}, trained {expected[name]}")
+        if changed:
+            problems.append(f"{filename}: bytes differ from the trained values for {', '.join(changed)}")
+    return problems
+
+
+def check_adapter_config(path: str, trained) -> list[str]:
+    """``adapter_config.json`` must describe the adapter that was trained (``trained``: its PEFT config)."""
+    config_path = Path(path) / "adapter_config.json"
+    if not config_path.exists():
+        return ["adapter_config.json was not written"]
+    written = json.loads(config_path.read_text())
+    problems = []
+    for key in ("peft_type", "task_type", "target_modules", "modules_to_save", "r", "lora_alpha"):
+        want = getattr(trained, key, None)
+        want = getattr(want, "value", want)  # enums (PeftType, TaskType) are written as strings
+        have = written.get(key)
+        if isinstance(want, (set, list, tuple)) or isinstance(have, list):
+            want, have = sorted(want or []), sorted(have or [])
+        if want != have:
+            problems.append(f"adapter_config.json: {key} is {have!r}, the trained adapter has {want!r}")
+    return problems
 
 
 def verify_or_raise(path: str, **kwargs) -> Report:

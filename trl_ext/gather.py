@@ -1,0 +1,145 @@
+"""Read a model's full tensors for saving, gathering ZeRO-3 partitions on the way, with bounded memory.
+
+Under ZeRO-3 each rank holds a slice of every parameter (``param.ds_tensor``: the flattened parameter cut into equal,
+zero-padded parts, rank ``r`` holding part ``r``) and an empty ``(0,)`` placeholder in ``param.data``; the full
+shape is ``param.ds_shape``. ``stream`` sends each parameter's parts to the writing rank in chunks, in rank order,
+so the writer never holds more than one chunk of a parameter, whatever its size. Parameters whose parts are not
+plain tensors in memory (NVMe offload, quantized weights, partition groups smaller than the world) are gathered
+whole with DeepSpeed's ``GatheredParameters``, one module at a time.
+"""
+
+import contextlib
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+CHUNK_BYTES = 16 * 2**20  # per message; the writer holds at most one of these per rank it receives from
+
+
+class Sink(Protocol):
+    def begin(self, name: str): ...
+    def append(self, piece: torch.Tensor) -> None: ...
+    def end(self) -> None: ...
+
+
+def is_partitioned(tensor: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter (whether or not it is currently gathered)."""
+    return hasattr(tensor, "ds_id")
+
+
+def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.ds_shape) if is_partitioned(tensor) else tuple(tensor.shape)
+
+
+def has_partitioned_params(model: torch.nn.Module) -> bool:
+    """True if some parameter is currently a ZeRO-3 placeholder (saving it as-is would write empty tensors)."""
+    return any(is_partitioned(p) and p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict`` names mapped to the live parameters and buffers (not detached copies), tied weights once."""
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # tied weights (lm_head = embed_tokens): keep the first name, as from_pretrained expects
+            continue
+        seen.add(id(tensor))
+        tensors[name] = tensor
+    return tensors
+
+
+def _streamable(param, world: int) -> bool:
+    part = getattr(param, "ds_tensor", None)
+    return (
+        part is not None
+        and getattr(part, "final_location", None) is None  # not swapped out to NVMe
+        and not hasattr(part, "ds_quant_scale")  # not quantized
+        and dist.get_world_size(param.ds_process_group) == world  # parts are numbered by global rank
+    )
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def _stream_partitions(param, sink: Sink | None, writer: int, device: torch.device) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part = param.ds_tensor.data.reshape(-1)
+    size = part.numel()
+    chunk = max(1, CHUNK_BYTES // part.element_size())
+    for r in range(world):
+        owned = max(0, min(size, param.ds_numel - r * size))  # the last parts carry padding, not weights
+        for start in range(0, owned, chunk):
+            n = min(chunk, owned - start)
+            if r == writer:
+                if sink is not None:
+                    sink.append(part[start : start + n])
+            elif rank == r:
+                dist.send(part[start : start + n].to(device), dst=writer)
+            elif rank == writer:
+                received = torch.empty(n, dtype=part.dtype, device=device)
+                dist.recv(received, src=r)
+                if sink is not None:
+                    sink.append(received)
+
+
+@contextlib.contextmanager
+def _gathered(tensors: list[torch.Tensor]):
+    params = [t for t in tensors if is_partitioned(t)]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
+def _write_whole(named, sink: Sink | None) -> None:
+    if sink is not None:
+        for name, tensor in named:
+            sink.begin(name)
+            sink.append(tensor)
+            sink.end()
+
+
+def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective: bool, writer: int | None) -> None:
+    """Feed each tensor's full contents to ``sink``, in order: ``begin(name)``, ``append(piece)``..., ``end()``.
+
+    Call on every rank. ``sink``: None on ranks that do not write. ``collective``: the model is ZeRO-3 partitioned,
+    so every rank takes part. ``writer``: the one writing rank, or None when several ranks write (each then gathers
+    whole parameters, one module at a time).
+    """
+    if not collective:
+        _write_whole(named, sink)
+        return
+    world = dist.get_world_size()
+    device = _comm_device()
+    with torch.no_grad():
+        group: list[tuple[str, torch.Tensor]] = []  # consecutive tensors of one module to gather whole
+        for item in [*named, None]:
+            if item is not None and is_partitioned(item[1]) and writer is not None and _streamable(item[1], world):
+                _gather_and_write(group, sink)
+                group = []
+                name, param = item
+                if sink is not None:
+                    sink.begin(name)
+                _stream_partitions(param, sink, writer, device)
+                if sink is not None:
+                    sink.end()
+                continue
+            if group and (item is None or item[0].rpartition(".")[0] != group[0][0].rpartition(".")[0]):
+                _gather_and_write(group, sink)
+                group = []
+            if item is not None:
+                group.append(item)
+
+
+def _gather_and_write(group: list[tuple[str, torch.Tensor]], sink: Sink | None) -> None:
+    if group:
+        with _gathered([t for _, t in group]):
+            _write_whole(group, sink)

@@ -1,0 +1,344 @@
+"""The one save path: gather under ZeRO (module by module), stream safetensors shards, verify, commit atomically.
+
+Used by the trainers for the final save and for every intermediate checkpoint. It does not depend on
+``stage3_gather_16bit_weights_on_model_save`` nor on the transformers version: the ZeRO-3 partitions are gathered
+here, one module at a time, and streamed to disk by one writer (``shards.ShardStreamWriter``), so the writing rank
+never holds the whole model. The files are written into a hidden directory beside the target, re-opened and checked
+(``verify``), and only then renamed into place; every rank learns the outcome, so a failure never hangs the job.
+"""
+
+import contextlib
+import copy
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import gather, verify
+from .shards import ShardStreamWriter, TensorSpec, index_json, plan_shards
+
+logger = logging.getLogger("trl_ext")
+
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
+PARTIAL_SUFFIX = ".trl_ext-partial"  # staging directories; never matched by checkpoint-N detection
+PREVIOUS_SUFFIX = ".trl_ext-previous"  # a replaced checkpoint, removed once the new one is in place
+# Files from_pretrained opens first: moved into place last, so an interrupted commit never looks complete.
+ENTRY_POINTS = ("model.safetensors.index.json", "model.safetensors", "adapter_model.safetensors")
+_WEIGHTS_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
+
+
+@dataclass
+class _WeightSet:
+    """One directory's weights: the adapter (PEFT) or the full model, in gathering order."""
+
+    subdir: str
+    tensors: list[tuple[str, torch.Tensor]]
+    plan: dict[str, list[TensorSpec]]
+    peft_config: object = None
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _adapter_weight_sets(model) -> list[_WeightSet]:
+    """PEFT's own key mapping (``get_peft_model_state_dict``) applied to the live tensors: canonical keys, no adapter
+    name, ``modules_to_save`` under the plain module name. One set per adapter, laid out as PEFT does."""
+    from peft import get_peft_model_state_dict
+
+    live = model.state_dict(keep_vars=True)
+    sets = []
+    for adapter, config in model.peft_config.items():
+        mapped = get_peft_model_state_dict(model, state_dict=live, adapter_name=adapter)
+        tensors = list(mapped.items())
+        specs = [TensorSpec(n, gather.full_shape(t), t.dtype) for n, t in tensors]
+        plan = plan_shards(specs, float("inf"), prefix="adapter_model")  # PEFT loads a single adapter file
+        sets.append(_WeightSet("" if adapter == "default" else adapter, tensors, plan, config))
+    return sets
+
+
+def _full_weight_set(model, max_shard_size) -> _WeightSet:
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
+    tensors = [(n, t) for n, t in gather.state_tensors(model).items() if n not in ignored]
+    specs = [TensorSpec(n, gather.full_shape(t), t.dtype) for n, t in tensors]
+    return _WeightSet("", tensors, plan_shards(specs, max_shard_size))
+
+
+def _write_metadata(model, directory: Path, weight_sets, processing_class, training_args) -> None:
+    """What ``from_pretrained`` needs beside the weights: configs, index, tokenizer, as save_pretrained writes them."""
+    import json
+
+    for ws in weight_sets:
+        target = directory / ws.subdir
+        if len(ws.plan) > 1:
+            (target / "model.safetensors.index.json").write_text(json.dumps(index_json(ws.plan), indent=2))
+        if ws.peft_config is not None:
+            config = copy.deepcopy(ws.peft_config)
+            base = model.get_base_model()
+            config.base_model_name_or_path = config.base_model_name_or_path or getattr(base, "name_or_path", None)
+            config.inference_mode = True
+            auto_mapping = None
+            if config.task_type is None:  # lets AutoPeftModel find the base class, as PEFT records it
+                auto_mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
+            config.save_pretrained(str(target), auto_mapping_dict=auto_mapping)
+    if is_peft_model(model):
+        with contextlib.suppress(Exception):  # the model card is a nicety; never fail a save over it
+            model.create_or_update_model_card(str(directory))
+    else:
+        config = copy.deepcopy(model.config)
+        config.architectures = [type(model).__name__]
+        config.dtype = str(model.dtype).split(".")[1]
+        config.save_pretrained(str(directory))
+        if model.can_generate() and model.generation_config is not None:
+            model.generation_config.save_pretrained(str(directory))
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(str(directory))
+    if training_args is not None:
+        torch.save(training_args, directory / "training_args.bin")
+
+
+def _verify(model, directory: Path, weight_sets, checksums) -> list[str]:
+    config = model.get_base_model().config if is_peft_model(model) else model.config
+    num_labels = getattr(config, "num_labels", 1)
+    problems = []
+    for ws, sums in zip(weight_sets, checksums):
+        target = directory / ws.subdir
+        problems += verify.check_against_plan(str(target), ws.plan, sums)
+        if ws.peft_config is not None:
+            problems += verify.check_adapter_config(str(target), ws.peft_config)
+        problems += verify.audit(str(target), num_labels=num_labels).problems
+    return problems
+
+
+class _Guarded:
+    """Passes tensors to the writer until it fails once; then only records why. The writing rank must keep taking
+    part in the collective transfers after a local failure (disk full, say), or the other ranks would hang."""
+
+    def __init__(self, writer: ShardStreamWriter, error: str | None):
+        self.writer, self.error = writer, error
+
+    def _call(self, method, *args):
+        if self.error is None:
+            try:
+                getattr(self.writer, method)(*args)
+            except (OSError, ValueError) as exc:
+                self.error = f"writing {self.writer.directory}: {exc}"
+
+    def begin(self, name):
+        self._call("begin", name)
+
+    def append(self, piece):
+        self._call("append", piece)
+
+    def end(self):
+        self._call("end")
+
+
+def _ranks_where(flag: bool) -> list[int]:
+    if not _distributed():
+        return [0] if flag else []
+    flags = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(flags, flag)
+    return [rank for rank, f in enumerate(flags) if f]
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _agree(error: str | None) -> list[str]:
+    """Every rank's error (None if fine), on every rank."""
+    if not _distributed():
+        return [error] if error else []
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, error)
+    return [e for e in everyone if e]
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def commit(staging: Path, target: Path) -> None:
+    """Move a fully written and verified ``staging`` directory to ``target``.
+
+    A missing or empty target is replaced by one atomic rename. A directory that already holds other things (an
+    output_dir with checkpoint-N folders, say) receives the files one rename each: the previous model's files are
+    first moved aside into ``.trl_ext-previous``, and the entry point (index or weights file) comes last, so an
+    interruption never leaves a directory that looks complete but mixes two saves.
+    """
+    if target.is_dir() and not any(target.iterdir()):
+        target.rmdir()
+    if not target.exists():
+        staging.rename(target)
+        _fsync_dir(target.parent)
+        return
+    aside = target / PREVIOUS_SUFFIX
+    shutil.rmtree(aside, ignore_errors=True)
+    aside.mkdir()
+    new = sorted(os.listdir(staging))
+    for name in os.listdir(target):
+        if name != aside.name and (name in new or _WEIGHTS_FILE.match(name)):
+            (target / name).rename(aside / name)
+    for name in sorted(new, key=lambda n: n in ENTRY_POINTS):
+        (staging / name).rename(target / name)
+    _fsync_dir(target)
+    staging.rmdir()
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def replace_dir(staging: Path, target: Path) -> None:
+    """Put directory ``staging`` at ``target``, replacing an existing directory there (a re-saved checkpoint-N)."""
+    aside = target.with_name(f".{target.name}{PREVIOUS_SUFFIX}")
+    shutil.rmtree(aside, ignore_errors=True)
+    if target.exists():
+        target.rename(aside)
+    staging.rename(target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def save(model, output_dir: str, *, processing_class=None, training_args=None,
+         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool | None = None) -> None:
+    """Save ``model`` (a transformers model or a PEFT model, possibly ZeRO-3 partitioned) to ``output_dir``.
+
+    Call it on every rank. PEFT models are written as the adapter only (``adapter_model.safetensors`` +
+    ``adapter_config.json``); other models as sharded safetensors with an index. Raises ``verify.CheckpointError`` on
+    every rank if any rank failed to write or the written files do not match the model.
+    """
+    if is_writer is None:
+        is_writer = training_args.should_save if training_args is not None else (
+            not _distributed() or torch.distributed.get_rank() == 0)
+    # Partitioned parameters need every rank at every gather; whole ones are read by the writer alone.
+    collective = any(gather.is_partitioned(p) for p in model.parameters())
+    weight_sets = _adapter_weight_sets(model) if is_peft_model(model) else [_full_weight_set(model, max_shard_size)]
+    target = Path(output_dir).absolute()
+    staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
+    error, checksums, started = None, [], time.monotonic()
+
+    if is_writer:
+        try:
+            shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted save
+            for ws in weight_sets:
+                (staging / ws.subdir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = f"cannot create {staging}: {exc}"
+        total = sum(s.nbytes for ws in weight_sets for specs in ws.plan.values() for s in specs)
+        logger.info(f"[trl_ext] saving {total / 2**20:.1f} MiB to {target}")
+    writers = _ranks_where(is_writer)
+    for ws in weight_sets:
+        writer = ShardStreamWriter(staging / ws.subdir, ws.plan) if is_writer else None
+        sink = _Guarded(writer, error) if writer is not None else None
+        gather.stream(ws.tensors, sink, collective, writers[0] if len(writers) == 1 else None)
+        if sink is not None:
+            error = sink.error
+            if error is None:
+                try:
+                    writer.close()
+                except (OSError, ValueError) as exc:
+                    error = str(exc)
+            else:
+                writer.abort()
+        checksums.append(writer.checksums if writer is not None else {})
+
+    keep_staging = False  # files that failed verification are kept for inspection
+    if is_writer and error is None:
+        try:
+            _write_metadata(model, staging, weight_sets, processing_class, training_args)
+            problems = _verify(model, staging, weight_sets, checksums)
+            if problems:
+                keep_staging = True
+                error = (f"the checkpoint for {target} failed verification; nothing was committed and the previous "
+                         f"contents are untouched. The files are kept in {staging} for inspection.\n  "
+                         + "\n  ".join(problems))
+        except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+            error = f"writing the configuration files: {type(exc).__name__}: {exc}"
+    if is_writer and error is not None and not keep_staging:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    failures = _agree(error)
+    if failures:
+        raise verify.CheckpointError("saving failed: " + "\n".join(dict.fromkeys(failures)))
+    if is_writer:
+        commit(staging, target)
+        logger.info(f"[trl_ext] saved and verified {target} in {time.monotonic() - started:.1f}s")
+    if _distributed():
+        torch.distributed.barrier()  # nobody reads the checkpoint before it is in place
+
+
+def supports(model) -> bool:
+    """Models this save path writes: transformers models and PEFT models around them."""
+    from transformers import PreTrainedModel
+
+    return is_peft_model(model) or isinstance(model, PreTrainedModel)
+
+
+def guard_save_pretrained(model) -> None:
+    """Make ``model.save_pretrained(dir)`` refuse, with the fix, while its parameters are ZeRO-3 placeholders.
+
+    A plain ``save_pretrained`` would write the empty ``(0,)`` shards silently. Calls that pass their own
+    ``state_dict`` (what Trainer does internally) are left alone.
+    """
+    models = [model, model.get_base_model()] if is_peft_model(model) else [model]
+    for target in models:
+        original = target.save_pretrained
+
+        def guarded(save_directory, *args, _original=original, _model=target, **kwargs):
+            if kwargs.get("state_dict") is None and gather.has_partitioned_params(_model):
+                raise RuntimeError(
+                    f"{type(_model).__name__}.save_pretrained() cannot save a DeepSpeed ZeRO-3 model: each rank holds "
+                    "only a slice of every parameter, so the file would contain empty torch.Size([0]) tensors. Call "
+                    "trainer.save_model(output_dir) on every rank instead (it gathers the weights, writes them from "
+                    "one rank and verifies the result), or trl_ext.saving.save(model, output_dir) on every rank."
+                )
+            return _original(save_directory, *args, **kwargs)
+
+        target.save_pretrained = guarded
+
+
+class StagedCheckpoint:
+    """Runs a Trainer checkpoint save into a hidden directory and renames it to ``checkpoint-N`` only when complete.
+
+    Everything the Trainer writes (weights, optimizer and scheduler, RNG states of every rank, trainer state) lands in
+    ``<run_dir>/.checkpoint-N.trl_ext-partial/checkpoint-N`` first. A crash or kill mid-save leaves only that hidden
+    directory, which ``get_last_checkpoint`` and ``resume_from_checkpoint=True`` never pick.
+    """
+
+    def __init__(self, run_dir: str, name: str, is_writer: bool, barrier):
+        self.run_dir, self.name, self.is_writer, self.barrier = Path(run_dir), name, is_writer, barrier
+        self.staging_run_dir = self.run_dir / f".{name}{PARTIAL_SUFFIX}"
+        self.final = self.run_dir / name
+
+    def __enter__(self) -> "StagedCheckpoint":
+        if self.is_writer:
+            for stale in self.run_dir.glob(f".checkpoint-*{PARTIAL_SUFFIX}"):  # from interrupted saves
+                shutil.rmtree(stale, ignore_errors=True)
+            self.staging_run_dir.mkdir(parents=True)
+        self.barrier()
+        return self
+
+    def staged_path(self, path: str | None) -> bool:
+        return bool(path) and Path(path).absolute().is_relative_to(self.staging_run_dir.absolute())
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            return  # the staging directory stays hidden; the next save removes it
+        self.barrier()  # every rank has written its files (RNG state, optimizer shards)
+        if self.is_writer:
+            replace_dir(self.staging_run_dir / self.name, self.final)
+            self.staging_run_dir.rmdir()
+        self.barrier()

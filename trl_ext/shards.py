@@ -1,0 +1,206 @@
+"""Stream tensors into safetensors shards: plan the files from shapes alone, then write each tensor as it arrives.
+
+Because every tensor's name, shape and dtype are known before any weight is gathered (``ds_shape`` under ZeRO-3),
+each shard's header is written first and the tensors' bytes follow one by one. The writer never holds more than
+the tensor it is given: no shard buffer, no consolidated state dict. The files are plain safetensors
+(https://github.com/huggingface/safetensors#format), read by ``safe_open`` and ``from_pretrained``.
+"""
+
+import json
+import math
+import os
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+CHECKSUM_BYTES = 64 * 1024  # each tensor's first bytes are checksummed, so verification re-reads a little of each
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def parse_size(size: float | str) -> int | float:
+    """``5GB``, ``500MB``, ``2GiB`` or a number of bytes."""
+    if isinstance(size, (int, float)):
+        return size
+    text = size.strip().upper()
+    for unit, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
+                         ("KB", 10**3), ("B", 1)):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_size: int | str, prefix: str = "model") -> dict[str, list[TensorSpec]]:
+    """Split ``specs`` (kept in order) into files of at most ``max_shard_size`` bytes; a bigger tensor gets its own.
+
+    File names follow transformers: ``model.safetensors`` for one file, ``model-00001-of-00003.safetensors`` else.
+    """
+    limit = parse_size(max_shard_size)
+    groups: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if groups[-1] and size + spec.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += spec.nbytes
+    if len(groups) == 1:
+        return {f"{prefix}.safetensors": groups[0]}
+    n = len(groups)
+    return {f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors": group for i, group in enumerate(groups)}
+
+
+def index_json(plan: dict[str, list[TensorSpec]], metadata: dict | None = None) -> dict:
+    """The ``model.safetensors.index.json`` content for a multi-file plan."""
+    total = sum(spec.nbytes for specs in plan.values() for spec in specs)
+    return {
+        "metadata": {"total_size": total, **(metadata or {})},
+        "weight_map": {spec.name: filename for filename, specs in plan.items() for spec in specs},
+    }
+
+
+def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
+    entries, offset = {"__metadata__": metadata}, 0
+    for spec in specs:
+        entries[spec.name] = {"dtype": DTYPE_CODES[spec.dtype], "shape": list(spec.shape),
+                              "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class ShardStreamWriter:
+    """Writes the planned files in order; ``write`` must receive the tensors in plan order.
+
+    ``checksums`` maps file name -> {tensor name: crc32 of its first ``CHECKSUM_BYTES``}, for the post-save check
+    that re-reads them. Each finished file is fsynced in a background thread while the next one is being written;
+    ``close`` waits for all of them.
+    """
+
+    def __init__(self, directory: str | Path, plan: dict[str, list[TensorSpec]], metadata: dict | None = None):
+        self.directory = Path(directory)
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._queue = [(filename, spec) for filename, specs in plan.items() for spec in specs]
+        self._plan = plan
+        self._position = 0
+        self._file = None
+        self._filename = None
+        self._syncing: list[threading.Thread] = []
+        self._sync_errors: list[OSError] = []
+        self.checksums: dict[str, dict[str, int]] = {filename: {} for filename in plan}
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one whole tensor."""
+        spec = self.begin(name)
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"{name}: got shape {tuple(tensor.shape)}, planned {spec.shape} "
+                "(an ungathered ZeRO-3 placeholder has shape (0,))"
+            )
+        self.append(tensor)
+        self.end()
+
+    def begin(self, name: str) -> TensorSpec:
+        """Start the next planned tensor; its bytes then arrive through ``append``, in order, and ``end`` closes it."""
+        if self._position >= len(self._queue):
+            raise ValueError(f"{name}: more tensors than planned")
+        filename, spec = self._queue[self._position]
+        if name != spec.name:
+            raise ValueError(f"tensors arrive out of plan order: got {name}, expected {spec.name}")
+        if filename != self._filename:
+            self._close_file()
+            self._file = open(self.directory / filename, "wb")
+            self._filename = filename
+            self._file.write(_header(self._plan[filename], self.metadata))
+        self._written, self._crc = 0, 0
+        return spec
+
+    def append(self, piece: torch.Tensor) -> None:
+        """Append the next part of the current tensor (flattened, row-major), e.g. one ZeRO-3 partition chunk."""
+        spec = self._queue[self._position][1]
+        if piece.dtype != spec.dtype:
+            raise ValueError(f"{spec.name}: got {piece.dtype}, planned {spec.dtype}")
+        data = memoryview(piece.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+        if self._written + len(data) > spec.nbytes:
+            raise ValueError(f"{spec.name}: more bytes than its planned shape {spec.shape}")
+        self._file.write(data)
+        if self._written < CHECKSUM_BYTES:
+            self._crc = zlib.crc32(data[: CHECKSUM_BYTES - self._written], self._crc)
+        self._written += len(data)
+
+    def end(self) -> None:
+        filename, spec = self._queue[self._position]
+        if self._written != spec.nbytes:
+            raise ValueError(
+                f"{spec.name}: {self._written} bytes written, its shape {spec.shape} needs {spec.nbytes} "
+                "(an ungathered ZeRO-3 placeholder has shape (0,))"
+            )
+        self.checksums[filename][spec.name] = self._crc
+        self._position += 1
+
+    def close(self) -> None:
+        """Finish the last file and wait until every file is on disk. Raises if tensors are missing."""
+        self._close_file()
+        for thread in self._syncing:
+            thread.join()
+        if self._sync_errors:
+            raise self._sync_errors[0]
+        if self._position != len(self._queue):
+            missing = [spec.name for _, spec in self._queue[self._position:]]
+            raise ValueError(f"{len(missing)} planned tensors were never written, e.g. {missing[0]}")
+
+    def abort(self) -> None:
+        """Stop after a failure: close the open file (its content is incomplete) and wait for pending syncs."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        for thread in self._syncing:
+            thread.join()
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            thread = threading.Thread(target=self._sync_and_close, args=(self._file,), daemon=True)
+            thread.start()  # on disk before the directory is committed by rename; overlaps the next file's writing
+            self._syncing.append(thread)
+            self._file = None
+
+    def _sync_and_close(self, file) -> None:
+        try:
+            os.fsync(file.fileno())
+        except OSError as exc:
+            self._sync_errors.append(exc)
+        finally:
+            file.close()
+
+
+def read_prefixes(path: str | Path, names, nbytes: int = CHECKSUM_BYTES) -> dict[str, bytes]:
+    """The first ``nbytes`` of each named tensor's data, read straight from a safetensors file."""
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        found = {}
+        for name in names:
+            begin, end = header[name]["data_offsets"]
+            f.seek(8 + size + begin)
+            found[name] = f.read(min(nbytes, end - begin))
+    return found
