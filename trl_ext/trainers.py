@@ -7,8 +7,9 @@ import functools
 import inspect
 
 import trl
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpointing, configs
+from . import checkpointing, configs, saving
 from .runtime import check_distributed_setup
 
 
@@ -39,6 +40,39 @@ class TrlExtMixin:
             if not use_reentrant:
                 checkpointing.remove_input_require_grads_hooks(self.model)  # TRL registered it for PEFT
             self.add_callback(checkpointing.CheckpointingPolicy(use_reentrant))
+        if self.is_deepspeed_enabled:
+            saving.guard_save_pretrained(self.model)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save through trl_ext's one save path (gathered, streamed, verified, committed atomically)."""
+        if self.is_fsdp_enabled or not saving.supports(self.model):
+            return super().save_model(output_dir, _internal_call)
+        saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
+                    training_args=self.args,
+                    max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE))
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint save, written into a hidden directory and renamed to checkpoint-N once complete."""
+        if trial is not None or self.hp_search_backend is not None:
+            return super()._save_checkpoint(model, trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        with saving.StagedCheckpoint(self.args.output_dir, name, self.args.should_save,
+                                     self.accelerator.wait_for_everyone) as staged:
+            # Trainer builds the checkpoint path from _get_output_dir(): point it at the staging directory.
+            self._get_output_dir = lambda trial=None: str(staged.staging_run_dir)
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                del self._get_output_dir
+            if staged.staged_path(self.state.best_model_checkpoint):  # this checkpoint is the best so far
+                self.state.best_model_checkpoint = str(staged.final)
+                if self.args.should_save:
+                    self.state.save_to_json(str(staged.staging_run_dir / name / "trainer_state.json"))
+        if self.args.should_save:  # Trainer rotated inside the staging directory; rotate the real one
+            rotate_checkpoints(output_dir=self.args.output_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
