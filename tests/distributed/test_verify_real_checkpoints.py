@@ -9,17 +9,20 @@ from trl_ext.verify import audit
 pytestmark = pytest.mark.slow
 
 
-def test_user_save_pretrained_after_zero3_is_caught(tmp_path):
+def test_user_save_paths_after_zero3_are_refused_or_caught(tmp_path):
     config = write_accelerate_config(tmp_path, "zero3")
     result = launch(SCRIPTS / "save_paths.py", [str(tmp_path / "out")], config, timeout=300)
     assert result.returncode == 0, result.output[-4000:]
 
-    # transformers >= 5 gathers trainable params in Trainer.save_model: that adapter is sound.
     good = audit(str(tmp_path / "out" / "save_model"), base=default_model_path())
     assert good.ok, good.format()
 
-    # A plain model.save_pretrained() under ZeRO-3 writes the [0] placeholders; verify names them.
-    broken = audit(str(tmp_path / "out" / "user_save_pretrained"))
+    # A plain model.save_pretrained() under ZeRO-3 is refused with the fix, instead of writing empty tensors.
+    assert not (tmp_path / "out" / "user_save_pretrained").exists()
+    assert "trainer.save_model" in (tmp_path / "out" / "user_save_pretrained.error").read_text()
+
+    # Saving the rank's own state_dict writes the [0] placeholders (report F1); verify names them.
+    broken = audit(str(tmp_path / "out" / "raw_state_dict"))
     assert not broken.ok
     assert "8 empty tensors" in broken.problems[0]
     assert "q_proj.lora_A.weight" in broken.problems[0]

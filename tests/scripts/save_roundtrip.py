@@ -1,0 +1,123 @@
+"""Train briefly, record the model's outputs on fixed probe inputs at every save, and save the ways users do.
+
+Run under ``accelerate launch`` (see ``tests/harness.py``). Writes, on rank 0:
+- ``probes/<name>.json``: the trained model's outputs (logits, or rewards) when ``<name>`` was saved;
+- ``report.json``: the outcome of each user-facing save call.
+The checkpoints are then reloaded in a fresh process by ``reload.py`` (plain transformers + peft).
+"""
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, TaskType
+from transformers import TrainerCallback
+
+import trl_ext
+from trl_ext import saving, shards
+from trl_ext.assets import default_model_path, load_default_dataset
+
+TRAINERS = {
+    "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
+    "reward": (trl_ext.RewardTrainer, trl_ext.RewardConfig, "reward"),
+    "dpo": (trl_ext.DPOTrainer, trl_ext.DPOConfig, "preference"),
+}
+PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]
+
+
+def probe_outputs(model, trainer_kind: str) -> list:
+    """Logits (causal LM) or rewards (reward model) on the probe inputs; collective under ZeRO-3 (all ranks call)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        ids = torch.tensor(PROBE_IDS, device=next(model.parameters()).device)
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().cpu()
+    model.train(was_training)
+    return out.tolist()
+
+
+class RecordProbes(TrainerCallback):
+    def __init__(self, out: Path, kind: str):
+        self.out, self.kind = out, kind
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        record(self.out, f"checkpoint-{state.global_step}", probe_outputs(model, self.kind))
+
+
+def record(out: Path, name: str, outputs) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / "probes").mkdir(parents=True, exist_ok=True)
+        (out / "probes" / f"{name}.json").write_text(json.dumps(outputs))
+
+
+def kill_during_save(save_number: int) -> None:
+    """Simulate a crash: rank 0 SIGKILLs itself after writing the first tensor of the N-th checkpoint save."""
+    saves = {"count": 0}
+    enter, end = saving.StagedCheckpoint.__enter__, shards.ShardStreamWriter.end
+
+    def counting_enter(self):
+        saves["count"] += 1
+        return enter(self)
+
+    def write_then_die(self):
+        end(self)
+        if saves["count"] == save_number and int(os.environ.get("RANK", "0")) == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    saving.StagedCheckpoint.__enter__ = counting_enter
+    shards.ShardStreamWriter.end = write_then_die
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=TRAINERS, required=True)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--max_steps", type=int, default=4)
+    parser.add_argument("--save_steps", type=int, default=0)
+    parser.add_argument("--max_shard_size", default="50GB")
+    parser.add_argument("--kill_during_save", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--gather_whole", action="store_true", help="use the GatheredParameters path for every param")
+    cli = parser.parse_args()
+    out = Path(cli.output_dir)
+    if cli.gather_whole:  # the path taken for NVMe-offloaded or quantized partitions, or several writers
+        saving.gather._streamable = lambda param, world: False
+    if cli.kill_during_save:
+        kill_during_save(cli.kill_during_save)
+
+    trainer_cls, config_cls, data_kind = TRAINERS[cli.trainer]
+    args = config_cls(
+        output_dir=str(out), max_steps=cli.max_steps, per_device_train_batch_size=2, learning_rate=1e-2,
+        logging_steps=1, report_to="none", seed=0, dataloader_num_workers=0, gradient_checkpointing=False,
+        save_strategy="steps" if cli.save_steps else "no", save_steps=cli.save_steps or 500,
+        max_shard_size=cli.max_shard_size,
+    )
+    peft_config = None
+    if cli.lora:
+        task = TaskType.SEQ_CLS if cli.trainer == "reward" else TaskType.CAUSAL_LM
+        peft_config = LoraConfig(task_type=task, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    dataset = load_default_dataset(data_kind)["train"].select(range(32))
+    trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, peft_config=peft_config,
+                          callbacks=[RecordProbes(out, cli.trainer)])
+    trainer.train(resume_from_checkpoint=cli.resume or None)
+
+    report = {"zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
+              "partitioned": saving.gather.has_partitioned_params(trainer.model)}
+    record(out, "final", probe_outputs(trainer.model, cli.trainer))
+    trainer.save_model(str(out / "final"))
+    if report["partitioned"]:
+        try:  # what many users' scripts and notebooks do after training
+            trainer.model.save_pretrained(str(out / "user_save_pretrained"))
+            report["user_save_pretrained"] = "saved"
+        except RuntimeError as exc:
+            report["user_save_pretrained"] = str(exc)
+    if trainer.accelerator.is_main_process:
+        (out / "report.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""trl_ext's save path in one process: the same files as transformers/PEFT write, committed atomically, verified."""
+
+import json
+import os
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from safetensors import safe_open
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from trl_ext import saving, shards
+from trl_ext.verify import CheckpointError, audit, check_against_plan
+
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+
+
+def _keys(path):
+    with safe_open(str(path), framework="pt") as f:
+        return set(f.keys())
+
+
+def _perturbed(model):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model
+
+
+def test_full_model_sharded_reloads_identically(tmp_path, tiny_model_path):
+    model = _perturbed(AutoModelForCausalLM.from_pretrained(tiny_model_path))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    saving.save(model, tmp_path / "ours", processing_class=tokenizer, max_shard_size="100KB")
+    model.save_pretrained(tmp_path / "theirs")
+
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert set(index["weight_map"]) == _keys(tmp_path / "theirs" / "model.safetensors")
+    ours, theirs = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("ours", "theirs"))
+    assert ours == theirs
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    assert torch.equal(reloaded(IDS).logits, model(IDS).logits)
+    assert AutoTokenizer.from_pretrained(tmp_path / "ours").chat_template == tokenizer.chat_template
+    assert audit(str(tmp_path / "ours"), base=tiny_model_path).ok
+
+
+def test_tied_embeddings_saved_once_under_the_name_from_pretrained_expects(tmp_path):
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    saving.save(model, tmp_path / "ours")
+    model.save_pretrained(tmp_path / "theirs")
+    assert _keys(tmp_path / "ours" / "model.safetensors") == _keys(tmp_path / "theirs" / "model.safetensors")
+    assert torch.equal(LlamaForCausalLM.from_pretrained(tmp_path / "ours")(IDS).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize("kind", ["causal", "reward"])
+def test_adapter_matches_peft_format_and_reloads(tmp_path, tiny_model_path, kind):
+    if kind == "reward":
+        def load():
+            return AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+        config = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, target_modules=["q_proj", "v_proj"],
+                            init_lora_weights=False)
+    else:
+        load = lambda: AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+                            init_lora_weights=False)
+    model = get_peft_model(load(), config)
+    saving.save(model, tmp_path / "ours")
+    model.save_pretrained(tmp_path / "theirs")
+
+    ours = _keys(tmp_path / "ours" / "adapter_model.safetensors")
+    assert ours == _keys(tmp_path / "theirs" / "adapter_model.safetensors")
+    assert not [k for k in ours if ".default" in k or "modules_to_save" in k]
+    head = "score" if kind == "reward" else "lm_head"
+    assert f"base_model.model.{head}.weight" in ours
+    assert (json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+            == json.loads((tmp_path / "theirs" / "adapter_config.json").read_text()))
+    reloaded = PeftModel.from_pretrained(load(), tmp_path / "ours")
+    assert torch.equal(reloaded(IDS).logits, model(IDS).logits)
+
+
+def test_commit_into_a_directory_that_holds_other_things(tmp_path, tiny_model_path):
+    target = tmp_path / "run"
+    (target / "checkpoint-5").mkdir(parents=True)
+    (target / "notes.txt").write_text("mine")
+    for stale in ("model-00001-of-00009.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+        (target / stale).write_text("from an older save")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    saving.save(model, target)
+    names = set(os.listdir(target))
+    assert {"checkpoint-5", "notes.txt", "model.safetensors", "config.json"} <= names
+    assert not names & {"model-00001-of-00009.safetensors", "model.safetensors.index.json", "pytorch_model.bin"}
+    assert not [n for n in names | set(os.listdir(tmp_path)) if "trl_ext" in n]
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(target)(IDS).logits, model(IDS).logits)
+
+
+def test_failed_write_leaves_previous_save_untouched(tmp_path, tiny_model_path, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    saving.save(model, tmp_path / "out")
+    before = (tmp_path / "out" / "model.safetensors").read_bytes()
+
+    def disk_full(self, piece):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shards.ShardStreamWriter, "append", disk_full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        saving.save(_perturbed(model), tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # the partial files are gone
+
+
+def test_failed_verification_commits_nothing_and_keeps_files_for_inspection(tmp_path, tiny_model_path, monkeypatch):
+    monkeypatch.setattr(saving, "_verify", lambda *a: ["model.layers.0.mlp.up_proj.weight: written (0,), trained (..)"])
+    with pytest.raises(CheckpointError, match="(?s)failed verification.*up_proj"):
+        saving.save(AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert (tmp_path / ".out.trl_ext-partial" / "model.safetensors").exists()
+
+
+def test_check_against_plan_catches_changed_bytes_and_missing_tensors(tmp_path):
+    tensors = {"a": torch.arange(6.0), "b": torch.ones(2, 2)}
+    specs = [shards.TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    plan = shards.plan_shards(specs, "1GB")
+    writer = shards.ShardStreamWriter(tmp_path, plan)
+    for name, tensor in tensors.items():
+        writer.write(name, tensor)
+    writer.close()
+    assert check_against_plan(str(tmp_path), plan, writer.checksums) == []
+
+    raw = bytearray((tmp_path / "model.safetensors").read_bytes())
+    raw[-1] ^= 0xFF  # flip bits in b's data
+    (tmp_path / "model.safetensors").write_bytes(bytes(raw))
+    assert "bytes differ from the trained values for" in " ".join(check_against_plan(str(tmp_path), plan,
+                                                                                      writer.checksums))
+    bigger = {"model.safetensors": specs + [shards.TensorSpec("c", (3,), torch.float32)]}
+    assert "1 tensors missing, e.g. c" in " ".join(check_against_plan(str(tmp_path), bigger, {}))
+
+
+def test_save_pretrained_guard_refuses_zero3_placeholders(tiny_model_path, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    saving.guard_save_pretrained(model)
+    model.save_pretrained(tmp_path / "whole")  # parameters are whole: a plain save goes through
+    assert (tmp_path / "whole" / "model.safetensors").exists()
+
+    param = model.model.layers[0].mlp.up_proj.weight  # what ZeRO-3 leaves on a rank outside a gather
+    param.ds_id, param.ds_numel, param.ds_shape = 0, param.numel(), param.shape
+    param.data = torch.empty(0)
+    with pytest.raises(RuntimeError, match=r"empty torch.Size\(\[0\]\).*trainer.save_model\(output_dir\)"):
+        model.save_pretrained(tmp_path / "partitioned")
+    assert not (tmp_path / "partitioned").exists()
