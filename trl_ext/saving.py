@@ -144,8 +144,6 @@ class _Guarded:
 
 
 def _ranks_where(flag: bool) -> list[int]:
-    if not _distributed():
-        return [0] if flag else []
     flags = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(flags, flag)
     return [rank for rank, f in enumerate(flags) if f]
@@ -157,8 +155,6 @@ def _distributed() -> bool:
 
 def _agree(error: str | None) -> list[str]:
     """Every rank's error (None if fine), on every rank."""
-    if not _distributed():
-        return [error] if error else []
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, error)
     return [e for e in everyone if e]
@@ -216,15 +212,19 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool | None = None) -> None:
     """Save ``model`` (a transformers model or a PEFT model, possibly ZeRO-3 partitioned) to ``output_dir``.
 
-    Call it on every rank. PEFT models are written as the adapter only (``adapter_model.safetensors`` +
-    ``adapter_config.json``); other models as sharded safetensors with an index. Raises ``verify.CheckpointError`` on
-    every rank if any rank failed to write or the written files do not match the model.
+    PEFT models are written as the adapter only (``adapter_model.safetensors`` + ``adapter_config.json``); other
+    models as sharded safetensors with an index. Under ZeRO-3 call it on every rank: the ranks send their partitions
+    to the writer, and every rank raises ``verify.CheckpointError`` if any of them failed. With whole parameters
+    (DDP, ZeRO-1/2, one process) only the writing rank does anything, with no collective call, so a save guarded by
+    ``if trainer.is_world_process_zero()`` works as it does with transformers.
     """
     if is_writer is None:
         is_writer = training_args.should_save if training_args is not None else (
             not _distributed() or torch.distributed.get_rank() == 0)
-    # Partitioned parameters need every rank at every gather; whole ones are read by the writer alone.
-    collective = any(gather.is_partitioned(p) for p in model.parameters())
+    # Partitioned parameters need every rank at every transfer; whole ones are read by the writer alone.
+    collective = _distributed() and any(gather.is_partitioned(p) for p in model.parameters())
+    if not collective and not is_writer:
+        return
     weight_sets = _adapter_weight_sets(model) if is_peft_model(model) else [_full_weight_set(model, max_shard_size)]
     target = Path(output_dir).absolute()
     staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
@@ -239,7 +239,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             error = f"cannot create {staging}: {exc}"
         total = sum(s.nbytes for ws in weight_sets for specs in ws.plan.values() for s in specs)
         logger.info(f"[trl_ext] saving {total / 2**20:.1f} MiB to {target}")
-    writers = _ranks_where(is_writer)
+    writers = _ranks_where(is_writer) if collective else [0]
     for ws in weight_sets:
         writer = ShardStreamWriter(staging / ws.subdir, ws.plan) if is_writer else None
         sink = _Guarded(writer, error) if writer is not None else None
@@ -270,13 +270,13 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     if is_writer and error is not None and not keep_staging:
         shutil.rmtree(staging, ignore_errors=True)
 
-    failures = _agree(error)
+    failures = _agree(error) if collective else [error] if error else []
     if failures:
         raise verify.CheckpointError("saving failed: " + "\n".join(dict.fromkeys(failures)))
     if is_writer:
         commit(staging, target)
         logger.info(f"[trl_ext] saved and verified {target} in {time.monotonic() - started:.1f}s")
-    if _distributed():
+    if collective:
         torch.distributed.barrier()  # nobody reads the checkpoint before it is in place
 
 

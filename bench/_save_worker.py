@@ -1,0 +1,82 @@
+"""One save under 2-process ZeRO-3: trl_ext's save path or transformers' Trainer.save_model (plain TRL).
+
+Trains one step (so the DeepSpeed engine exists, as in a real run), then saves while a thread samples rank 0's
+RSS every 2 ms. Prints ``BENCH {json}`` on rank 0: save wall time and peak RSS growth over the pre-save level.
+Before the baseline, free heap memory is handed back to the OS (``malloc_trim``): otherwise a save could reuse
+memory the training step freed and look smaller than it is.
+"""
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import threading
+import time
+
+import psutil
+import torch
+import trl
+from datasets import Dataset
+
+import trl_ext
+
+
+class PeakRSS(threading.Thread):
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.process, self.peak, self.running = psutil.Process(), 0, True
+
+    def run(self):
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.002)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["trl_ext", "transformers"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--max_shard_size", required=True)
+    cli = parser.parse_args()
+
+    trainer_cls = trl_ext.SFTTrainer if cli.impl == "trl_ext" else trl.SFTTrainer
+    args = trl_ext.SFTConfig(output_dir=cli.output_dir, max_steps=1, per_device_train_batch_size=1,
+                             report_to="none", save_strategy="no", gradient_checkpointing=False,
+                             max_length=32, max_shard_size=cli.max_shard_size)
+    data = Dataset.from_list([{"messages": [{"role": "user", "content": "1+1"},
+                                            {"role": "assistant", "content": "2"}]}] * 4)
+    trainer = trainer_cls(model=cli.model, args=args, train_dataset=data)
+    trainer.train()
+    if cli.impl == "transformers":  # what Trainer.save_model passes to save_pretrained
+        trainer.model.save_pretrained = _with_shard_size(trainer.model.save_pretrained, cli.max_shard_size)
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    torch.distributed.barrier()
+    monitor = PeakRSS()
+    base = monitor.process.memory_info().rss
+    monitor.start()
+    start = time.perf_counter()
+    trainer.save_model(os.path.join(cli.output_dir, "saved"))
+    torch.distributed.barrier()
+    elapsed = time.perf_counter() - start
+    monitor.running = False
+    monitor.join()
+    if trainer.accelerator.is_main_process:
+        params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.model.parameters())
+        print("BENCH " + json.dumps({"save_s": elapsed, "peak_growth_mb": (monitor.peak - base) / 2**20,
+                                     "params": params}), flush=True)
+
+
+def _with_shard_size(save_pretrained, max_shard_size):
+    def save(*args, **kwargs):
+        kwargs.setdefault("max_shard_size", max_shard_size)
+        return save_pretrained(*args, **kwargs)
+
+    return save
+
+
+if __name__ == "__main__":
+    main()
