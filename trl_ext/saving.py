@@ -1,14 +1,16 @@
-"""The one save path: gather under ZeRO (module by module), stream safetensors shards, verify, commit atomically.
+"""The one save path: gather under ZeRO, stream safetensors shards, verify, commit atomically.
 
 Used by the trainers for the final save and for every intermediate checkpoint. It does not depend on
-``stage3_gather_16bit_weights_on_model_save`` nor on the transformers version: the ZeRO-3 partitions are gathered
-here, one module at a time, and streamed to disk by one writer (``shards.ShardStreamWriter``), so the writing rank
-never holds the whole model. The files are written into a hidden directory beside the target, re-opened and checked
-(``verify``), and only then renamed into place; every rank learns the outcome, so a failure never hangs the job.
+``stage3_gather_16bit_weights_on_model_save`` nor on the transformers version: the ZeRO-3 partitions are sent to
+one writing rank in chunks (``gather.stream``) and written straight into planned files (``shards.ShardStreamWriter``),
+so the writer never holds the model, a shard or a whole large tensor. The files are written into a hidden directory
+beside the target, re-opened and checked (``verify``), and only then renamed into place; under ZeRO-3 every rank
+learns the outcome, so a failure never hangs the job.
 """
 
 import contextlib
 import copy
+import json
 import logging
 import os
 import re
@@ -75,8 +77,6 @@ def _full_weight_set(model, max_shard_size) -> _WeightSet:
 
 def _write_metadata(model, directory: Path, weight_sets, processing_class, training_args) -> None:
     """What ``from_pretrained`` needs beside the weights: configs, index, tokenizer, as save_pretrained writes them."""
-    import json
-
     for ws in weight_sets:
         target = directory / ws.subdir
         if len(ws.plan) > 1:
