@@ -3,13 +3,15 @@
 Each trainer is TRL's class plus ``TrlExtMixin``, the one place that holds what trl_ext changes.
 """
 
+import contextlib
 import functools
 import inspect
+import sys
 
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpointing, configs, saving
+from . import checkpointing, configs, reward_head, saving
 from .runtime import check_distributed_setup
 
 
@@ -31,7 +33,9 @@ class TrlExtMixin:
             )
         check_distributed_setup(training_args)
         user_reentrant = checkpointing.take_user_choice(training_args)
-        super().__init__(*bound.args, **bound.kwargs)
+        with self._around_trl_init(bound):
+            super().__init__(*bound.args, **bound.kwargs)
+        self._after_trl_init()
 
         # Gradient checkpointing: non-reentrant unless the user or an unfixed DeepSpeed says otherwise.
         use_reentrant = checkpointing.decide(self.args, self.model, user_reentrant)
@@ -42,6 +46,13 @@ class TrlExtMixin:
             self.add_callback(checkpointing.CheckpointingPolicy(use_reentrant))
         if self.is_deepspeed_enabled:
             saving.guard_save_pretrained(self.model)
+
+    def _around_trl_init(self, bound: inspect.BoundArguments):
+        """Context for TRL's constructor; trainers with something to fix while TRL builds the model override it."""
+        return contextlib.nullcontext()
+
+    def _after_trl_init(self) -> None:
+        """Checks once TRL's constructor has built everything."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save through trl_ext's one save path (gathered, streamed, verified, committed atomically)."""
@@ -94,6 +105,15 @@ class SFTTrainer(TrlExtMixin, trl.SFTTrainer):
 class RewardTrainer(TrlExtMixin, trl.RewardTrainer):
     __doc__ = trl.RewardTrainer.__doc__
     _config_class, _default_run_suffix = configs.RewardConfig, "Reward"
+
+    def _around_trl_init(self, bound):
+        # One output, and a head trained and saved whole under PEFT (see reward_head).
+        if isinstance(bound.arguments["model"], str):
+            reward_head.allow_new_head(bound.arguments["model"], bound.arguments["args"])
+        return reward_head.head_trained_whole(sys.modules[trl.RewardTrainer.__module__])
+
+    def _after_trl_init(self):
+        reward_head.check(self.model)
 
 
 class DPOTrainer(TrlExtMixin, trl.DPOTrainer):

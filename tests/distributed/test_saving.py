@@ -39,7 +39,7 @@ def run(tmp_path: Path, backend: str, trainer: str, *args: str, expect_success: 
 
 def reloaded_outputs(checkpoints: list[Path], kind: str) -> dict[Path, torch.Tensor]:
     """Outputs of each checkpoint loaded in one fresh process with plain transformers + peft."""
-    kind = "reward" if kind == "reward" else "causal"
+    kind = {"sft": "causal", "dpo": "causal"}.get(kind, kind)  # a trainer name, or reload.py's own kind
     proc = subprocess.run([sys.executable, str(SCRIPTS / "reload.py"), default_model_path(), kind,
                            *map(str, checkpoints)], capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -98,9 +98,12 @@ def test_saved_checkpoints_reload_with_the_trained_outputs(tmp_path, case):
     if "--max_shard_size" in args:
         index = json.loads((out / "final" / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 2
-    if backend == "zero3":
-        assert "trainer.save_model(output_dir)" in report["user_save_pretrained"]
-        assert not (out / "user_save_pretrained").exists()
+    if backend == "zero3":  # a plain save_pretrained is refused, or (params gathered by a forward) writes a sound model
+        if report["partitioned"]:
+            assert "trainer.save_model(output_dir)" in report["user_save_pretrained"]
+            assert not (out / "user_save_pretrained").exists()
+        else:
+            assert audit(str(out / "user_save_pretrained")).ok
 
 
 def test_kill_during_save_keeps_the_previous_checkpoint_and_resume_picks_it(tmp_path):

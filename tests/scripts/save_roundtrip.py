@@ -7,6 +7,7 @@ The checkpoints are then reloaded in a fresh process by ``reload.py`` (plain tra
 """
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -53,6 +54,21 @@ def record(out: Path, name: str, outputs) -> None:
         (out / "probes" / f"{name}.json").write_text(json.dumps(outputs))
 
 
+def head_stats(model) -> dict:
+    """The trainable reward head's weight as initialised (gathered from its ZeRO-3 partitions on every rank)."""
+    name, param = next((n, p) for n, p in model.named_parameters() if "score" in n and p.requires_grad)
+    ctx = contextlib.nullcontext()
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        ctx = deepspeed.zero.GatheredParameters([param], modifier_rank=None)
+    with ctx:
+        weight = param.detach().float().clone()
+    return {"name": name, "shape": list(weight.shape), "std": weight.std().item(), "mean": weight.mean().item(),
+            "zeros": int((weight == 0).sum()), "finite": bool(torch.isfinite(weight).all()),
+            "partitioned": hasattr(param, "ds_id")}
+
+
 def kill_during_save(save_number: int) -> None:
     """Simulate a crash: rank 0 SIGKILLs itself after writing the first tensor of the N-th checkpoint save."""
     saves = {"count": 0}
@@ -76,6 +92,8 @@ def main():
     parser.add_argument("--trainer", choices=TRAINERS, required=True)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--lora_all_linear", action="store_true",
+                        help="the report-F2 config: LoraConfig(target_modules='all-linear'), no task_type")
     parser.add_argument("--max_steps", type=int, default=4)
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--max_shard_size", default="50GB")
@@ -100,18 +118,23 @@ def main():
     if cli.lora:
         task = TaskType.SEQ_CLS if cli.trainer == "reward" else TaskType.CAUSAL_LM
         peft_config = LoraConfig(task_type=task, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    if cli.lora_all_linear:
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
     dataset = load_default_dataset(data_kind)["train"].select(range(32))
     trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, peft_config=peft_config,
                           callbacks=[RecordProbes(out, cli.trainer)])
+    report = {"zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
+              "head_at_init": head_stats(trainer.model) if cli.trainer == "reward" else None}
     trainer.train(resume_from_checkpoint=cli.resume or None)
 
-    report = {"zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
-              "partitioned": saving.gather.has_partitioned_params(trainer.model)}
+    report["partitioned"] = saving.gather.has_partitioned_params(trainer.model)
     record(out, "final", probe_outputs(trainer.model, cli.trainer))
     trainer.save_model(str(out / "final"))
-    if report["partitioned"]:
+    report["partitioned"] = saving.gather.has_partitioned_params(trainer.model)  # the probe forward may gather
+    if report["zero_stage"] == 3:
         try:  # what many users' scripts and notebooks do after training
-            trainer.model.save_pretrained(str(out / "user_save_pretrained"))
+            trainer.model.save_pretrained(str(out / "user_save_pretrained"),
+                                          is_main_process=trainer.accelerator.is_main_process)
             report["user_save_pretrained"] = "saved"
         except RuntimeError as exc:
             report["user_save_pretrained"] = str(exc)

@@ -157,16 +157,3 @@ def test_save_pretrained_guard_refuses_zero3_placeholders(tiny_model_path, tmp_p
         model.save_pretrained(tmp_path / "partitioned")
     assert not (tmp_path / "partitioned").exists()
 
-
-def test_reward_model_with_a_lora_wrapped_head_fails_its_save_with_the_fix(tmp_path, tiny_model_path):
-    """Report F2: all-linear LoRA without task_type wraps `score`, whose own random weights are never saved."""
-    import trl_ext
-    from trl_ext.assets import load_default_dataset
-
-    args = trl_ext.RewardConfig(output_dir=str(tmp_path / "run"), report_to="none", save_strategy="no")
-    trainer = trl_ext.RewardTrainer(model=tiny_model_path, args=args,
-                                    train_dataset=load_default_dataset("reward")["train"].select(range(8)),
-                                    peft_config=LoraConfig(r=4, target_modules="all-linear"))
-    with pytest.raises(CheckpointError, match=r"(?s)failed verification.*score.*modules_to_save"):
-        trainer.save_model(str(tmp_path / "final"))
-    assert not (tmp_path / "final").exists()
