@@ -31,7 +31,10 @@ def _train(trainer_cls, config_cls, kind, model_path, tmp_path, lora):
         output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
         save_strategy="no", report_to="none", seed=0, bf16=False,  # TRL's config needs bf16=False on CPU
     )
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
+    # For the reward model, task_type="SEQ_CLS": without it TRL freezes the head at its random init and never saves
+    # it (report F2), which trl_ext deliberately does not reproduce (tests/unit/test_reward_head.py).
+    task = "SEQ_CLS" if kind == "reward" else None
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type=task) if lora else None
     data = load_default_dataset(kind)["train"].select(range(32))
     trainer = trainer_cls(model=model_path, args=args, train_dataset=data, peft_config=peft_config)
     trainer.train()

@@ -23,26 +23,31 @@ def head_names(model: torch.nn.Module) -> list[str]:
             if name != backbone and next(child.parameters(), None) is not None]
 
 
+PEFT_SEQ_CLS_HEADS = ("classifier", "score")  # what PEFT itself adds to modules_to_save for task_type="SEQ_CLS"
+
+
 def peft_config_for(model, peft_config):
     """A copy of ``peft_config`` that trains ``model``'s head whole, or the config itself if it already does."""
     heads = head_names(model)
-    changes = []
-    config = copy.deepcopy(peft_config)
-    if getattr(config, "task_type", None) != "SEQ_CLS":
+    is_seq_cls = getattr(peft_config, "task_type", None) == "SEQ_CLS"
+    saved_whole = set(getattr(peft_config, "modules_to_save", None) or []) | set(PEFT_SEQ_CLS_HEADS if is_seq_cls else ())
+    targets = getattr(peft_config, "target_modules", None)
+    targeted = sorted(set(targets) & set(heads)) if isinstance(targets, (list, set, tuple)) else []
+    missing = [h for h in heads if h not in saved_whole]
+    if is_seq_cls and not missing and not targeted:
+        return peft_config
+
+    config, changes = copy.deepcopy(peft_config), []
+    if not is_seq_cls:
         config.task_type = "SEQ_CLS"  # saved in adapter_config.json: the adapter declares a sequence classifier
         changes.append("task_type='SEQ_CLS'")
-    if hasattr(config, "modules_to_save"):
-        missing = [h for h in heads if h not in (config.modules_to_save or [])]
-        if missing:
-            config.modules_to_save = [*(config.modules_to_save or []), *missing]
-            changes.append(f"modules_to_save += {missing}")
-    targets = getattr(config, "target_modules", None)
-    if isinstance(targets, (list, set, tuple)) and set(targets) & set(heads):
+    if missing and hasattr(config, "modules_to_save"):
+        config.modules_to_save = [*(config.modules_to_save or []), *missing]
+        changes.append(f"modules_to_save += {missing}")
+    if targeted:
         config.target_modules = type(targets)(t for t in targets if t not in heads)
-        changes.append(f"target_modules -= {sorted(set(targets) & set(heads))}")
-    if not changes:
-        return peft_config
-    notice(f"RewardTrainer: the reward head {heads} is trained and saved whole, not LoRA-wrapped "
+        changes.append(f"target_modules -= {targeted}")
+    notice(f"RewardTrainer: the reward head {heads} is trained and saved whole, not LoRA-wrapped or left untrained "
            f"({'; '.join(changes)}, on a copy of your peft_config).")
     return config
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertConfig,
-                          BertForSequenceClassification)
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
 
 import trl_ext
 from trl_ext.assets import load_default_dataset
@@ -92,3 +91,14 @@ def test_training_improves_held_out_preference_accuracy(tmp_path, tiny_model_pat
     after = trainer.evaluate()["eval_accuracy"]
     print(f"held-out accuracy {before:.3f} -> {after:.3f}")
     assert after >= before + 0.1 and after >= 0.65, (before, after)
+
+
+def test_a_config_that_already_trains_the_head_is_used_as_given(tiny_model_path, caplog):
+    from trl_ext.reward_head import peft_config_for
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    for config in (LoraConfig(r=4, target_modules="all-linear", task_type="SEQ_CLS"),
+                   LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS", modules_to_save=["score"])):
+        with caplog.at_level(logging.WARNING, logger="trl_ext"):
+            assert peft_config_for(model, config) is config
+    assert not [r for r in caplog.records if r.name == "trl_ext"]
