@@ -39,6 +39,21 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _merge(args: argparse.Namespace) -> int:
+    """Merge a LoRA adapter into its base and save a standalone model (reward models stay reward models)."""
+    from .merge import MergeError, merge
+    from .verify import CheckpointError
+
+    try:
+        out = merge(args.adapter, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                    dequantize_base=args.dequantize_base)
+    except (MergeError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"merged model saved to {out}: load it with from_pretrained('{out}')")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trl-ext", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--num-labels", type=int, default=1,
                         help="outputs a sequence-classification head must have (default 1: a reward model)")
     verify.set_defaults(func=_verify)
+    merge = commands.add_parser("merge", help=_merge.__doc__, description=_merge.__doc__)
+    merge.add_argument("--adapter", required=True, help="the adapter directory (adapter_config.json + weights)")
+    merge.add_argument("--out", required=True, help="where to write the merged model (must not hold files)")
+    merge.add_argument("--base", help="base model id or path (default: the one recorded in the adapter)")
+    merge.add_argument("--dtype", default="auto", help="dtype to load and save in: auto, float32, bfloat16, float16")
+    merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    merge.add_argument("--dequantize-base", action="store_true",
+                       help="allow a quantized base checkpoint: load it and dequantize before merging")
+    merge.set_defaults(func=_merge)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -99,6 +99,8 @@ def main():
     parser.add_argument("--max_shard_size", default="50GB")
     parser.add_argument("--kill_during_save", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--iter_merged", action="store_true",
+                        help="also write trl_ext.merge.iter_merged_weights (all ranks iterate) to iter_merged.safetensors")
     parser.add_argument("--gather_whole", action="store_true", help="use the GatheredParameters path for every param")
     cli = parser.parse_args()
     out = Path(cli.output_dir)
@@ -138,6 +140,15 @@ def main():
             report["user_save_pretrained"] = "saved"
         except RuntimeError as exc:
             report["user_save_pretrained"] = str(exc)
+    if cli.iter_merged:
+        from safetensors.torch import save_file
+
+        from trl_ext.merge import iter_merged_weights
+
+        merged = dict(iter_merged_weights(trainer.model))
+        report["adapter_still_unmerged"] = not any(getattr(m, "merged", False) for m in trainer.model.modules())
+        if trainer.accelerator.is_main_process:
+            save_file({n: t.contiguous() for n, t in merged.items()}, str(out / "iter_merged.safetensors"))
     if trainer.accelerator.is_main_process:
         (out / "report.json").write_text(json.dumps(report))
 

@@ -1,0 +1,36 @@
+"""Merging adapters trained under 2-process ZeRO-3, and iter_merged_weights run inside such a run."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from tests.distributed.test_saving import recorded, reloaded_outputs, run
+from trl_ext.merge import merge
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("trainer", ["sft", "reward"])
+def test_merge_adapters_trained_under_zero3(tmp_path, trainer):
+    lora = "--lora_all_linear" if trainer == "reward" else "--lora"
+    out = run(tmp_path, "zero3", trainer, lora, "--iter_merged")
+    report = json.loads((out / "report.json").read_text())
+    assert report["partitioned"] and report["adapter_still_unmerged"]
+
+    merge(str(out / "final"), str(out / "merged"))
+    # plain from_pretrained on the merged directory: no num_labels, no PEFT
+    got = reloaded_outputs([out / "merged"], "reward" if trainer == "reward" else "causal")[out / "merged"]
+    assert torch.allclose(got, recorded(out, "final"), atol=1e-5, rtol=0)
+    loader = AutoModelForSequenceClassification if trainer == "reward" else AutoModelForCausalLM
+    merged = loader.from_pretrained(out / "merged")
+    if trainer == "reward":
+        assert merged.config.num_labels == 1
+
+    # the weights streamed under ZeRO-3, under the base model's names, equal the merged model's
+    streamed, expected = load_file(str(out / "iter_merged.safetensors")), merged.state_dict()
+    assert set(streamed) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.allclose(streamed[name], tensor, atol=1e-5), name

@@ -1,0 +1,177 @@
+"""Merge a LoRA adapter into a standalone model (causal LM or reward model), and stream merged weights for serving.
+
+- ``merge(adapter, out)``: load the base once, merge in place, check that the merged model gives the adapter model's
+  outputs, then write it through trl_ext's save path (streamed shards, verified, committed atomically).
+- ``iter_merged_weights(model)``: ``(name, tensor)`` of the merged weights under the base model's own names, one module
+  at a time (gathered under ZeRO-3), without merging the model: for pushing weights into vLLM and the like.
+"""
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from . import gather, saving, verify
+from .assets import resolve_model
+
+PROBE_LENGTH = 16
+
+
+class MergeError(RuntimeError):
+    """An adapter that cannot be merged as asked; the message says why and what to do."""
+
+
+def _adapter_config(adapter: Path) -> dict:
+    path = adapter / "adapter_config.json"
+    if not path.exists():
+        raise MergeError(f"{adapter} is not a PEFT adapter: adapter_config.json is missing")
+    return json.loads(path.read_text())
+
+
+def _head_outputs(adapter: Path) -> int:
+    """Outputs of the classification head saved with a SEQ_CLS adapter (1 for a reward model)."""
+    from safetensors import safe_open
+
+    with safe_open(str(adapter / verify.ADAPTER_WEIGHTS), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+            short = name.removeprefix("base_model.model.")
+            if short.split(".")[0] in verify.HEAD_NAMES and short.endswith("weight") and "lora_" not in short:
+                return f.get_slice(name).get_shape()[0]
+    return 1
+
+
+def _refuse_quantized(base: str, dequantize: bool) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization and not dequantize:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise MergeError(
+            f"the base {base} is a quantized checkpoint ({method}): merging into quantized weights loses the adapter's "
+            "precision. Merge into the full-precision base (--base <its original model>), or pass --dequantize-base "
+            "to load it and dequantize it first."
+        )
+
+
+def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
+          max_shard_size: int | str = "5GB", dequantize_base: bool = False) -> Path:
+    """Merge ``adapter`` into its base and save a standalone model to ``out`` (which must not hold files)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    adapter_dir, out_dir = Path(adapter), Path(out)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise MergeError(f"{out_dir} already exists and is not empty; nothing was changed. Choose a new --out.")
+    config = _adapter_config(adapter_dir)
+    recorded = base or config.get("base_model_name_or_path")
+    if not recorded:
+        raise MergeError("the adapter does not record its base model; pass --base")
+    base = resolve_model(recorded)
+    _refuse_quantized(base, dequantize_base)
+
+    is_classifier = config.get("task_type") == "SEQ_CLS"
+    num_labels = _head_outputs(adapter_dir) if is_classifier else None
+    report = verify.audit(str(adapter_dir), base=base, num_labels=num_labels or 1)
+    if not report.ok:
+        raise MergeError("the adapter does not fit this base model:\n" + report.format())
+
+    tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    kwargs = {"dtype": dtype}
+    if is_classifier:
+        model_class, kwargs["num_labels"] = AutoModelForSequenceClassification, num_labels
+    else:
+        model_class = AutoModelForCausalLM
+    model = model_class.from_pretrained(base, **kwargs)
+    if dequantize_base and getattr(model, "is_quantized", False):
+        model = model.dequantize()
+    if is_classifier and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id  # batched rewards need it to find each last token
+    model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+
+    probe = _probe(tokenizer, model.get_base_model().config)
+    with torch.no_grad():
+        expected = model(**probe).logits.float()
+        merged = model.merge_and_unload()  # in place: never a second copy of the weights
+        got = merged(**probe).logits.float()
+    tolerance = 1e-4 if merged.dtype == torch.float32 else 5e-2
+    if not torch.allclose(got, expected, atol=tolerance, rtol=tolerance):
+        raise MergeError(f"the merged model's outputs differ from the adapter model's by "
+                         f"{(got - expected).abs().max().item():.3g} (tolerance {tolerance}); nothing was written")
+    saving.save(merged, str(out_dir), processing_class=tokenizer, max_shard_size=max_shard_size)
+    return out_dir
+
+
+def _probe(tokenizer, config) -> dict:
+    """A small fixed batch of valid token ids (two rows, no padding)."""
+    vocab = min(len(tokenizer), config.vocab_size)
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(vocab) if i not in special][: 2 * PROBE_LENGTH]
+    ids = torch.tensor(ids + ids[: 2 * PROBE_LENGTH - len(ids)]).view(2, PROBE_LENGTH)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@contextlib.contextmanager
+def _gathered(params: list[torch.Tensor]):
+    partitioned = [p for p in params if gather.is_partitioned(p)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
+def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the merged weights of ``model`` (a PEFT model, or a plain transformers model) under the base model's
+    ``state_dict`` names: no ``base_model.model.``, ``.base_layer``, ``lora_*`` or ``modules_to_save.<adapter>``.
+
+    One module at a time; under ZeRO-3 that module is gathered on every rank (so call it on every rank). The model
+    itself is not modified: its adapter stays unmerged. Each yielded tensor is a new tensor the caller may keep.
+    """
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    base = model.get_base_model() if saving.is_peft_model(model) else model
+    done: list[str] = []  # prefixes of modules already yielded whole
+    with torch.no_grad():
+        for name, module in base.named_modules(remove_duplicate=False):
+            if any(name.startswith(prefix) for prefix in done):
+                continue
+            prefix = f"{name}." if name else ""
+            if isinstance(module, LoraLayer):
+                done.append(prefix)
+                yield from _merged_lora(module, prefix)
+            elif isinstance(module, ModulesToSaveWrapper):
+                done.append(prefix)
+                trained = module.modules_to_save[module.active_adapters[0]]
+                with _gathered(list(trained.parameters())):
+                    for key, tensor in trained.state_dict(keep_vars=True).items():
+                        yield prefix + key, tensor.detach().clone()
+            else:
+                own = [(k, p) for k, p in module._parameters.items() if p is not None]
+                own += [(k, b) for k, b in module._buffers.items()
+                        if b is not None and k not in module._non_persistent_buffers_set]
+                with _gathered([t for _, t in own]):
+                    for key, tensor in own:
+                        yield prefix + key, tensor.detach().clone()
+
+
+def _merged_lora(module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if any(module.use_dora.get(a, False) for a in module.active_adapters):
+        raise NotImplementedError("iter_merged_weights does not support DoRA adapters; use trl_ext.merge.merge")
+    base_layer = module.get_base_layer()
+    with _gathered(list(module.parameters())):
+        weight = base_layer.weight.detach().clone()
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                weight += module.get_delta_weight(adapter).to(weight.dtype)
+        yield prefix + "weight", weight
+        for key, tensor in base_layer.state_dict(keep_vars=True).items():
+            if key != "weight":
+                yield prefix + key, tensor.detach().clone()
