@@ -8,12 +8,17 @@ import pytest
 import torch
 from peft import LoraConfig, TaskType, get_peft_model
 from safetensors import safe_open
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from trl_ext import saving
 from trl_ext.cli import main as cli
-from trl_ext.merge import iter_merged_weights, merge
+from trl_ext.merge import iter_merged_weights
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26]])
 
@@ -37,7 +42,7 @@ def _adapter(tmp_path, base_path, kind):
 
 def _keys(path):
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        return set(f.keys())  # noqa: SIM118
+        return set(f.keys())
 
 
 @pytest.mark.parametrize("kind", ["causal", "reward"])
