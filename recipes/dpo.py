@@ -1,39 +1,51 @@
 """DPO with trl_ext: TRL's DPO script, with ZeRO-3-safe saving and CPU fallbacks.
 
-The tiny config trains the embedded model on the bundled arithmetic preferences (offline, CPU, under a minute):
+The tiny config trains the embedded model on the bundled arithmetic preferences (offline, CPU, about a minute):
 
 ```bash
 python recipes/dpo.py --config recipes/configs/dpo.yaml
-python recipes/dpo.py --config recipes/configs/dpo.yaml --output_dir outputs/my-dpo --use_peft --lora_r 8
+python recipes/dpo.py --config recipes/configs/dpo.yaml --use_peft --lora_r 8 --output_dir outputs/my-dpo
 ```
 
-A real model (GPU), LoRA:
+Under DeepSpeed ZeRO-3 (2 CPU processes without a GPU, one per GPU with them). Both lines do the same:
 
 ```bash
-accelerate launch recipes/dpo.py \
-    --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/ultrafeedback_binarized \
-    --learning_rate 5e-6 --per_device_train_batch_size 2 --gradient_accumulation_steps 8 \
-    --use_peft --lora_r 32 --lora_alpha 16 --output_dir Qwen2.5-0.5B-DPO
+accelerate launch recipes/dpo.py --config accelerate_configs/zero3.yaml
+accelerate launch --config_file accelerate_configs/zero3.yaml recipes/dpo.py --config recipes/configs/dpo.yaml
 ```
+
+A real model (GPU), LoRA, TensorBoard logs in the output dir:
+
+```bash
+accelerate launch recipes/dpo.py --config accelerate_configs/zero3.yaml --config recipes/configs/dpo_qwen2.5_0.5b.yaml
+```
+
+Continue a stopped run: add `--output_dir <its dir> --resume_from_checkpoint true` (its last complete checkpoint).
 """
 
-from trl import get_peft_config
+from trl import get_peft_config, get_quantization_config
 
 from trl_ext import DPOConfig, DPOTrainer, ModelConfig, ScriptArguments, TrlParser
 from trl_ext.assets import load_dataset_by_name, resolve_model
-from trl_ext.scripting import announce_done, prepare_output_dir
+from trl_ext.scripting import announce_done, parse_recipe_args, report_eval
 
-DEFAULT_DATASET = "trl-ext/arithmetic-preference"  # bundled prompt/chosen/rejected rows
+# prompt/chosen/rejected, or chosen/rejected conversations that hold the prompt
+COLUMNS = [("prompt", "chosen", "rejected"), ("chosen", "rejected")]
 
 
 def main(script_args, training_args, model_args):
-    # Setup: a fresh run directory unless one was chosen; never train over another run.
-    prepare_output_dir(training_args, "dpo")
-
-    # Model and data: the embedded defaults unless the config names others.
+    # Model: the embedded tiny model unless the config names another; 4-bit/8-bit loading from the QLoRA flags.
     model = resolve_model(model_args.model_name_or_path)
-    training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
-    dataset = load_dataset_by_name(script_args.dataset_name or DEFAULT_DATASET, script_args.dataset_config)
+    training_args.model_init_kwargs = {
+        "dtype": model_args.dtype,
+        "revision": model_args.model_revision,
+        "attn_implementation": model_args.attn_implementation,
+        "quantization_config": get_quantization_config(model_args),
+        **(training_args.model_init_kwargs or {}),
+    }
+
+    # Data
+    dataset = load_dataset_by_name(script_args.dataset_name, script_args.dataset_config)
 
     # Train
     trainer = DPOTrainer(
@@ -45,15 +57,15 @@ def main(script_args, training_args, model_args):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
-    # Save and evaluate
+    # Save (gathered, verified, committed atomically) and evaluate on the held-out pairs
     trainer.save_model(training_args.output_dir)
     if trainer.eval_dataset is not None:
-        trainer.log_metrics("eval", trainer.evaluate())
-    chat = "[{'role': 'user', 'content': 'What is 2+3?'}]"
-    announce_done(trainer, "DPO model", f"python -c \"from transformers import pipeline; "
-                  f"print(pipeline('text-generation', '{training_args.output_dir}')({chat}))\"")
+        metrics = trainer.evaluate()
+        trainer.log_metrics("eval", metrics)
+        report_eval(trainer, metrics, ["eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"])
+    announce_done(trainer, "DPO model")
 
 
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig))
-    main(*parser.parse_args_and_config())
+    main(*parse_recipe_args(parser, "dpo", COLUMNS))

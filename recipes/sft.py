@@ -1,38 +1,52 @@
 """SFT with trl_ext: TRL's SFT script, with ZeRO-3-safe saving and CPU fallbacks.
 
-With no arguments it trains the embedded tiny model on the bundled arithmetic conversations (offline, CPU):
+The tiny config trains the embedded model on the bundled arithmetic conversations, loss on the assistant's tokens
+only (offline, CPU, about a minute):
 
 ```bash
 python recipes/sft.py --config recipes/configs/sft.yaml
+python recipes/sft.py --config recipes/configs/sft.yaml --use_peft --lora_r 8 --output_dir outputs/my-sft
 ```
 
-A real model (GPU), LoRA:
+Under DeepSpeed ZeRO-3 (2 CPU processes without a GPU, one per GPU with them). Both lines do the same:
 
 ```bash
-accelerate launch recipes/sft.py \
-    --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara \
-    --learning_rate 2e-4 --per_device_train_batch_size 2 --gradient_accumulation_steps 8 \
-    --use_peft --lora_r 32 --lora_alpha 16 --output_dir Qwen2.5-0.5B-SFT
+accelerate launch recipes/sft.py --config accelerate_configs/zero3.yaml
+accelerate launch --config_file accelerate_configs/zero3.yaml recipes/sft.py --config recipes/configs/sft.yaml
 ```
+
+A real model (GPU), LoRA, TensorBoard logs in the output dir:
+
+```bash
+accelerate launch recipes/sft.py --config accelerate_configs/zero3.yaml --config recipes/configs/sft_qwen2.5_0.5b.yaml
+```
+
+Continue a stopped run: add `--output_dir <its dir> --resume_from_checkpoint true` (its last complete checkpoint).
 """
 
-from trl import get_peft_config
+from trl import get_peft_config, get_quantization_config
 
 from trl_ext import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser
 from trl_ext.assets import load_dataset_by_name, resolve_model
-from trl_ext.scripting import announce_done, prepare_output_dir
+from trl_ext.scripting import announce_done, parse_recipe_args, report_eval
 
-DEFAULT_DATASET = "trl-ext/arithmetic-sft"  # bundled conversational "messages" rows
+# conversations, plain text, or prompt/completion pairs
+COLUMNS = [("messages",), ("text",), ("prompt", "completion")]
 
 
 def main(script_args, training_args, model_args):
-    # Setup: a fresh run directory unless one was chosen; never train over another run.
-    prepare_output_dir(training_args, "sft")
-
-    # Model and data: the embedded defaults unless the config names others.
+    # Model: the embedded tiny model unless the config names another; 4-bit/8-bit loading from the QLoRA flags.
     model = resolve_model(model_args.model_name_or_path)
-    training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
-    dataset = load_dataset_by_name(script_args.dataset_name or DEFAULT_DATASET, script_args.dataset_config)
+    training_args.model_init_kwargs = {
+        "dtype": model_args.dtype,
+        "revision": model_args.model_revision,
+        "attn_implementation": model_args.attn_implementation,
+        "quantization_config": get_quantization_config(model_args),
+        **(training_args.model_init_kwargs or {}),
+    }
+
+    # Data
+    dataset = load_dataset_by_name(script_args.dataset_name, script_args.dataset_config)
 
     # Train
     trainer = SFTTrainer(
@@ -44,14 +58,15 @@ def main(script_args, training_args, model_args):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
-    # Save and evaluate
+    # Save (gathered, verified, committed atomically) and evaluate on the held-out split
     trainer.save_model(training_args.output_dir)
     if trainer.eval_dataset is not None:
-        trainer.log_metrics("eval", trainer.evaluate())
-    announce_done(trainer, "SFT model", f"python recipes/dpo.py --config recipes/configs/dpo.yaml "
-                  f"--model_name_or_path {training_args.output_dir}")
+        metrics = trainer.evaluate()
+        trainer.log_metrics("eval", metrics)
+        report_eval(trainer, metrics, ["eval_loss", "eval_mean_token_accuracy"])
+    announce_done(trainer, "SFT model")
 
 
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig))
-    main(*parser.parse_args_and_config())
+    main(*parse_recipe_args(parser, "sft", COLUMNS))

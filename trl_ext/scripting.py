@@ -1,30 +1,143 @@
-"""Small helpers the recipes share: run directories, existing-output protection, and the closing message."""
+"""What the recipes share: reading the command line, checking the input before anything starts, and the closing report.
 
+``parse_recipe_args`` is the recipes' one entry point. Before any model is loaded it turns bad input (a missing or
+unknown config, unknown keys, an output dir that holds another run, a dataset without the needed columns, a model
+that cannot be found) into one line on stderr and exit code 2, and re-launches under an accelerate config named
+with ``--config`` (see ``trl_ext.launch``).
+"""
+
+import difflib
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from transformers.trainer_utils import get_last_checkpoint
+
+from . import launch
+from .launch import UsageError
+from .runtime import notice
+
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
+RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
 
 
-def prepare_output_dir(training_args, recipe: str) -> str:
-    """Give each run its own directory unless the user chose one, and never train over another run's output.
+def parse_recipe_args(parser, recipe: str, columns: Sequence[Sequence[str]], argv: list[str] | None = None):
+    """``(script_args, training_args, model_args)`` for a recipe, checked; or a re-launch under an accelerate config.
 
-    Returns the output directory; exits with a message (code 2) if a chosen directory already holds files and the
-    run is not a resume.
+    ``columns``: the column sets the recipe accepts, any one of which the dataset must have.
+    Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    accelerate_config, recipe_config, rest = launch.split_configs(argv)
+    num_processes, rest = launch.take_option(rest, "num_processes")
+    overwrite = "--overwrite_output_dir" in rest
+    parser_args = [a for a in rest if a != "--overwrite_output_dir"]
+    if recipe_config is None:
+        recipe_config = str(Path(sys.argv[0]).resolve().parent / "configs" / f"{recipe}.yaml")
+        notice(f"no recipe config given: using {os.path.relpath(recipe_config)} (the embedded tiny model and data).")
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(["--config", recipe_config, *parser_args])
+    except ValueError as exc:  # TrlParser's unknown keys / flags
+        raise UsageError(_unknown_arguments_message(parser, str(exc), recipe_config)) from None
+
+    prepare_output_dir(training_args, recipe, overwrite)
+    _check_model(model_args.model_name_or_path)
+    _check_dataset(script_args, training_args, recipe, columns)
+    if accelerate_config:  # hand the checked choices on, so every process trains into the same place
+        forwarded = [*rest, "--config", recipe_config, "--output_dir", training_args.output_dir]
+        if training_args.resume_from_checkpoint:
+            forwarded += ["--resume_from_checkpoint", training_args.resume_from_checkpoint]
+        launch.relaunch(accelerate_config, sys.argv[0], forwarded, int(num_processes) if num_processes else None)
+    elif num_processes:
+        raise UsageError("--num_processes needs an accelerate config: --config accelerate_configs/<name>.yaml.")
+    _wait_for_everyone()  # every rank has checked the output dir before any rank writes to it
+    return script_args, training_args, model_args
+
+
+def _unknown_arguments_message(parser, error: str, config: str) -> str:
+    import re
+
+    unknown = [a.lstrip("-") for a in re.findall(r"'(--[^']+)'", error)]
+    if not unknown:
+        return error
+    known = {action.dest for action in parser._actions}
+    hints = [f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(u, known, n=1)) else u for u in unknown]
+    where = f"config file '{config}'" if "config file" in error else "the command line"
+    return f"unknown option(s) in {where}: {', '.join(hints)}. `python {sys.argv[0]} --help` lists the options."
+
+
+def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> str:
+    """Give each run its own directory unless the user chose one; never train over another run's output.
+
+    ``--resume_from_checkpoint true`` resolves to the last complete ``checkpoint-N`` of the output dir.
     """
     if training_args.output_dir in (None, TRANSFORMERS_DEFAULT_OUTPUT_DIR):
         training_args.output_dir = _same_on_all_ranks(
             os.path.join("outputs", f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
         )
     out = Path(training_args.output_dir)
-    if out.is_dir() and any(out.iterdir()) and not training_args.resume_from_checkpoint:
-        sys.exit(
-            f"error: output_dir '{out}' already holds files from another run; nothing was changed. "
-            "Choose a new --output_dir, or pass --resume_from_checkpoint to continue that run."
-        )
+    resume = training_args.resume_from_checkpoint
+    if resume in RESUME_LAST:
+        last = get_last_checkpoint(str(out)) if out.is_dir() else None
+        if last is None:
+            raise UsageError(f"--resume_from_checkpoint {resume}: '{out}' holds no complete checkpoint-N to resume "
+                             "from. Check --output_dir, or drop --resume_from_checkpoint to start a new run.")
+        training_args.resume_from_checkpoint = last
+        notice(f"resuming from {last}")
+    elif resume and not (Path(resume) / "trainer_state.json").is_file():
+        raise UsageError(f"--resume_from_checkpoint '{resume}' is not a checkpoint (no trainer_state.json in it). "
+                         "Pass a checkpoint-N directory, or 'true' for the output dir's last one.")
+    elif out.is_dir() and any(out.iterdir()) and not resume:
+        if not overwrite:
+            raise UsageError(
+                f"output_dir '{out}' already holds files from another run; nothing was changed. Choose a new "
+                "--output_dir, pass --resume_from_checkpoint true to continue that run, or --overwrite_output_dir."
+            )
+        notice(f"--overwrite_output_dir: training into '{out}'; its files are replaced as the new run saves.")
     return str(out)
+
+
+def _check_model(name: str | None) -> None:
+    """A model that cannot be found fails here, in one line, not in a long traceback from inside the trainer."""
+    from transformers import AutoConfig
+
+    from .assets import resolve_model
+
+    if not name:
+        raise UsageError("no model given: set model_name_or_path in the recipe config or pass --model_name_or_path.")
+    try:
+        AutoConfig.from_pretrained(resolve_model(name))
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise UsageError(f"cannot load model '{name}': {first}") from None
+
+
+def _check_dataset(script_args, training_args, recipe: str, columns: Sequence[Sequence[str]]) -> None:
+    from .assets import load_dataset_by_name
+
+    name = script_args.dataset_name
+    if not name:
+        raise UsageError("no dataset given: set dataset_name in the recipe config or pass --dataset_name.")
+    try:
+        dataset = load_dataset_by_name(name, script_args.dataset_config)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; the user needs the first line only
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot load dataset '{name}': {first}") from None
+    splits = [script_args.dataset_train_split]
+    if training_args.eval_strategy != "no":
+        splits.append(script_args.dataset_test_split)
+    for split in splits:
+        if split not in dataset:
+            hint = " (or pass --eval_strategy no)" if split == script_args.dataset_test_split else ""
+            raise UsageError(f"dataset '{name}' has no split '{split}'; it has {sorted(dataset)}. Choose one with "
+                             f"--dataset_{'test' if hint else 'train'}_split{hint}.")
+        have = set(dataset[split].column_names)
+        if not any(set(option) <= have for option in columns):
+            wanted = " or ".join("/".join(option) for option in columns)
+            raise UsageError(f"dataset '{name}' split '{split}' has columns {sorted(have)}; the {recipe} recipe needs "
+                             f"{wanted}. Rename the columns or choose another --dataset_name.")
 
 
 def _same_on_all_ranks(value: str) -> str:
@@ -37,6 +150,38 @@ def _same_on_all_ranks(value: str) -> str:
     return broadcast_object_list([value], from_process=0)[0]
 
 
-def announce_done(trainer, what: str, next_command: str) -> None:
-    if trainer.accelerator.is_main_process:
-        print(f"\n[trl_ext] {what} saved to {trainer.args.output_dir}\n[trl_ext] next: {next_command}", flush=True)
+def _wait_for_everyone() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()
+
+
+def report_eval(trainer, final: dict, keys: Sequence[str]) -> None:
+    """Print the held-out metrics before training (the step-0 evaluation) and after it, side by side."""
+    if not trainer.accelerator.is_main_process:
+        return
+    before = next((e for e in trainer.state.log_history if e.get("step") == 0 and "eval_loss" in e), {})
+    parts = [f"{k} {before[k]:.3f} -> {final[k]:.3f}" if k in before else f"{k} {final[k]:.3f}"
+             for k in keys if k in final]
+    print(f"[trl_ext] held-out eval, before -> after training: {', '.join(parts)}", flush=True)
+
+
+def announce_done(trainer, what: str, task: str = "causal") -> None:
+    """Where the saved (and verified) model is, and the next command to use it. ``task``: "causal" or "reward"."""
+    if not trainer.accelerator.is_main_process:
+        return
+    out = trainer.args.output_dir
+    adapter = (Path(out) / "adapter_config.json").is_file()
+    lines = [f"[trl_ext] {what} saved and verified: {out}"]
+    if adapter:
+        lines.append(f"[trl_ext] merge it into a standalone model: trl-ext merge --adapter {out} --out {out}-merged")
+    if task == "reward":
+        loader = ("from peft import AutoPeftModelForSequenceClassification as M; m = M.from_pretrained('{}', num_labels=1)"
+                  if adapter else "from transformers import AutoModelForSequenceClassification as M; m = M.from_pretrained('{}')")
+        lines.append(f'[trl_ext] load it: python -c "{loader.format(out)}; print(m.config.num_labels)"')
+    else:
+        chat = "[{'role': 'user', 'content': 'What is 2+3?'}]"
+        lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; "
+                     f"print(pipeline('text-generation', '{out}')({chat}, max_new_tokens=8))\"")
+    print("\n" + "\n".join(lines), flush=True)

@@ -1,0 +1,112 @@
+"""`--config` handling for the recipes: accelerate configs told apart from recipe configs by content, the re-launch
+command, and the configs shipped in accelerate_configs/ and recipes/configs/."""
+
+import sys
+
+import pytest
+import yaml
+from accelerate.commands.config.config_args import load_config_from_file
+
+from tests.harness import REPO
+from trl_ext import launch
+from trl_ext.launch import UsageError
+
+ACCELERATE_CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+ZERO3, DPO_CONFIG = "accelerate_configs/zero3.yaml", "recipes/configs/dpo.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+    for var in ("RANK", "WORLD_SIZE", launch.RELAUNCHED):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--config", ZERO3, "--config", DPO_CONFIG, "--max_steps", "3"],
+    ["--config", DPO_CONFIG, "--max_steps", "3", f"--config={ZERO3}"],
+])
+def test_configs_are_told_apart_by_content(argv):
+    assert launch.split_configs(argv) == (ZERO3, DPO_CONFIG, ["--max_steps", "3"])
+
+
+def test_only_a_recipe_config():
+    assert launch.split_configs(["--config", DPO_CONFIG]) == (None, DPO_CONFIG, [])
+
+
+def test_bad_config_files(tmp_path):
+    cases = {
+        "missing.yaml": (None, "does not exist"),
+        "list.yaml": ("- a\n- b\n", "neither a recipe config"),
+        "empty.yaml": ("", "neither a recipe config"),
+        "broken.yaml": ("a: [1, 2\n", "is not valid YAML"),
+    }
+    for name, (content, expected) in cases.items():
+        if content is not None:
+            (tmp_path / name).write_text(content)
+        with pytest.raises(UsageError) as err:
+            launch.split_configs(["--config", str(tmp_path / name)])
+        assert expected in str(err.value) and str(err.value).count("\n") == 0, str(err.value)
+        assert err.value.code != 0
+
+
+def test_two_configs_of_one_kind_are_refused():
+    with pytest.raises(UsageError, match="two accelerate configs"):
+        launch.split_configs(["--config", ZERO3, "--config", "accelerate_configs/zero2.yaml"])
+    with pytest.raises(UsageError, match="needs a file"):
+        launch.split_configs(["--config"])
+
+
+def test_relaunch_command():
+    cmd = launch.relaunch_command(ZERO3, "recipes/dpo.py", ["--config", DPO_CONFIG], num_processes=2)
+    assert cmd[:7] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3,
+                       "--num_processes", "2"]
+    assert cmd[7] == "--main_process_port" and int(cmd[8]) > 0  # a free port: an outer launch may hold 29500
+    assert cmd[9:] == ["recipes/dpo.py", "--config", DPO_CONFIG]
+
+
+def test_process_count_follows_the_machine(monkeypatch):
+    assert launch.default_num_processes() == 2  # no GPU here: 2 CPU processes
+    monkeypatch.setenv("WORLD_SIZE", "4")  # `accelerate launch --num_processes 4 recipe.py --config zero3.yaml`
+    assert launch.default_num_processes() == 4
+
+
+def test_relaunch_loop_is_refused(monkeypatch):
+    monkeypatch.setenv(launch.RELAUNCHED, ZERO3)
+    with pytest.raises(UsageError, match="already re-launched"):
+        launch.relaunch(ZERO3, "recipes/dpo.py", [])
+
+
+def test_take_option():
+    assert launch.take_option(["--a", "1", "--num_processes", "4", "--b"], "num_processes") == ("4", ["--a", "1", "--b"])
+    assert launch.take_option(["--num_processes=3"], "num_processes") == ("3", [])
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_shipped_accelerate_configs(path):
+    assert {p.name for p in ACCELERATE_CONFIGS} == {"ddp.yaml", "zero2.yaml", "zero2_offload.yaml", "zero3.yaml",
+                                                    "zero3_offload.yaml"}
+    config = load_config_from_file(str(path))  # accelerate's own reader accepts it
+    text = path.read_text()
+    assert "accelerate launch recipes/" in text and f"--config accelerate_configs/{path.name}" in text
+    assert f"--config_file accelerate_configs/{path.name}" in text  # the header gives both exact commands
+    assert config.num_machines == 1 and config.mixed_precision == "no"  # precision: the training config decides
+    if path.stem == "ddp":
+        assert config.distributed_type == "MULTI_GPU"
+        return
+    ds = config.deepspeed_config
+    assert config.distributed_type == "DEEPSPEED" and ds["zero_stage"] == int(path.stem[4])
+    assert ds["offload_optimizer_device"] == ("cpu" if "offload" in path.stem else "none")
+    assert ds["offload_param_device"] == ("cpu" if path.stem == "zero3_offload" else "none")
+    if ds["zero_stage"] == 3:
+        assert ds["zero3_init_flag"] and ds["zero3_save_16bit_model"]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_recipe_configs_have_only_known_keys(path):
+    from trl_ext import DPOConfig, ModelConfig, RewardConfig, ScriptArguments, SFTConfig, TrlParser
+
+    config_class = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig}[path.stem.split("_")[0]]
+    parser = TrlParser((ScriptArguments, config_class, ModelConfig))
+    assert not launch.is_accelerate_config(yaml.safe_load(path.read_text()))
+    parser.parse_args_and_config(["--config", str(path)])  # unknown keys raise; bf16 falls back to fp32 on CPU
