@@ -9,9 +9,9 @@ import inspect
 import sys
 
 import trl
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from . import checkpointing, configs, reward_head, saving
+from . import checkpointing, configs, input_checks, quantization, reward_head, saving
 from .runtime import check_distributed_setup
 
 
@@ -32,10 +32,16 @@ class TrlExtMixin:
                 output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{self._default_run_suffix}"
             )
         check_distributed_setup(training_args)
+        self._check_input(bound)
+        quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
         user_reentrant = checkpointing.take_user_choice(training_args)
         with self._around_trl_init(bound):
             super().__init__(*bound.args, **bound.kwargs)
+        quantization.match_adapter_dtype(self.args, self.model)
         self._after_trl_init()
+        if not getattr(self.args, "packing", False):  # packing changes the row count by design
+            input_checks.check_rows_kept(bound.arguments.get("train_dataset"), self.train_dataset, "train_dataset",
+                                         getattr(self.args, "max_length", None))
 
         # Gradient checkpointing: non-reentrant unless the user or an unfixed DeepSpeed says otherwise.
         use_reentrant = checkpointing.decide(self.args, self.model, user_reentrant)
@@ -47,12 +53,38 @@ class TrlExtMixin:
         if self.is_deepspeed_enabled:
             saving.guard_save_pretrained(self.model)
 
+    def _check_input(self, bound: inspect.BoundArguments) -> None:
+        """Refuse a missing model path or malformed rows with one clear line, before TRL fails deep inside."""
+        input_checks.check_model_path(bound.arguments.get("model"))
+        args = bound.arguments["args"]
+        if bound.arguments.get("formatting_func") or (getattr(args, "dataset_kwargs", None) or {}).get(
+                "skip_prepare_dataset"):
+            return  # the user formats or prepares the rows themselves
+        datasets = {"train_dataset": bound.arguments.get("train_dataset")}
+        eval_dataset = bound.arguments.get("eval_dataset")
+        if isinstance(eval_dataset, dict):
+            datasets.update({f"eval_dataset['{k}']": v for k, v in eval_dataset.items()})
+        else:
+            datasets["eval_dataset"] = eval_dataset
+        for name, dataset in datasets.items():
+            input_checks.check_dataset(dataset, self._dataset_kind, name, getattr(args, "dataset_text_field", "text"))
+
     def _around_trl_init(self, bound: inspect.BoundArguments):
         """Context for TRL's constructor; trainers with something to fix while TRL builds the model override it."""
         return contextlib.nullcontext()
 
     def _after_trl_init(self) -> None:
         """Checks once TRL's constructor has built everything."""
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """Audit the checkpoint to resume from first: a damaged one is refused in one line, before anything loads."""
+        if resume_from_checkpoint:
+            path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
+                    else resume_from_checkpoint)
+            if path is not None:  # None: Trainer says that no checkpoint was found
+                config = getattr(self.model, "config", None)
+                input_checks.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save through trl_ext's one save path (gathered, streamed, verified, committed atomically)."""
@@ -100,11 +132,13 @@ class TrlExtMixin:
 class SFTTrainer(TrlExtMixin, trl.SFTTrainer):
     __doc__ = trl.SFTTrainer.__doc__
     _config_class, _default_run_suffix = configs.SFTConfig, "SFT"
+    _dataset_kind = "sft"
 
 
 class RewardTrainer(TrlExtMixin, trl.RewardTrainer):
     __doc__ = trl.RewardTrainer.__doc__
     _config_class, _default_run_suffix = configs.RewardConfig, "Reward"
+    _dataset_kind = "preference"
 
     def _around_trl_init(self, bound):
         # One output, and a head trained and saved whole under PEFT (see reward_head).
@@ -119,3 +153,4 @@ class RewardTrainer(TrlExtMixin, trl.RewardTrainer):
 class DPOTrainer(TrlExtMixin, trl.DPOTrainer):
     __doc__ = trl.DPOTrainer.__doc__
     _config_class, _default_run_suffix = configs.DPOConfig, "DPO"
+    _dataset_kind = "preference"

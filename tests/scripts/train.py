@@ -5,8 +5,11 @@ under DeepSpeed, proof that ZeRO-3 really partitioned the parameters.
 """
 
 import argparse
+import errno
 import json
 import os
+import signal
+import time
 
 import torch
 from peft import LoraConfig
@@ -14,6 +17,7 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 import trl_ext
+from trl_ext import shards
 from trl_ext.assets import default_model_path, load_default_dataset
 from trl_ext.checkpointing import layer_settings
 
@@ -67,6 +71,111 @@ def gathered_trainable(model) -> dict:
         return {n: p.detach().cpu().clone().contiguous() for n, p in params.items()}
 
 
+class KillAtStep(TrainerCallback):
+    """Die like a preempted or OOM-killed job: SIGKILL (no cleanup, no flush) at the end of optimizer step ``step``,
+    on every rank or only on ``rank``."""
+
+    def __init__(self, step: int, rank: int | None):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.rank in (None, args.process_index):
+            print(f"[train.py] rank {args.process_index} SIGKILLs itself at step {self.step} (t={time.time():.3f})",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CountSteps(TrainerCallback):
+    """Optimizer steps this process ran (a resumed run runs only those after its checkpoint)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+def kill_every_rank_during_save(step: int, peers: list[int]) -> None:
+    """While checkpoint-``step``'s weights are being written (first tensor done), the writing rank SIGKILLs every
+    other rank and then itself: a whole job preempted mid-save."""
+    end = shards.ShardStreamWriter.end
+
+    def write_then_die(self):
+        end(self)
+        if f"checkpoint-{step}" in str(self.directory):
+            for pid in peers:
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    shards.ShardStreamWriter.end = write_then_die
+
+
+def fail_writes(step: int, code: str) -> None:
+    """Simulate a disk that fills up (ENOSPC) or a directory that becomes read-only (EACCES) under the writer, while
+    checkpoint-``step`` is written."""
+    append = shards.ShardStreamWriter.append
+
+    def failing_append(self, piece):
+        if f"checkpoint-{step}" in str(self.directory):
+            number = getattr(errno, code)
+            raise OSError(number, os.strerror(number))
+        append(self, piece)
+
+    shards.ShardStreamWriter.append = failing_append
+
+
+def innermost_optimizer(optimizer):
+    """The torch optimizer under accelerate's and DeepSpeed's wrappers (holds this rank's Adam state)."""
+    while not isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def optimizer_state(optimizer) -> dict:
+    state = {}  # by position: ZeRO-3 swaps its flat partitions in and out of param_groups
+    for i, param_state in enumerate(innermost_optimizer(optimizer).state.values()):
+        for key, value in param_state.items():
+            state[f"{i}.{key}"] = torch.as_tensor(value).detach().float().cpu().reshape(-1).clone().contiguous()
+    return state
+
+
+PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]  # as tests/scripts/reload.py
+
+
+def probe_outputs(model) -> list:
+    """Logits (causal LM) or rewards on fixed inputs, in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        ids = torch.tensor(PROBE_IDS)
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().tolist()
+    model.train()
+    return out
+
+
+def quantized_init_kwargs(cli) -> dict:
+    """What the recipes pass for --load_in_4bit: trl.get_quantization_config's config, with dtype, no device_map."""
+    from transformers import BitsAndBytesConfig
+
+    config = {"load_in_4bit": True, "bnb_4bit_quant_type": cli.bnb_4bit_quant_type, "bnb_4bit_compute_dtype": "float32"}
+    if cli.bnb_4bit_quant_storage:
+        config["bnb_4bit_quant_storage"] = cli.bnb_4bit_quant_storage
+    return {"dtype": "float32",
+            "quantization_config": config if cli.quant_config_as == "dict" else BitsAndBytesConfig(**config)}
+
+
+def quantization_report(model) -> dict:
+    """The 4-bit weights' storage dtype and the dtypes of the trainable and frozen floating parameters."""
+    four_bit = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
+    others = [p for p in model.parameters() if type(p).__name__ != "Params4bit"]
+    return {
+        "num_4bit": len(four_bit),
+        "storage": sorted({str(p.dtype) for p in four_bit}),
+        "trainable": sorted({str(p.dtype) for p in others if p.requires_grad}),
+        "frozen_float": sorted({str(p.dtype) for p in others if not p.requires_grad and p.is_floating_point()}),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=TRAINERS, required=True)
@@ -76,7 +185,23 @@ def main():
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--gc", choices=GC_MODES, default="default")
     parser.add_argument("--grad_accum", type=int, default=1)
+    parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: no checkpoints)")
+    parser.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True (the last checkpoint)")
+    parser.add_argument("--kill_at_step", type=int, default=0, help="SIGKILL every rank (or --kill_rank) at this step")
+    parser.add_argument("--kill_rank", type=int, default=None)
+    parser.add_argument("--kill_during_save", type=int, default=0,
+                        help="SIGKILL every rank while checkpoint-N is written")
+    parser.add_argument("--fail_save", type=int, default=0, help="the writer fails (--fail_errno) on checkpoint-N")
+    parser.add_argument("--fail_errno", default="ENOSPC", choices=["ENOSPC", "EACCES"])
+    parser.add_argument("--load_in_4bit", action="store_true", help="QLoRA: a BitsAndBytesConfig in model_init_kwargs")
+    parser.add_argument("--bnb_4bit_quant_type", default="nf4", choices=["nf4", "fp4"])
+    parser.add_argument("--bnb_4bit_quant_storage", default=None, help="default: bitsandbytes' (uint8)")
+    parser.add_argument("--quant_config_as", default="object", choices=["object", "dict"], help="as YAML would give it")
+    parser.add_argument("--save_model", default=None, help="trainer.save_model(OUTPUT_DIR/NAME) after training, and "
+                        "the trained model's probe outputs to OUTPUT_DIR/probes_NAME.json")
     cli = parser.parse_args()
+    if cli.fail_save:
+        fail_writes(cli.fail_save, cli.fail_errno)
 
     trainer_cls, config_cls, data_kind = TRAINERS[cli.trainer]
     dataset = load_default_dataset(data_kind)["train"].select(range(cli.rows))
@@ -87,26 +212,55 @@ def main():
         gradient_accumulation_steps=cli.grad_accum,
         learning_rate=1e-3,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if cli.save_steps else "no",
+        save_steps=cli.save_steps or 500,
         report_to="none",
         seed=0,
         dataloader_num_workers=0,
         **GC_MODES[cli.gc],
+        **({"model_init_kwargs": quantized_init_kwargs(cli)} if cli.load_in_4bit else {}),
     )
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if cli.lora else None
     recorder = RecordCheckpointing()
+    counter = CountSteps()
+    callbacks = [recorder, counter] + ([KillAtStep(cli.kill_at_step, cli.kill_rank)] if cli.kill_at_step else [])
     trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, peft_config=peft_config,
-                          callbacks=[recorder])
-    report = {"world_size": args.world_size, "zero_stage": None, "partition": None}
+                          callbacks=callbacks)
+    if cli.kill_during_save:
+        peers = [os.getpid()]
+        if torch.distributed.is_initialized():
+            peers = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(peers, os.getpid())
+        kill_every_rank_during_save(cli.kill_during_save, peers)
+    report = {"world_size": args.world_size, "zero_stage": None, "partition": None,
+              "distributed_type": trainer.accelerator.distributed_type.value}
     if args.deepspeed_plugin is not None:
         report["zero_stage"] = args.deepspeed_plugin.zero_stage
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
         report["partition"] = partition_report(trainer.model_wrapped)
     report["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     report["train_loss"] = result.training_loss
     report["global_step"] = trainer.state.global_step
+    report["log_history"] = trainer.state.log_history
+    report["steps_run_here"] = counter.steps
+    if cli.save_steps or cli.resume:  # what a resume must restore: the schedule and each rank's optimizer state
+        scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # under accelerate's wrapper
+        report["scheduler"] = {"last_epoch": scheduler.last_epoch, "last_lr": scheduler.get_last_lr()}
+        optim = optimizer_state(trainer.optimizer)
+        report["optimizer_steps"] = sorted({v.item() for k, v in optim.items() if k.endswith(".step")})
+        rank = trainer.accelerator.process_index
+        save_file(optim, os.path.join(cli.output_dir, f"optimizer_rank{rank}.safetensors"))
     report["checkpointing"] = recorder.seen
+    if cli.load_in_4bit:
+        report["quantization"] = quantization_report(trainer.model)
+    if cli.save_model:
+        probes = probe_outputs(trainer.model)  # collective under ZeRO-3: every rank runs it
+        trainer.save_model(os.path.join(cli.output_dir, cli.save_model))
+        if trainer.accelerator.is_main_process:
+            with open(os.path.join(cli.output_dir, f"probes_{cli.save_model}.json"), "w") as f:
+                json.dump(probes, f)
     weights = gathered_trainable(trainer.model)
     if trainer.accelerator.is_main_process:
         save_file(weights, os.path.join(cli.output_dir, "trained.safetensors"))

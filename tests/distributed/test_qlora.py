@@ -1,0 +1,118 @@
+"""QLoRA (4-bit base + LoRA) for the three trainers under real 2-process ZeRO-3 and ZeRO-2 on CPU (bitsandbytes' CPU
+backend): trains, saves an adapter that passes the audit, and reloads in a fresh process with plain transformers +
+peft, on the 4-bit base and on the full-precision base, with outputs close to the trained model's.
+
+Run as ``python -m tests.distributed.test_qlora BASE KIND ADAPTER QUANT_TYPE`` this file is the reload script (it
+imports no trl_ext).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import REPO, run_training
+
+pytestmark = pytest.mark.slow
+
+# Tolerances, on the trained model's outputs (logits, or rewards) at fixed inputs:
+# - reloaded on the 4-bit base: the same NF4 weights and adapter, one process without DeepSpeed instead of two with it
+#   (measured: 0.0).
+ATOL_4BIT = 1e-4
+# - reloaded on the full-precision base: quantization is lossy, so the outputs differ by the base's 4-bit error. Bound:
+#   no more than 1.25x the error of the base alone (max|full base - 4-bit base|, no adapter, same inputs; measured
+#   ratio 0.99-1.06). The adapter must also still do what it did in training: its effect on the full-precision base
+#   (with - without adapter) within 25% of its effect on the 4-bit base (measured 9-10%).
+QUANTIZATION_ERROR_MARGIN = 1.25
+ADAPTER_EFFECT_RTOL = 0.25
+
+PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]  # as tests/scripts/train.py
+
+CASES = [(trainer, backend) for trainer in ("sft", "reward", "dpo") for backend in ("zero3", "zero2")]
+
+
+def reload(adapter: Path, kind: str, quant_type: str) -> dict[str, torch.Tensor]:
+    """Outputs of the adapter on the full-precision and on the 4-bit base, and of both bases alone (fresh process)."""
+    from trl_ext.assets import default_model_path
+
+    proc = subprocess.run([sys.executable, "-m", "tests.distributed.test_qlora", default_model_path(), kind,
+                           str(adapter), quant_type], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {k: torch.tensor(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+@pytest.mark.parametrize(("trainer", "backend"), CASES)
+def test_qlora_trains_saves_and_reloads(tmp_path, trainer, backend):
+    from trl_ext.assets import default_model_path
+    from trl_ext.verify import audit
+
+    as_dict = trainer == "dpo"  # the YAML path: quantization_config given as a dict
+    report = run_training(tmp_path, backend, trainer, "--lora", "--load_in_4bit", "--save_model", "final",
+                          "--max_steps", "2", "--rows", "8", "--quant_config_as", "dict" if as_dict else "object")
+    out = tmp_path / "out"
+    stage = int(backend[-1])
+    assert report["zero_stage"] == stage and report["world_size"] == 2
+    quant = report["quantization"]
+    assert quant["num_4bit"] > 0, "the base was not loaded in 4-bit"
+    # ZeRO-3: storage follows DeepSpeed's dtype (fp32 on CPU); ZeRO-2 keeps bitsandbytes' uint8
+    assert quant["storage"] == (["torch.float32"] if stage == 3 else ["torch.uint8"])
+    assert quant["trainable"] == quant["frozen_float"] == ["torch.float32"], "adapter and base dtypes differ"
+    if stage == 3:
+        partition = report["partition"]
+        assert partition["num_partitioned"] == partition["num_params"], "ZeRO-3 did not partition every parameter"
+
+    adapter = out / "final"
+    result = audit(str(adapter), base=default_model_path())
+    assert result.ok, result.format()
+    trained = torch.tensor(json.loads((out / "probes_final.json").read_text()))
+    got = reload(adapter, "reward" if trainer == "reward" else "causal", "nf4")
+    diff_4bit = (got["4bit"] - trained).abs().max().item()
+    diff_full = (got["full"] - trained).abs().max().item()
+    base_error = (got["base_4bit"] - got["base_full"]).abs().max().item()
+    effect = trained - got["base_4bit"]  # what the trained adapter (and reward head) changes
+    effect_error = ((got["full"] - got["base_full"]) - effect).abs().max().item()
+    print(f"{trainer}/{backend}: max|diff| vs trained: 4-bit base {diff_4bit:.3g}, full-precision base {diff_full:.3g} "
+          f"(base quantization error {base_error:.3g}); adapter effect {effect.abs().max():.3g}, off by "
+          f"{effect_error:.3g} on the full-precision base")
+    assert effect.abs().max() > 10 * ATOL_4BIT, "training did not change the outputs: the checks would prove nothing"
+    assert diff_4bit <= ATOL_4BIT, f"reloaded on the 4-bit base: max diff {diff_4bit}"
+    assert diff_full <= QUANTIZATION_ERROR_MARGIN * base_error, (
+        f"reloaded on the full-precision base: max diff {diff_full}, base quantization error {base_error}")
+    assert effect_error <= ADAPTER_EFFECT_RTOL * effect.abs().max(), (
+        f"the adapter's effect on the full-precision base is off by {effect_error}")
+
+
+def _probe(model) -> list:
+    model.eval()
+    with torch.no_grad():
+        ids = torch.tensor(PROBE_IDS)
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().tolist()
+
+
+def _reload_main(base: str, kind: str, adapter: str, quant_type: str) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    auto, extra = AutoModelForCausalLM, {}
+    if kind == "reward":
+        auto, extra = AutoModelForSequenceClassification, {"num_labels": 1, "pad_token_id": tokenizer.pad_token_id}
+    four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype="float32")
+    outputs = {}
+    for name, kwargs in {"full": {}, "4bit": {"quantization_config": four_bit}}.items():
+        torch.manual_seed(0)
+        model = auto.from_pretrained(base, dtype=torch.float32, **extra, **kwargs)
+        outputs[f"base_{name}"] = _probe(model)
+        outputs[name] = _probe(PeftModel.from_pretrained(model, adapter))
+    print(json.dumps(outputs))
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("error", message=".*missing adapter keys.*")  # a head or LoRA weight not restored
+    _reload_main(*sys.argv[1:])
