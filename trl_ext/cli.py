@@ -32,9 +32,15 @@ def _model(_: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Audit a saved checkpoint (adapter or full model); exit 1 if it has problems."""
+    from .input_checks import check_model_path
     from .verify import audit
 
-    report = audit(args.path, base=args.base, num_labels=args.num_labels)
+    try:
+        check_model_path(args.base)
+        report = audit(args.path, base=args.base, num_labels=args.num_labels)
+    except OSError as exc:  # a --base that is not there: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(report.format())
     return 0 if report.ok else 1
 
@@ -47,7 +53,7 @@ def _merge(args: argparse.Namespace) -> int:
     try:
         out = merge(args.adapter, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
                     dequantize_base=args.dequantize_base)
-    except (MergeError, CheckpointError) as exc:
+    except (MergeError, CheckpointError, OSError) as exc:  # OSError: a base or adapter path that is not there
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"merged model saved to {out}: load it with from_pretrained('{out}')")
@@ -69,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("--adapter", required=True, help="the adapter directory (adapter_config.json + weights)")
     merge.add_argument("--out", required=True, help="where to write the merged model (must not hold files)")
     merge.add_argument("--base", help="base model id or path (default: the one recorded in the adapter)")
-    merge.add_argument("--dtype", default="auto", help="dtype to load and save in: auto, float32, bfloat16, float16")
+    merge.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="dtype to load and save in (default: auto, the base checkpoint's)")
     merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     merge.add_argument("--dequantize-base", action="store_true",
                        help="allow a quantized base checkpoint: load it and dequantize before merging")

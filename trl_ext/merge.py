@@ -15,6 +15,7 @@ import torch
 
 from . import gather, saving, verify
 from .assets import resolve_model
+from .input_checks import check_model_path
 
 PROBE_LENGTH = 16
 
@@ -70,13 +71,14 @@ def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
     if not recorded:
         raise MergeError("the adapter does not record its base model; pass --base")
     base = resolve_model(recorded)
+    check_model_path(base)
     _refuse_quantized(base, dequantize_base)
 
     is_classifier = config.get("task_type") == "SEQ_CLS"
     num_labels = _head_outputs(adapter_dir) if is_classifier else None
     report = verify.audit(str(adapter_dir), base=base, num_labels=num_labels or 1)
     if not report.ok:
-        raise MergeError("the adapter does not fit this base model:\n" + report.format())
+        raise MergeError("the adapter is damaged or does not fit this base model:\n" + report.format())
 
     tokenizer_source = adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)

@@ -29,6 +29,8 @@ logger = logging.getLogger("trl_ext")
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
 PARTIAL_SUFFIX = ".trl_ext-partial"  # staging directories; never matched by checkpoint-N detection
 PREVIOUS_SUFFIX = ".trl_ext-previous"  # a replaced checkpoint, removed once the new one is in place
+WRITE_FIX = ("nothing was committed and earlier saves are intact; free disk space or fix permissions there, then "
+             "save again (or resume from the last checkpoint)")
 # Files from_pretrained opens first: moved into place last, so an interrupted commit never looks complete.
 ENTRY_POINTS = ("model.safetensors.index.json", "model.safetensors", "adapter_model.safetensors")
 _WEIGHTS_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
@@ -130,7 +132,9 @@ class _Guarded:
         if self.error is None:
             try:
                 getattr(self.writer, method)(*args)
-            except (OSError, ValueError) as exc:
+            except OSError as exc:  # disk full, permission denied, I/O error
+                self.error = f"writing {self.writer.directory}: {exc}; {WRITE_FIX}"
+            except ValueError as exc:
                 self.error = f"writing {self.writer.directory}: {exc}"
 
     def begin(self, name):
@@ -236,7 +240,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             for ws in weight_sets:
                 (staging / ws.subdir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            error = f"cannot create {staging}: {exc}"
+            error = f"cannot create {staging}: {exc}; {WRITE_FIX}"
         total = sum(s.nbytes for ws in weight_sets for specs in ws.plan.values() for s in specs)
         logger.info(f"[trl_ext] saving {total / 2**20:.1f} MiB to {target}")
     writers = _ranks_where(is_writer) if collective else [0]
