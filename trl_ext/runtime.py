@@ -35,9 +35,11 @@ def adapt_to_hardware(args) -> None:
 
     - bf16/fp16 requested where the hardware cannot run them -> fp32. TRL's configs default to bf16, which fails on
       CPU with "Your setup doesn't support bf16/gpu".
-    - A multi-process launch without a GPU -> the gloo backend. Without it accelerate (DeepSpeed especially) finds no
-      backend and each process trains alone.
+    - A multi-process launch without a GPU -> the gloo backend, and (without DeepSpeed) accelerate's CPU mode. Without
+      them accelerate finds no backend, or sets up no data parallelism, and each process trains alone.
     """
+    if args.bf16 and args.fp16:  # both asked for explicitly (TRL's bf16 default is None); on CPU both would vanish
+        raise ValueError("bf16=True and fp16=True conflict: pass only one of --bf16 / --fp16 (neither: fp32)")
     if args.use_cpu:
         return  # the user asked for CPU explicitly; transformers handles that path itself
     bf16_requested = args.bf16 is None or args.bf16 or args.bf16_full_eval  # TRL resolves None to True
@@ -47,15 +49,26 @@ def adapt_to_hardware(args) -> None:
     if (args.fp16 or args.fp16_full_eval) and not has_accelerator():
         args.fp16, args.fp16_full_eval = False, False
         notice("fp16 needs a GPU and none was found: training in fp32 instead.")
-    if is_distributed_launch() and args.ddp_backend is None and not has_accelerator():
-        args.ddp_backend = "gloo"
-        notice("multi-process launch without a GPU: using the gloo backend (CPU).")
+    if is_distributed_launch() and not has_accelerator():
+        if args.ddp_backend is None:
+            args.ddp_backend = "gloo"
+            notice("multi-process launch without a GPU: using the gloo backend (CPU).")
+        if not uses_deepspeed(args):
+            # Without a GPU, accelerate sets up data parallelism only when told it runs on CPU (MULTI_CPU); otherwise
+            # every rank trains alone on all the data. Under DeepSpeed this must stay unset: transformers would skip it.
+            os.environ["ACCELERATE_USE_CPU"] = "true"
+
+
+def uses_deepspeed(args) -> bool:
+    return bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def check_distributed_setup(args) -> None:
     """Fail early, with the fix, when a launch with several processes ended up with one training process."""
+    from transformers.training_args import ParallelMode
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and args.world_size == 1:
+    if world > 1 and (args.world_size == 1 or args.parallel_mode != ParallelMode.DISTRIBUTED):
         raise RuntimeError(
             f"This script was launched with {world} processes, but each one set up training alone (world size 1). "
             "On a machine without a GPU, pass ddp_backend='gloo' or build the config from trl_ext "

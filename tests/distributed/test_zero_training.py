@@ -40,3 +40,5 @@ def test_zero2_does_not_partition_parameters(tmp_path):
 def test_ddp_on_cpu(tmp_path):
     report = run_training(tmp_path, "ddp", "dpo", "--lora")
     assert report["world_size"] == 2 and report["zero_stage"] is None
+    # really data parallel: accelerate's CPU multi-process mode, the model wrapped in DDP (gradients averaged)
+    assert report["distributed_type"] == "MULTI_CPU" and report["ddp_wrapped"], report

@@ -18,7 +18,8 @@ def gpu(monkeypatch):
 
 
 def _fields(**kw):
-    base = dict(use_cpu=False, bf16=None, bf16_full_eval=False, fp16=False, fp16_full_eval=False, ddp_backend=None)
+    base = dict(use_cpu=False, bf16=None, bf16_full_eval=False, fp16=False, fp16_full_eval=False, ddp_backend=None,
+                deepspeed=None)
     return type("Args", (), {**base, **kw})()
 
 
@@ -46,6 +47,17 @@ def test_gloo_only_for_multi_process_cpu_launch(cpu_only, monkeypatch):
     chosen = _fields(bf16=False, ddp_backend="mpi")
     runtime.adapt_to_hardware(chosen)
     assert chosen.ddp_backend == "mpi"  # an explicit choice is kept
+
+
+def test_cpu_ddp_is_accelerate_cpu_mode_but_deepspeed_is_left_alone(cpu_only, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # accelerate launch with a DeepSpeed config
+    runtime.adapt_to_hardware(_fields(bf16=False))
+    assert "ACCELERATE_USE_CPU" not in runtime.os.environ  # transformers would skip DeepSpeed with it set
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    runtime.adapt_to_hardware(_fields(bf16=False))  # DDP: without CPU mode each rank would train alone
+    assert runtime.os.environ["ACCELERATE_USE_CPU"] == "true"
 
 
 def test_nothing_changes_on_a_gpu_machine(gpu, monkeypatch, caplog):
