@@ -29,9 +29,6 @@ from trl_ext import DPOConfig, DPOTrainer, ModelConfig, ScriptArguments, TrlPars
 from trl_ext.assets import load_dataset_by_name, resolve_model
 from trl_ext.scripting import announce_done, parse_recipe_args, report_eval
 
-# prompt/chosen/rejected, or chosen/rejected conversations that hold the prompt
-COLUMNS = [("prompt", "chosen", "rejected"), ("chosen", "rejected")]
-
 
 def main(script_args, training_args, model_args):
     # Model: the embedded tiny model unless the config names another; 4-bit/8-bit loading from the QLoRA flags.
@@ -68,4 +65,4 @@ def main(script_args, training_args, model_args):
 
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig))
-    main(*parse_recipe_args(parser, "dpo", COLUMNS))
+    main(*parse_recipe_args(parser, "dpo", dataset_kind="preference"))

@@ -30,9 +30,6 @@ from trl_ext import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlPars
 from trl_ext.assets import load_dataset_by_name, resolve_model
 from trl_ext.scripting import announce_done, parse_recipe_args, report_eval
 
-# conversations, plain text, or prompt/completion pairs
-COLUMNS = [("messages",), ("text",), ("prompt", "completion")]
-
 
 def main(script_args, training_args, model_args):
     # Model: the embedded tiny model unless the config names another; 4-bit/8-bit loading from the QLoRA flags.
@@ -69,4 +66,4 @@ def main(script_args, training_args, model_args):
 
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig))
-    main(*parse_recipe_args(parser, "sft", COLUMNS))
+    main(*parse_recipe_args(parser, "sft", dataset_kind="sft"))

@@ -85,6 +85,11 @@ def launch(script: str | Path, script_args: list[str], accelerate_config: Path, 
     """Run ``accelerate launch --config_file CONFIG SCRIPT ARGS`` and return its exit code and combined output."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
            "--main_process_port", str(free_port()), str(script), *script_args]
+    return run_command(cmd, timeout, env)
+
+
+def run_command(cmd: list[str], timeout: float = 300, env: dict | None = None) -> Launch:
+    """Run ``cmd`` in the repository in its own process group; kill the whole tree on timeout. Output combined."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     # Output goes to a file, not a pipe: a rank that outlives the launcher cannot block us by holding a pipe open.
     with tempfile.TemporaryFile(mode="w+") as log:

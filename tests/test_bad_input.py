@@ -112,6 +112,44 @@ def config(kind: str, **fields) -> Callable:
     return run
 
 
+def recipe(name: str, *argv: str) -> Callable:
+    """``python recipes/NAME.py ARGV``'s checks before anything starts, in-process (the same function the script calls;
+    tests/test_recipes.py runs the scripts end to end). Without a ``--config`` the recipe's tiny config is used."""
+
+    def run(ws: Path, assets: Path) -> tuple[int, str]:
+        import trl_ext
+        from trl_ext.scripting import parse_recipe_args
+
+        config_cls, kind = {"sft": (trl_ext.SFTConfig, "sft"), "reward": (trl_ext.RewardConfig, "preference"),
+                            "dpo": (trl_ext.DPOConfig, "preference")}[name]
+        parser = trl_ext.TrlParser((trl_ext.ScriptArguments, config_cls, trl_ext.ModelConfig))
+        import datasets
+
+        args = [a.format(ws=ws, assets=assets) for a in argv]
+        configs = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
+        if all(c.startswith("accelerate_configs/") for c in configs):  # no recipe config: the script's default
+            args = ["--config", str(REPO / "recipes" / "configs" / f"{name}.yaml"), *args]
+        datasets.disable_progress_bars()  # "Generating train split" bars are not part of the message
+        try:
+            return run_python(lambda: parse_recipe_args(parser, name, kind, ["--output_dir", str(ws / "out"), *args]))
+        finally:
+            datasets.enable_progress_bars()
+
+    return run
+
+
+def files(**contents: str) -> Callable[[Path, Path], None]:
+    """Files in the workspace (a bad config, a dataset directory's splits)."""
+
+    def setup(ws: Path, assets: Path) -> None:
+        for name, text in contents.items():
+            path = ws / name.replace("__", "/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+
+    return setup
+
+
 def with_setup(setup: Callable[[Path, Path], None], run: Callable) -> Callable:
     def both(ws: Path, assets: Path) -> tuple[int, str]:
         return run(ws, assets)
@@ -229,6 +267,39 @@ CASES = [
          1, "checkpoint-2: adapter_model.safetensors: cannot be read as safetensors"),
     Case("resume-missing-checkpoint", trainer("sft", SFT_ROWS, lora=True, resume="{ws}/run/checkpoint-9"), 1,
          "cannot resume from"),
+    # --- recipes: checked before any model loads or any process is launched; one line, exit 1
+    Case("recipe-config-does-not-exist", recipe("dpo", "--config", "{ws}/nothing.yaml"), 1, "does not exist"),
+    Case("recipe-config-neither-kind", with_setup(files(**{"list.yaml": "- a\n- b\n"}),
+                                                  recipe("dpo", "--config", "{ws}/list.yaml")),
+         1, "is neither a recipe config"),
+    Case("recipe-unknown-config-key", with_setup(files(**{"typo.yaml": "learnin_rate: 1.0e-3\n"}),
+                                                 recipe("dpo", "--config", "{ws}/typo.yaml")),
+         1, "learnin_rate (did you mean learning_rate?)"),
+    Case("recipe-unknown-flag", recipe("dpo", "--config", "accelerate_configs/zero3.yaml", "--lora_rr", "8"), 1,
+         "lora_rr (did you mean lora_r?)"),
+    Case("recipe-dataset-missing-columns",
+         with_setup(files(**{"data__train.jsonl": '{"question": "1+1?", "answer": "2"}\n',
+                             "data__test.jsonl": '{"question": "1+1?", "answer": "2"}\n'}),
+                    recipe("dpo", "--dataset_name", "{ws}/data")),
+         1, "has columns ['question', 'answer'], but this trainer needs chosen+rejected"),
+    Case("recipe-dataset-malformed-row",
+         with_setup(files(**{"data__train.jsonl": '{"messages": [{"role": "user", "content": "1+1?"}]}\n'
+                                                  '{"messages": "1+1=2"}\n'}),
+                    recipe("sft", "--dataset_name", "{ws}/data", "--eval_strategy", "no")),
+         1, "first at row 1: 'messages'"),
+    Case("recipe-dataset-missing-split", recipe("dpo", "--dataset_test_split", "validation"), 1,
+         "has no split 'validation'"),
+    Case("recipe-missing-model-path", recipe("sft", "--model_name_or_path", "{ws}/no-model"), 1, "cannot load model"),
+    Case("recipe-output-dir-holds-another-run", with_setup(occupied(), recipe("reward")), 1, "already holds files"),
+    Case("recipe-resume-without-checkpoint", recipe("sft", "--resume_from_checkpoint", "true"), 1,
+         "holds no complete checkpoint-N"),
+    Case("recipe-conflicting-4bit-without-peft", recipe("sft", "--load_in_4bit"), 1, "add --use_peft"),
+    Case("recipe-conflicting-4bit-dtype-auto", recipe("sft", "--use_peft", "--load_in_4bit", "--dtype", "auto"), 1,
+         "pass --dtype bfloat16"),
+    Case("recipe-conflicting-4bit-and-8bit", recipe("dpo", "--use_peft", "--load_in_4bit", "--load_in_8bit"), 1,
+         "8 bit and 4 bit"),
+    Case("recipe-num-processes-without-accelerate-config", recipe("dpo", "--num_processes", "4"), 1,
+         "needs an accelerate config"),
 ]
 
 

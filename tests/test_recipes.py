@@ -1,34 +1,118 @@
-"""The recipes as users run them: `python recipes/X.py --config recipes/configs/X.yaml`, and under ZeRO-3."""
+"""The recipes as users run them, end to end in subprocesses: one process, and under ZeRO-3 on 2 CPU processes in the
+headline form `accelerate launch recipes/X.py --config accelerate_configs/zero3.yaml`."""
 
-import subprocess
+import json
+import re
 import sys
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from tests.harness import REPO, launch, write_accelerate_config
+from tests.harness import run_command
 from trl_ext.assets import default_model_path
 from trl_ext.verify import audit
 
 SHORT = ["--max_steps", "4", "--eval_steps", "2", "--logging_steps", "2", "--per_device_eval_batch_size", "64"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
-def run_recipe(name, *args):
+def run_recipe(name, *args, timeout=300):
     cmd = [sys.executable, f"recipes/{name}.py", "--config", f"recipes/configs/{name}.yaml", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    return run_command(cmd, timeout)
 
 
-@pytest.mark.parametrize("name", ["sft", "reward", "dpo"])
-def test_recipe_trains_saves_and_reloads(name, tmp_path):
-    out = tmp_path / name
-    result = run_recipe(name, "--output_dir", str(out), *SHORT)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert f"saved to {out}" in result.stdout
-    assert "eval_loss" in result.stdout + result.stderr
-    if name == "reward":
+def assert_trained_and_saved(result, out, name):
+    assert not result.timed_out and result.returncode == 0, result.output[-6000:]
+    assert f"saved and verified: {out}" in result.output
+    before_after = re.search(r"held-out eval, before -> after training: eval_loss ([\d.]+) -> ([\d.]+)", result.output)
+    assert before_after, result.output[-3000:]
+    assert list((out / "runs").rglob("events.out.tfevents.*")), "no TensorBoard logs"
+    report = audit(str(out), base=default_model_path())
+    assert report.ok, report.format()
+    if (out / "adapter_config.json").exists():
+        assert f"trl-ext merge --adapter {out}" in result.output
+    elif name == "reward":
         assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 1
     else:
         AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.parametrize("name", ["sft", "reward", "dpo"])
+def test_recipe_single_process(name, tmp_path):
+    out = tmp_path / name
+    result = run_recipe(name, "--output_dir", str(out), *SHORT)
+    assert_trained_and_saved(result, out, name)
+    assert "running under" not in result.output  # no accelerate config: no re-launch
+
+
+# sft: both configs in one command; reward: LoRA with the F2 config; dpo: exactly the headline form
+ZERO3_CASES = {
+    "sft": ["--config", "accelerate_configs/zero3.yaml", "--config", "recipes/configs/sft.yaml"],
+    "reward": ["--config", "recipes/configs/reward.yaml", "--config", "accelerate_configs/zero3.yaml",
+               "--use_peft", "--lora_target_modules", "all-linear"],
+    "dpo": ["--config", "accelerate_configs/zero3.yaml"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sft", "reward", "dpo"])
+def test_recipe_as_written_under_zero3(name, tmp_path):
+    out = tmp_path / name
+    cmd = [*ACCELERATE, f"recipes/{name}.py", *ZERO3_CASES[name], "--output_dir", str(out), *SHORT,
+           "--save_strategy", "steps", "--save_steps", "4"]
+    result = run_command(cmd, timeout=600, env={"HF_HOME": str(tmp_path / "hf")})  # no user accelerate default config
+    assert_trained_and_saved(result, out, name)
+    assert "running under accelerate_configs/zero3.yaml with 2 processes" in result.output
+    assert "gloo backend" in result.output
+    # DeepSpeed wrote ZeRO-3 (partitioned-parameter) states for 2 ranks: it really ran under ZeRO-3 on 2 processes
+    states = sorted(p.name for p in (out / "checkpoint-4" / "global_step4").iterdir())
+    assert [s for s in states if s.endswith("model_states.pt")] == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"], states
+
+
+@pytest.mark.slow
+def test_canonical_form(tmp_path):
+    out = tmp_path / "dpo"
+    cmd = [*ACCELERATE, "--config_file", "accelerate_configs/zero3.yaml", "recipes/dpo.py",
+           "--config", "recipes/configs/dpo.yaml", "--output_dir", str(out), *SHORT, "--use_peft", "--lora_r", "4"]
+    result = run_command(cmd, timeout=600)
+    assert_trained_and_saved(result, out, "dpo")
+    assert "running under" not in result.output and "gloo backend" in result.output
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_resume_continues_where_it_stopped(tmp_path):
+    out = tmp_path / "sft"
+    args = ["--output_dir", str(out), "--eval_strategy", "no", "--logging_steps", "1", "--save_strategy", "steps",
+            "--save_steps", "2"]
+    first = run_recipe("sft", *args, "--max_steps", "4")
+    assert first.returncode == 0, first.output[-4000:]
+    first_log = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+
+    second = run_recipe("sft", *args, "--max_steps", "6", "--resume_from_checkpoint", "true")
+    assert second.returncode == 0, second.output[-4000:]
+    assert f"resuming from {out / 'checkpoint-4'}" in second.output
+    state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    losses = {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]  # steps 1-4 from the first run, 5-6 trained after the resume
+    assert all(losses[e["step"]] == e["loss"] for e in first_log if "loss" in e)
+
+
+def test_bad_input_is_one_line_before_anything_starts(tmp_path):
+    (tmp_path / "typo.yaml").write_text("learnin_rate: 1.0e-3\n")
+    cases = [
+        (["--config", str(tmp_path / "nothing.yaml")], "does not exist"),
+        (["--config", str(tmp_path / "typo.yaml")], "learnin_rate (did you mean learning_rate?)"),
+        (["--config", "accelerate_configs/zero3.yaml", "--lora_rr", "8"], "lora_rr (did you mean lora_r?)"),
+    ]
+    for args, expected in cases:
+        result = run_command([sys.executable, "recipes/dpo.py", *args, "--output_dir", str(tmp_path / "out")], 120)
+        assert result.returncode != 0, result.output[-2000:]
+        errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and expected in errors[0], result.output[-2000:]
+        assert "Traceback" not in result.output and "running under" not in result.output
+        assert not (tmp_path / "out").exists()
 
 
 def test_recipe_refuses_to_train_over_another_run(tmp_path):
@@ -37,19 +121,19 @@ def test_recipe_refuses_to_train_over_another_run(tmp_path):
     (out / "model.safetensors").write_bytes(b"precious")
     result = run_recipe("dpo", "--output_dir", str(out), *SHORT)
     assert result.returncode != 0
-    assert "already holds files" in result.stderr
+    assert "already holds files" in result.output and "Traceback" not in result.output
     assert (out / "model.safetensors").read_bytes() == b"precious"
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
 
 
 @pytest.mark.slow
-def test_dpo_recipe_under_zero3_with_lora(tmp_path):
-    config = write_accelerate_config(tmp_path, "zero3")
-    out = tmp_path / "run"
-    result = launch(REPO / "recipes" / "dpo.py", ["--config", "recipes/configs/dpo.yaml", "--output_dir", str(out),
-                                                  "--use_peft", "--lora_r", "4", *SHORT], config, timeout=300)
-    assert result.returncode == 0, result.output[-6000:]
-    assert "gloo backend" in result.output
-    assert (out / "adapter_config.json").exists()
-    report = audit(str(out), base=default_model_path())
-    assert report.ok, report.format()
+@pytest.mark.parametrize("config", ["ddp", "zero2", "zero2_offload", "zero3_offload"])
+def test_every_accelerate_config_trains(config, tmp_path):
+    out = tmp_path / config
+    cmd = [*ACCELERATE, "recipes/sft.py", "--config", f"accelerate_configs/{config}.yaml", "--output_dir", str(out),
+           "--max_steps", "2", "--eval_strategy", "no", "--logging_steps", "1"]
+    result = run_command(cmd, timeout=600, env={"HF_HOME": str(tmp_path / "hf")})
+    assert not result.timed_out and result.returncode == 0, result.output[-6000:]
+    assert f"running under accelerate_configs/{config}.yaml with 2 processes" in result.output
+    assert f"saved and verified: {out}" in result.output
+    assert audit(str(out)).ok

@@ -23,10 +23,10 @@ TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments pic
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
 
 
-def parse_recipe_args(parser, recipe: str, columns: Sequence[Sequence[str]], argv: list[str] | None = None):
+def parse_recipe_args(parser, recipe: str, dataset_kind: str, argv: list[str] | None = None):
     """``(script_args, training_args, model_args)`` for a recipe, checked; or a re-launch under an accelerate config.
 
-    ``columns``: the column sets the recipe accepts, any one of which the dataset must have.
+    ``dataset_kind``: "sft" or "preference", the rows the recipe's trainer reads (see ``input_checks.REQUIRED``).
     Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -39,12 +39,16 @@ def parse_recipe_args(parser, recipe: str, columns: Sequence[Sequence[str]], arg
         notice(f"no recipe config given: using {os.path.relpath(recipe_config)} (the embedded tiny model and data).")
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(["--config", recipe_config, *parser_args])
-    except ValueError as exc:  # TrlParser's unknown keys / flags
+    except ValueError as exc:  # TrlParser's unknown keys / flags, or a config's own check (4-bit and 8-bit, ...)
         raise UsageError(_unknown_arguments_message(parser, str(exc), recipe_config)) from None
 
+    if training_args.eval_strategy == "no" and training_args.eval_on_start:  # `--eval_strategy no` over a config
+        training_args.eval_on_start = False
+        notice("eval_strategy is 'no': eval_on_start is switched off too.")
+    _check_flags(model_args)
     prepare_output_dir(training_args, recipe, overwrite)
     _check_model(model_args.model_name_or_path)
-    _check_dataset(script_args, training_args, recipe, columns)
+    _check_dataset(script_args, training_args, dataset_kind)
     if accelerate_config:  # hand the checked choices on, so every process trains into the same place
         forwarded = [*rest, "--config", recipe_config, "--output_dir", training_args.output_dir]
         if training_args.resume_from_checkpoint:
@@ -99,6 +103,15 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
     return str(out)
 
 
+def _check_flags(model_args) -> None:
+    """Flag combinations that TRL would only trip over later, deep inside model loading."""
+    if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
+        raise UsageError("a quantized model cannot be trained directly; add --use_peft to train LoRA adapters on it.")
+    if model_args.load_in_4bit and model_args.dtype in (None, "auto"):
+        raise UsageError("--load_in_4bit computes in --dtype, which is 'auto'; pass --dtype bfloat16 on GPUs or "
+                         "--dtype float32 on CPU.")
+
+
 def _check_model(name: str | None) -> None:
     """A model that cannot be found fails here, in one line, not in a long traceback from inside the trainer."""
     from transformers import AutoConfig
@@ -114,8 +127,11 @@ def _check_model(name: str | None) -> None:
         raise UsageError(f"cannot load model '{name}': {first}") from None
 
 
-def _check_dataset(script_args, training_args, recipe: str, columns: Sequence[Sequence[str]]) -> None:
+def _check_dataset(script_args, training_args, kind: str) -> None:
+    """The dataset loads, has the splits the run uses, and its rows are what the trainer reads (the trainers check
+    them again; here a bad row stops the run before any process is launched)."""
     from .assets import load_dataset_by_name
+    from .input_checks import DatasetError, check_dataset
 
     name = script_args.dataset_name
     if not name:
@@ -133,11 +149,11 @@ def _check_dataset(script_args, training_args, recipe: str, columns: Sequence[Se
             hint = " (or pass --eval_strategy no)" if split == script_args.dataset_test_split else ""
             raise UsageError(f"dataset '{name}' has no split '{split}'; it has {sorted(dataset)}. Choose one with "
                              f"--dataset_{'test' if hint else 'train'}_split{hint}.")
-        have = set(dataset[split].column_names)
-        if not any(set(option) <= have for option in columns):
-            wanted = " or ".join("/".join(option) for option in columns)
-            raise UsageError(f"dataset '{name}' split '{split}' has columns {sorted(have)}; the {recipe} recipe needs "
-                             f"{wanted}. Rename the columns or choose another --dataset_name.")
+        try:
+            check_dataset(dataset[split], kind, f"dataset '{name}' split '{split}'",
+                          getattr(training_args, "dataset_text_field", "text"))
+        except DatasetError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def _same_on_all_ranks(value: str) -> str:
@@ -177,11 +193,12 @@ def announce_done(trainer, what: str, task: str = "causal") -> None:
     if adapter:
         lines.append(f"[trl_ext] merge it into a standalone model: trl-ext merge --adapter {out} --out {out}-merged")
     if task == "reward":
-        loader = ("from peft import AutoPeftModelForSequenceClassification as M; m = M.from_pretrained('{}', num_labels=1)"
-                  if adapter else "from transformers import AutoModelForSequenceClassification as M; m = M.from_pretrained('{}')")
+        loader = ("from peft import AutoPeftModelForSequenceClassification as M; "
+                  "m = M.from_pretrained('{}', num_labels=1)" if adapter else
+                  "from transformers import AutoModelForSequenceClassification as M; m = M.from_pretrained('{}')")
         lines.append(f'[trl_ext] load it: python -c "{loader.format(out)}; print(m.config.num_labels)"')
     else:
-        chat = "[{'role': 'user', 'content': 'What is 2+3?'}]"
+        chat = "[{'role': 'user', 'content': 'Compute 2 + 3.'}]"
         lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; "
                      f"print(pipeline('text-generation', '{out}')({chat}, max_new_tokens=8))\"")
     print("\n" + "\n".join(lines), flush=True)

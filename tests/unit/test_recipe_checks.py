@@ -1,5 +1,5 @@
-"""The recipes' checks before anything starts (``scripting.parse_recipe_args``): each bad input is one line, a non-zero
-exit, and leaves every file as it was. Run in-process; tests/test_recipes.py runs the recipes end to end."""
+"""The recipes' checks before anything starts (``scripting.parse_recipe_args``): what passes, and what they resolve
+(resume, overwrite, evaluation). Every refusal is a row of tests/test_bad_input.py; test_recipes.py runs the scripts."""
 
 import json
 
@@ -10,13 +10,12 @@ from trl_ext import DPOConfig, ModelConfig, ScriptArguments, TrlParser
 from trl_ext.launch import UsageError
 from trl_ext.scripting import parse_recipe_args
 
-DPO_COLUMNS = [("prompt", "chosen", "rejected"), ("chosen", "rejected")]
 DPO_CONFIG = str(REPO / "recipes" / "configs" / "dpo.yaml")
 
 
 def parse(*argv):
     parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig))
-    return parse_recipe_args(parser, "dpo", DPO_COLUMNS, ["--config", DPO_CONFIG, *argv])
+    return parse_recipe_args(parser, "dpo", "preference", ["--config", DPO_CONFIG, *argv])
 
 
 def refused(*argv) -> str:
@@ -43,14 +42,9 @@ def test_good_input_parses(tmp_path):
     assert training_args.output_dir == str(tmp_path / "new") and not (tmp_path / "new").exists()
 
 
-def test_unknown_keys_in_config_and_on_command_line(tmp_path):
-    config = tmp_path / "typo.yaml"
-    config.write_text("learnin_rate: 1.0e-3\nmax_steps: 2\n")
-    parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig))
-    with pytest.raises(UsageError) as err:
-        parse_recipe_args(parser, "dpo", DPO_COLUMNS, ["--config", str(config)])
-    assert "learnin_rate (did you mean learning_rate?)" in str(err.value) and "typo.yaml" in str(err.value)
-    assert "lora_rr (did you mean lora_r?)" in refused("--lora_rr", "8")
+def test_no_evaluation_switches_off_the_evaluation_at_start():
+    _, training_args, _ = parse("--eval_strategy", "no")  # the tiny config sets eval_on_start: true
+    assert not training_args.eval_on_start
 
 
 def test_output_dir_with_another_run_is_kept(tmp_path):
@@ -74,26 +68,3 @@ def test_resume_finds_the_last_complete_checkpoint(tmp_path):
     _, training_args, _ = parse("--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert training_args.resume_from_checkpoint == str(out / "checkpoint-4")
     assert "is not a checkpoint" in refused("--output_dir", str(out), "--resume_from_checkpoint", str(tmp_path))
-
-
-def test_dataset_without_the_needed_columns(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "test"):
-        (data / f"{split}.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
-    message = refused("--dataset_name", str(data), "--output_dir", str(tmp_path / "out"))
-    assert "columns ['answer', 'question']" in message and "prompt/chosen/rejected or chosen/rejected" in message
-    assert not (tmp_path / "out").exists()
-
-
-def test_missing_split_and_missing_dataset(tmp_path):
-    assert "has no split 'validation'" in refused("--dataset_test_split", "validation")
-    assert "cannot load dataset" in refused("--dataset_name", str(tmp_path / "nowhere"))
-
-
-def test_missing_model_path(tmp_path):
-    assert f"cannot load model '{tmp_path / 'no-model'}'" in refused("--model_name_or_path", str(tmp_path / "no-model"))
-
-
-def test_num_processes_without_an_accelerate_config():
-    assert "needs an accelerate config" in refused("--num_processes", "4")

@@ -1,0 +1,44 @@
+"""The README's main-job command, run exactly as written (CI installs and tests with the README's commands too)."""
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO, run_command
+
+
+def readme_command(marker: str) -> str:
+    """The first line of the ```bash block under ``<!-- marker -->`` (what .ci/run reads for the test command)."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(rf"<!-- {marker} -->\s*```bash\n(.+?)\n", text)
+    assert block, f"README has no command under <!-- {marker} -->"
+    return block.group(1)
+
+
+def test_readme_commands_use_the_readme_venv():
+    for marker in ("main-command", "test-command"):
+        assert readme_command(marker).startswith("python3 -m venv .venv && . .venv/bin/activate && pip install ")
+
+
+@pytest.mark.slow
+def test_readme_main_command(tmp_path):
+    if Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
+        pytest.skip("the main command sets up and uses REPO/.venv; this suite runs from another environment")
+    command = readme_command("main-command")
+    assert "accelerate launch recipes/dpo.py --config accelerate_configs/zero3.yaml" in command
+    result = run_command(["bash", "-c", command], timeout=900)
+    run_dir = re.search(r"saved and verified: (\S+)", result.output)
+    try:
+        assert result.returncode == 0 and not result.timed_out, result.output[-6000:]
+        assert "running under accelerate_configs/zero3.yaml with 2 processes" in result.output
+        metrics = re.search(r"eval_loss ([\d.]+) -> ([\d.]+), eval_rewards/accuracies ([\d.]+) -> ([\d.]+)",
+                            result.output)
+        assert metrics, result.output[-3000:]
+        loss_before, loss_after, accuracy_before, accuracy_after = map(float, metrics.groups())
+        assert loss_after < loss_before and accuracy_after > accuracy_before
+    finally:
+        if run_dir and Path(run_dir.group(1)).parent.name == "outputs":  # the demo's own per-run directory
+            shutil.rmtree(REPO / run_dir.group(1), ignore_errors=True)
