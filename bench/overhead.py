@@ -1,15 +1,24 @@
 """trl_ext's trainers vs TRL's on the same LoRA workload: steady-state step time, in one run.
 
-    python bench/overhead.py [--repeats 3] [--steps 14]
+    python bench/overhead.py [--repeats 2] [--steps 30] [--trainers sft reward dpo] [--setups 1proc zero3]
+    python bench/overhead.py --count_calls    # the Python calls of two steps, TRL vs trl_ext, function by function
 
-SFT, Reward and DPO, LoRA (all-linear, r=8) on a random Llama (hidden 256, 4 layers, sequence 256, batch 4 per
-rank), gradient checkpointing off, under one process and under 2-process ZeRO-3 on CPU
-(`stage3_param_persistence_threshold: 0`). Runs alternate TRL / trl_ext; each run's step time is the median of its
-steps after the first 4, and the table shows the median over repeats and the ratio trl_ext / TRL.
+SFT, Reward and DPO, LoRA (all-linear, r=8) on a random Llama (hidden 256, 4 layers, sequence 128, batch 4 per
+rank), gradient checkpointing off (the checkpointing modes differ on purpose: see bench/checkpointing.py), one thread
+per process. A step is a whole loop iteration (forward, backward, optimizer, callbacks, next batch).
+- 1 process: each run holds a TRL trainer and a trl_ext trainer that take turns step by step (threads passing a
+  baton; who starts alternates between repeats), so every trl_ext step has a TRL step beside it under the same
+  machine load. Ratio: median over all steps of (trl_ext step / its paired TRL step), and the ratio of the medians.
+- 2-process ZeRO-3 on CPU (`stage3_param_persistence_threshold: 0`): two DeepSpeed engines in one process are not a
+  supported setup, so runs alternate TRL / trl_ext with the order flipped every repeat (TRL, trl_ext, trl_ext, TRL,
+  ...). Each run's step time is the median of its steps; ratio: median of the per-repeat ratios, and the ratio of
+  the medians. Whole runs see different load on a shared machine: this setup needs many repeats there.
+The first 4 steps of every run are skipped.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -20,12 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.harness import launch, write_accelerate_config
 
 WORKER = Path(__file__).with_name("_overhead_worker.py")
+SETUPS = {"1proc": "1 process", "zero3": "2-process ZeRO-3"}
 
 
 def run(setup: str, config: Path, worker_args: list[str]) -> dict:
-    if setup == "1 process":
+    if setup == "1proc":  # one thread, as each rank of the launched runs gets (tests/harness.py)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, str(WORKER), *worker_args], capture_output=True, text=True,
-                              timeout=900, check=False)
+                              timeout=900, check=False, env=env)
         code, output = done.returncode, done.stdout + done.stderr
     else:
         result = launch(WORKER, worker_args, config, timeout=900)
@@ -36,31 +47,75 @@ def run(setup: str, config: Path, worker_args: list[str]) -> dict:
     return json.loads(lines[-1][6:])
 
 
+def load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def count_calls(cli, config: Path) -> None:
+    """The work of a step, function by function: every Python call in steps 5 and 6, TRL's trainer vs trl_ext's."""
+    for setup in cli.setups:
+        for trainer in cli.trainers:
+            calls = {impl: run(setup, config, ["--impl", impl, "--trainer", trainer, "--steps", "8", "--warmup", "0",
+                                               "--count_calls"])["calls"] for impl in ("trl", "trl_ext")}
+            differ = {name: calls["trl_ext"].get(name, 0) - calls["trl"].get(name, 0)
+                      for name in set(calls["trl"]) | set(calls["trl_ext"])}
+            differ = {name: n for name, n in differ.items() if n}
+            top = ", ".join(f"{name} {n:+d}" for name, n in sorted(differ.items(), key=lambda kv: -abs(kv[1]))[:5])
+            print(f"{SETUPS[setup]:<17} {trainer:<7} calls in 2 steps: TRL {sum(calls['trl'].values())}, trl_ext "
+                  f"{sum(calls['trl_ext'].values())}; functions called a different number of times: {len(differ)}"
+                  + (f" ({top})" if top else ""), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30, help="steps per trainer and run (ZeRO-3: half)")
     parser.add_argument("--trainers", nargs="+", default=["sft", "reward", "dpo"])
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--count_calls", action="store_true",
+                        help="instead of timing: compare the Python calls of two steps, TRL vs trl_ext")
     cli = parser.parse_args()
 
     config = write_accelerate_config(Path(tempfile.mkdtemp(prefix="bench-overhead-")), "zero3")
+    print(f"start: {load()} on {os.cpu_count()} CPUs", flush=True)
+    if cli.count_calls:
+        return count_calls(cli, config)
     rows = []
-    for setup in ("1 process", "2-process ZeRO-3"):
+    for setup in cli.setups:
         for trainer in cli.trainers:
-            times = {"trl": [], "trl_ext": []}
-            for _ in range(cli.repeats):
-                for impl in times:
-                    args = ["--impl", impl, "--trainer", trainer, "--steps", str(cli.steps)]
-                    times[impl].append(run(setup, config, args)["step_s"])
-            trl_s, ours_s = statistics.median(times["trl"]), statistics.median(times["trl_ext"])
-            rows.append((setup, trainer, trl_s, ours_s))
-            print(f"{setup:<17} {trainer:<7} TRL {trl_s:.4f}s  trl_ext {ours_s:.4f}s  ratio {ours_s / trl_s:.3f}  "
-                  f"(runs: TRL {', '.join(f'{t:.4f}' for t in times['trl'])}; "
-                  f"trl_ext {', '.join(f'{t:.4f}' for t in times['trl_ext'])})", flush=True)
+            if setup == "1proc":  # both trainers in each run, alternating step by step
+                trl_steps, ours_steps = [], []
+                for repeat in range(cli.repeats):
+                    first = "trl" if repeat % 2 == 0 else "trl_ext"
+                    times = run(setup, config, ["--impl", "both", "--trainer", trainer, "--steps", str(cli.steps),
+                                                "--first", first])
+                    trl_steps += times["times"]["trl"]
+                    ours_steps += times["times"]["trl_ext"]
+                paired = [o / t for o, t in zip(ours_steps, trl_steps)]  # each trl_ext step / the TRL step beside it
+                runs = f"{len(paired)} step pairs"
+            else:  # whole runs alternate, order flipped every repeat
+                trl_steps, ours_steps = [], []
+                for repeat in range(cli.repeats):
+                    for impl in ["trl", "trl_ext"] if repeat % 2 == 0 else ["trl_ext", "trl"]:
+                        args = ["--impl", impl, "--trainer", trainer, "--steps", str(max(cli.steps // 2, 8))]
+                        step = statistics.median(run(setup, config, args)["times"][impl])
+                        (trl_steps if impl == "trl" else ours_steps).append(step)
+                paired = [o / t for o, t in zip(ours_steps, trl_steps)]
+                runs = (f"runs: TRL {', '.join(f'{t:.3f}' for t in trl_steps)}; "
+                        f"trl_ext {', '.join(f'{t:.3f}' for t in ours_steps)}")
+            trl_s, ours_s = statistics.median(trl_steps), statistics.median(ours_steps)
+            spread = f"{min(paired):.2f}-{max(paired):.2f}"
+            rows.append((setup, trainer, trl_s, ours_s, statistics.median(paired), spread))
+            print(f"{SETUPS[setup]:<17} {trainer:<7} TRL {trl_s:.4f}s  trl_ext {ours_s:.4f}s  "
+                  f"ratio {ours_s / trl_s:.3f}  paired {statistics.median(paired):.3f} ({spread}; {runs}; "
+                  f"{load()})", flush=True)
 
-    print("\nsetup              trainer   TRL step (s)   trl_ext step (s)   trl_ext / TRL")
-    for setup, trainer, trl_s, ours_s in rows:
-        print(f"{setup:<18} {trainer:<9} {trl_s:12.4f}   {ours_s:16.4f}   {ours_s / trl_s:13.3f}")
+    print(f"\nend: {load()}")
+    print("setup              trainer   TRL step (s)   trl_ext step (s)   ratio of medians   median paired ratio"
+          "   paired range")
+    for setup, trainer, trl_s, ours_s, paired, spread in rows:
+        print(f"{SETUPS[setup]:<18} {trainer:<9} {trl_s:12.4f}   {ours_s:16.4f}   {ours_s / trl_s:16.3f}   "
+              f"{paired:19.3f}   {spread:>12}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,216 @@
+"""One GPU benchmark run (launched by bench/gpu.py): SFT or DPO, LoRA or full fine-tuning, with or without gradient
+checkpointing, trl_ext's trainer or TRL's, on a ~0.5B Qwen2.5-shaped Llama built from config (random weights, bf16).
+
+Prints ``BENCH {json}`` with tokens/s, peak GPU memory and model FLOPs over the steps after ``--warmup``.
+``--smoke`` runs the same code on a tiny fp32 model on CPU (peak memory is then "n/a") and checks the FLOPs formula
+against ``torch.utils.flop_counter`` on one step.
+
+FLOPs convention (model FLOPs, not hardware FLOPs: the recompute of gradient checkpointing is not counted):
+- a weight matrix with N elements costs 2N per token forward and 4N backward (input and weight gradients) when it is
+  trained; a frozen one (LoRA's base weights) costs 2N + 2N (no weight gradient). N counts every nn.Linear, lm_head
+  included; the embedding lookup costs nothing.
+- attention scores and values: 4·T·d_attn per token and layer forward, twice that backward (PaLM's 12·L·T·d_attn
+  for a training token; T is the padded sequence length, the causal mask is not halved).
+- DPO: tokens are those of chosen + rejected; the reference model's forward pass (2N + 4·L·T·d_attn per token, on the
+  same tokens) is counted, since the step computes it.
+Tokens are the non-padding tokens the step trains on. Checked against ``torch.utils.flop_counter`` (``--flop_check``):
+exact for full fine-tuning; for LoRA the formula is slightly high, since the first layer's q/k/v projections need no
+input gradient (2% on the 2-layer smoke model, about 0.1% on 24 layers).
+"""
+
+import argparse
+import contextlib
+import copy
+import json
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+import trl
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+import trl_ext
+from trl_ext.assets import default_model_path
+
+# Qwen2.5-0.5B's shape, vocabulary and tied embeddings included: 494M parameters.
+SHAPE_0P5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+
+
+class StepMeter(TrainerCallback):
+    """Step wall times (the GPU synchronised at both ends) and, through ``count``, the tokens each step trains on."""
+
+    def __init__(self):
+        self.times, self.tokens, self.lengths, self.start = [], [], [], None
+        self._tokens = self._length = 0
+
+    def count(self, inputs) -> None:
+        ids = inputs["input_ids"]
+        mask = inputs.get("attention_mask")
+        self._tokens += int(mask.sum()) if mask is not None else ids.numel()
+        self._length = max(self._length, ids.shape[-1])
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._tokens = self._length = 0
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - self.start)
+        self.tokens.append(self._tokens)
+        self.lengths.append(self._length)
+
+
+def linear_sizes(model) -> tuple[int, int]:
+    """(elements of frozen nn.Linear weights, elements of trained ones), each weight counted once."""
+    frozen = trained = 0
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            if module.weight.requires_grad:
+                trained += module.weight.numel()
+            else:
+                frozen += module.weight.numel()
+    return frozen, trained
+
+
+def step_flops(tokens: int, length: int, frozen: int, trained: int, layers: int, d_attn: int, dpo: bool) -> dict:
+    """Model FLOPs of one training step, split into matmuls with weights and attention (see the module docstring)."""
+    weights = tokens * (4 * frozen + 6 * trained)
+    attention = tokens * 12 * layers * length * d_attn
+    if dpo:  # the reference forward on the same tokens: the base weights (LoRA: the adapter disabled; full: a copy)
+        weights += tokens * 2 * (frozen or trained)
+        attention += tokens * 4 * layers * length * d_attn
+    return {"weights": weights, "attention": attention, "total": weights + attention}
+
+
+def flop_counter_check(trainer, meter, frozen, trained, config, d_attn) -> dict:
+    """The formula against ``torch.utils.flop_counter`` on the trainer's first batch: the policy's forward and backward
+    (and DPO's reference forward), called directly. TRL's own step is not counted: its fused lm_head kernel
+    accumulates with in-place ``addmm_``, which the counter does not see."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    meter.count(batch)
+    tokens, length, meter._tokens, meter._length = meter._tokens, meter._length, 0, 0
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
+    model, dpo, ref_model = trainer.model, isinstance(trainer, trl.DPOTrainer), getattr(trainer, "ref_model", None)
+    # Eager attention for the count: the counter does not see the CPU SDPA kernel. Training keeps its own.
+    models = [m.get_base_model() if hasattr(m, "get_base_model") else m for m in (model, ref_model) if m]
+    previous = [m.config._attn_implementation for m in models]
+    for m in models:
+        m.set_attn_implementation("eager")
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(**inputs, labels=batch["input_ids"]).loss.backward()
+        if dpo:
+            with torch.no_grad(), (model.disable_adapter() if ref_model is None else contextlib.nullcontext()):
+                (ref_model or model)(**inputs)
+    model.zero_grad(set_to_none=True)
+    for m, attn in zip(models, previous):
+        m.set_attn_implementation(attn)
+    expected = step_flops(tokens, length, frozen, trained, config.num_hidden_layers, d_attn, dpo)
+    return {"counted": counter.get_total_flops(), **expected, "counted/formula": counter.get_total_flops() /
+            expected["total"]}
+
+
+def data(kind: str, seq_len: int, rows: int = 512) -> Dataset:
+    rng = random.Random(0)
+
+    def text(n):  # about 1.7 tokens per number with the embedded tokenizer; max_length truncates the rest
+        return " ".join(str(rng.randrange(1000)) for _ in range(n))
+
+    if kind == "sft":
+        return Dataset.from_dict({"text": [text(seq_len) for _ in range(rows)]})
+    prompt_len = max(4, seq_len // 16)
+    return Dataset.from_dict({"prompt": [text(prompt_len // 2) for _ in range(rows)],
+                              "chosen": [text(seq_len) for _ in range(rows)],
+                              "rejected": [text(seq_len) for _ in range(rows)]})
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["trl", "trl_ext"], required=True)
+    parser.add_argument("--trainer", choices=["sft", "dpo"], required=True)
+    parser.add_argument("--tuning", choices=["lora", "full"], required=True)
+    parser.add_argument("--gc", choices=["on", "off"], required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (DPO: pairs = batch / 2)")
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU, same code path")
+    parser.add_argument("--flop_check", action="store_true", help="check the FLOPs formula with torch's counter")
+    cli = parser.parse_args()
+
+    on_gpu = torch.cuda.is_available() and not cli.smoke
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    shape = SHAPE_SMOKE if cli.smoke else SHAPE_0P5B
+    config = LlamaConfig(max_position_embeddings=2 * cli.seq_len, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **shape)
+    config._attn_implementation = cli.attn
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    with torch.device("cuda" if on_gpu else "cpu"):
+        model = LlamaForCausalLM(config).to(dtype)
+    params = sum(p.numel() for p in model.parameters())
+
+    name = {"sft": "SFT", "dpo": "DPO"}[cli.trainer]
+    trainer_cls = getattr(trl_ext if cli.impl == "trl_ext" else trl, f"{name}Trainer")
+    per_device = cli.batch if cli.trainer == "sft" else max(1, cli.batch // 2)  # DPO: each row is a pair
+    args = getattr(trl_ext, f"{name}Config")(
+        output_dir=tempfile.mkdtemp(prefix="bench-gpu-"), max_steps=cli.steps, per_device_train_batch_size=per_device,
+        max_length=cli.seq_len, learning_rate=1e-5, logging_steps=10_000, save_strategy="no", report_to="none",
+        seed=0, gradient_checkpointing=cli.gc == "on", bf16=on_gpu, dataloader_num_workers=0,
+    )
+    peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if cli.tuning == "lora" else None
+    extra = {}
+    if cli.trainer == "dpo" and peft_config is None:  # TRL would reload the reference from the hub name: pass a copy
+        extra["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
+    meter = StepMeter()
+    trainer = trainer_cls(model=model, args=args, train_dataset=data(cli.trainer, cli.seq_len),
+                          processing_class=tokenizer, callbacks=[meter], peft_config=peft_config, **extra)
+
+    training_step = trainer.training_step  # the same wrapper on both sides: it only reads the batch
+
+    def counted_step(model, inputs, *rest, **kwargs):
+        meter.count(inputs)
+        return training_step(model, inputs, *rest, **kwargs)
+
+    trainer.training_step = counted_step
+    frozen, trained = linear_sizes(trainer.model)
+    d_attn = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+
+    flop_check = flop_counter_check(trainer, meter, frozen, trained, config, d_attn) if cli.flop_check else None
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+
+    steady = slice(cli.warmup, None) if len(meter.times) > cli.warmup else slice(None)
+    times, tokens, lengths = meter.times[steady], meter.tokens[steady], meter.lengths[steady]
+    flops = sum(step_flops(t, n, frozen, trained, config.num_hidden_layers, d_attn, cli.trainer == "dpo")["total"]
+                for t, n in zip(tokens, lengths))
+    result = {
+        "impl": cli.impl, "trainer": cli.trainer, "tuning": cli.tuning, "gc": cli.gc,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "params": params, "trained_linear": trained, "frozen_linear": frozen,
+        "step_s": statistics.median(times), "tokens_per_step": statistics.median(tokens),
+        "tokens_per_s": sum(tokens) / sum(times), "model_flops_per_s": flops / sum(times),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+        "flop_check": flop_check,
+    }
+    print("BENCH " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

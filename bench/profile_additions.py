@@ -1,0 +1,256 @@
+"""Where trl_ext's own code spends time: its setup and per-step work against a training step, its save-time
+verification against a save. One process, CPU.
+
+    python bench/profile_additions.py [--steps 10] [--saves 3] [--skip_train] [--skip_save]
+
+Training (SFT, Reward, DPO with LoRA r=8 all-linear, the workload of bench/overhead.py; gradient checkpointing off and
+on): every trl_ext function that runs at setup is timed (outermost call only), trl_ext's share of the constructor is
+the mixin's constructor minus TRL's, and the calls into trl_ext code during two steps are counted with a profiler
+hook (``sys.setprofile``, on those two steps only).
+Saving (``trl_ext.saving.save``, the path of every final save and checkpoint): a LoRA adapter (r=16, all-linear) on a
+Qwen2.5-0.5B-shaped model, and a full 134M-parameter model (bench/save.py's), each saved ``--saves`` times; the
+phases are timed: stream and write, wait for fsync, metadata files, verification, commit.
+"""
+
+import argparse
+import collections
+import functools
+import importlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import trl  # noqa: E402
+
+import trl_ext  # noqa: E402
+from trl_ext import checkpointing, configs, gather, reward_head, saving, shards, trainers, verify  # noqa: E402
+
+TRL_EXT_DIR = str(Path(trl_ext.__file__).parent)
+OUTSIDE_MIXIN = ("runtime.adapt_to_hardware (config)", "reward_head.peft_config_for")
+
+
+class Timers:
+    """Wraps functions in place; counts calls and wall time. Within a group only the outermost call is timed (a
+    trl_ext function called by another is not counted twice); groups nest freely (TRL's constructor in ours)."""
+
+    def __init__(self):
+        self.total, self.calls = collections.defaultdict(float), collections.Counter()
+        self.depth = collections.Counter()
+
+    def wrap(self, owner, attr: str, label: str, group: str = "trl_ext") -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            self.depth[group] += 1
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.depth[group] -= 1
+                if self.depth[group] == 0:
+                    self.total[label] += time.perf_counter() - start
+                    self.calls[label] += 1
+
+        setattr(owner, attr, timed)
+
+    def reset(self):
+        self.total.clear()
+        self.calls.clear()
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def profile_training(trainer_name: str, gc: bool, cli, timers: Timers) -> dict:
+    import _overhead_worker as workload  # the model, data and LoRA config of bench/overhead.py
+    from transformers import TrainerCallback
+
+    class Probe(TrainerCallback):
+        """Step times, and the trl_ext functions called during steps 3 and 4."""
+
+        def __init__(self):
+            self.times, self.start, self.step, self.calls = [], None, 0, collections.Counter()
+
+        def _hook(self, frame, event, arg):
+            if event == "call" and frame.f_code.co_filename.startswith(TRL_EXT_DIR):
+                self.calls[frame.f_code.co_qualname] += 1
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            if self.start is not None:
+                self.times.append(now - self.start)
+            self.step += 1
+            sys.setprofile(self._hook if self.step in (3, 4) else None)
+            self.start = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            sys.setprofile(None)
+
+    cli.trainer, cli.gc = trainer_name, gc
+    probe = Probe()
+    timers.reset()
+    trainer = workload.build("trl_ext", cli, probe)
+    setup = dict(timers.total)
+    timers.reset()
+    trainer.train()
+    at_train = dict(timers.total)
+    own_init = setup.get("TrlExtMixin.__init__", 0.0) - setup.get("TRL __init__", 0.0)
+    setup_parts = {k: v for k, v in setup.items() if k not in ("TrlExtMixin.__init__", "TRL __init__")}
+    # Our work outside the mixin's constructor: the config fix-up, the reward head's PEFT config inside TRL's.
+    outside = sum(v for k, v in setup_parts.items() if k in OUTSIDE_MIXIN)
+    steady = probe.times[4:] or probe.times  # not steps 1-2 (warm-up) nor 3-4 (under the profiler hook)
+    return {"own_init": own_init, "outside": outside, "trl_init": setup.get("TRL __init__", 0.0),
+            "setup_parts": setup_parts,
+            "train_parts": at_train, "step": statistics.median(steady), "per_step_calls": probe.calls}
+
+
+def profile_saves(cli, timers: Timers) -> list[dict]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def qwen_lora():
+        qwen = LlamaConfig(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                           num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+        return get_peft_model(LlamaForCausalLM(qwen), LoraConfig(r=16, target_modules="all-linear"))
+
+    def full_134m():
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                                            num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                                            tie_word_embeddings=False))
+
+    results = []
+    for label, build in (("LoRA adapter r=16, Qwen2.5-0.5B shape", qwen_lora),
+                         ("full model, 134M (bench/save.py)", full_134m)):
+        torch.manual_seed(0)
+        model = build()
+        gather.has_partitioned_params(model)
+        guard_start = time.perf_counter()
+        gather.has_partitioned_params(model)  # what the save_pretrained guard adds to a user's call
+        guard = time.perf_counter() - guard_start
+        plain = []  # the same weights through save_pretrained (PEFT's or transformers'): no fsync, no verification
+        for i in range(cli.saves):
+            with tempfile.TemporaryDirectory(prefix="bench-profile-plain-") as tmp:
+                start = time.perf_counter()
+                model.save_pretrained(f"{tmp}/out{i}")
+                plain.append(time.perf_counter() - start)
+        runs = []
+        for i in range(cli.saves):
+            timers.reset()
+            with tempfile.TemporaryDirectory(prefix="bench-profile-save-") as tmp:
+                saving.save(model, f"{tmp}/out{i}")
+                size = sum(f.stat().st_size for f in Path(f"{tmp}/out{i}").rglob("*.safetensors"))
+            runs.append(dict(timers.total))
+        med = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
+        tensors = len(saving._adapter_weight_sets(model)[0].tensors) if saving.is_peft_model(model) else len(
+            saving._full_weight_set(model, saving.DEFAULT_MAX_SHARD_SIZE).tensors)
+        results.append({"label": label, "bytes": size, "tensors": tensors, "phases": med, "guard": guard,
+                        "plain": statistics.median(plain)})
+        del model
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--trainers", nargs="+", default=["sft", "reward", "dpo"])
+    parser.add_argument("--skip_save", action="store_true")
+    parser.add_argument("--skip_train", action="store_true")
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+
+    timers = Timers()
+    # Setup: everything trl_ext runs around TRL's constructor and at train start.
+    timers.wrap(trainers.TrlExtMixin, "__init__", "TrlExtMixin.__init__", group="mixin")
+    for cls in (trl.SFTTrainer, trl.RewardTrainer, trl.DPOTrainer):
+        timers.wrap(cls, "__init__", "TRL __init__", group="trl")
+    timers.wrap(configs, "adapt_to_hardware", "runtime.adapt_to_hardware (config)")
+    timers.wrap(trainers, "check_distributed_setup", "runtime.check_distributed_setup")
+    for name in ("take_user_choice", "decide", "apply", "remove_input_require_grads_hooks"):
+        timers.wrap(checkpointing, name, f"checkpointing.{name}")
+    timers.wrap(checkpointing.CheckpointingPolicy, "on_train_begin", "CheckpointingPolicy.on_train_begin")
+    timers.wrap(saving, "guard_save_pretrained", "saving.guard_save_pretrained")
+    optional = [(trainers.TrlExtMixin, "_check_input", "input checks (model path, dataset rows)")]
+    for module, names in (("input_checks", ("check_rows_kept", "check_resume_checkpoint")),
+                          ("quantization", ("prepare", "match_adapter_dtype"))):
+        try:
+            module = importlib.import_module(f"trl_ext.{module}")
+        except ImportError:
+            continue
+        optional += [(module, name, f"{module.__name__.split('.')[-1]}.{name}") for name in names]
+    for owner, name, label in optional:  # newer additions: timed where this checkout has them
+        if hasattr(owner, name):
+            timers.wrap(owner, name, label)
+    timers.wrap(reward_head, "check", "reward_head.check")
+    timers.wrap(reward_head, "head_trained_whole", "reward_head.head_trained_whole")
+    timers.wrap(reward_head, "peft_config_for", "reward_head.peft_config_for")
+    # Saving: the phases of trl_ext.saving.save.
+    timers.wrap(saving, "save", "save (total)", group="save")
+    timers.wrap(saving, "_adapter_weight_sets", "names and shard plan", group="phase")
+    timers.wrap(saving, "_full_weight_set", "names and shard plan", group="phase")
+    timers.wrap(gather, "stream", "stream + write", group="phase")
+    timers.wrap(shards.ShardStreamWriter, "close", "wait for the files' fsync", group="phase")
+    timers.wrap(saving, "_write_metadata", "metadata files", group="phase")
+    timers.wrap(saving, "_verify", "verification", group="phase")
+    timers.wrap(saving, "commit", "commit (rename)", group="phase")
+    timers.wrap(verify, "check_against_plan", "  verify.check_against_plan", group="verify")
+    timers.wrap(verify, "check_adapter_config", "  verify.check_adapter_config", group="verify")
+    timers.wrap(verify, "audit", "  verify.audit", group="verify")
+
+    workload_args = argparse.Namespace(steps=cli.steps, seq_len=128, hidden=256, layers=4, batch=4, trainer=None,
+                                       gc=False)
+    print("== Training: trl_ext's own work (LoRA, hidden 256, 4 layers, sequence 128, batch 4, 1 thread) ==")
+    for trainer_name in [] if cli.skip_train else cli.trainers:
+        for gc in (False, True):
+            r = profile_training(trainer_name, gc, workload_args, timers)
+            setup = r["own_init"] + r["outside"] + sum(r["train_parts"].values())
+            print(f"\n{trainer_name} gc={'on' if gc else 'off'}: step {ms(r['step'])}; TRL constructor "
+                  f"{ms(r['trl_init'])}; trl_ext setup {ms(setup)} once per run = {100 * setup / r['step']:.2f}% "
+                  f"of one step")
+            print(f"  mixin constructor minus TRL's: {ms(r['own_init'])}; functions timed (outside the mixin: "
+                  f"{', '.join(OUTSIDE_MIXIN)}):")
+            for label, seconds in sorted(r["setup_parts"].items(), key=lambda kv: -kv[1]):
+                print(f"    {label:<45} {ms(seconds):>10}")
+            for label, seconds in r["train_parts"].items():
+                print(f"  at train start: {label:<30} {ms(seconds):>10}")
+            calls = sum(r["per_step_calls"].values()) / 2
+            detail = ", ".join(f"{k} x{v / 2:g}" for k, v in r["per_step_calls"].items()) or "none"
+            print(f"  trl_ext calls per training step: {calls:g} ({detail})")
+
+    if hasattr(trainers, "input_checks"):
+        from datasets import Dataset
+
+        rows = 20_000
+        conversation = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42"}]
+        for kind, dataset in (("sft", Dataset.from_dict({"messages": [conversation] * rows})),
+                              ("preference", Dataset.from_dict({"prompt": ["12 + 30 ="] * rows,
+                                                                "chosen": ["42"] * rows, "rejected": ["41"] * rows}))):
+            start = time.perf_counter()
+            trainers.input_checks.check_dataset(dataset, kind, "train_dataset")
+            per_row = (time.perf_counter() - start) / rows
+            print(f"\ninput_checks.check_dataset ({kind}, {rows} rows): {per_row * 1e6:.1f} us per row "
+                  f"({per_row * 1e5:.2f} s per 100k rows), once per run")
+
+    if cli.skip_save:
+        return
+    print("\n== Saving: trl_ext.saving.save, one process ==")
+    for r in profile_saves(cli, timers):
+        total = r["phases"]["save (total)"]
+        print(f"\n{r['label']}: {r['bytes'] / 2**20:.1f} MiB in {r['tensors']} tensors; median of {cli.saves} saves")
+        for label, seconds in r["phases"].items():
+            print(f"  {label:<32} {ms(seconds):>11}  {100 * seconds / total:6.2f}%")
+        print(f"  for comparison, save_pretrained (no fsync, no verification): {ms(r['plain'])}")
+        print(f"  save_pretrained guard check (per user call): {ms(r['guard'])}")
+
+
+if __name__ == "__main__":
+    main()
