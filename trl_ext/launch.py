@@ -20,7 +20,7 @@ ACCELERATE_KEYS = ("distributed_type", "compute_environment")
 # The launcher's own variables: the re-launched `accelerate launch` must start from a clean slate.
 LAUNCHER_ENV_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class UsageError(SystemExit):

@@ -70,7 +70,8 @@ def check_distributed_setup(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and (args.world_size == 1 or args.parallel_mode != ParallelMode.DISTRIBUTED):
         raise RuntimeError(
-            f"This script was launched with {world} processes, but each one set up training alone (world size 1). "
+            f"This script was launched with {world} processes, but each one set up training alone (world size "
+            f"{args.world_size}, parallel mode {args.parallel_mode.value}). "
             "On a machine without a GPU, pass ddp_backend='gloo' or build the config from trl_ext "
             "(`from trl_ext import DPOConfig`), which sets it for you."
         )

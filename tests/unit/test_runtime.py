@@ -79,7 +79,14 @@ def test_configs_are_trl_configs_plus_one_save_option_and_build_on_cpu(tmp_path)
 
 
 def test_single_training_process_in_a_multi_process_launch_is_refused(monkeypatch):
+    from transformers.training_args import ParallelMode
+
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = type("Args", (), {"world_size": 1})()
+    alone = type("Args", (), {"world_size": 1, "parallel_mode": ParallelMode.NOT_PARALLEL})()
     with pytest.raises(RuntimeError, match="ddp_backend='gloo'"):
-        runtime.check_distributed_setup(args)
+        runtime.check_distributed_setup(alone)
+    # world size 2 but no data parallelism (DDP on CPU without accelerate's CPU mode): each rank trains alone too
+    unsynced = type("Args", (), {"world_size": 2, "parallel_mode": ParallelMode.NOT_PARALLEL})()
+    with pytest.raises(RuntimeError, match="world size 2, parallel mode not_parallel"):
+        runtime.check_distributed_setup(unsynced)
+    runtime.check_distributed_setup(type("Args", (), {"world_size": 2, "parallel_mode": ParallelMode.DISTRIBUTED})())
