@@ -88,6 +88,9 @@ def _write_metadata(model, directory: Path, weight_sets, processing_class, train
             base = model.get_base_model()
             config.base_model_name_or_path = config.base_model_name_or_path or getattr(base, "name_or_path", None)
             config.inference_mode = True
+            for field in ("target_modules", "modules_to_save"):  # sets: written sorted, the same on every run
+                if isinstance(getattr(config, field, None), set):
+                    setattr(config, field, sorted(getattr(config, field)))
             auto_mapping = None
             if config.task_type is None:  # lets AutoPeftModel find the base class, as PEFT records it
                 auto_mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
