@@ -34,6 +34,11 @@ def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
 
 def has_partitioned_params(model: torch.nn.Module) -> bool:
     """True if some parameter is currently a ZeRO-3 placeholder (saving it as-is would write empty tensors)."""
+    first = next(model.parameters(), None)
+    if first is None or not is_partitioned(first):
+        # ZeRO-3 partitions the whole model (zero.Init, then deepspeed.initialize for parameters added later), so
+        # a model whose first parameter is whole has none partitioned; this skips walking a large module tree.
+        return False
     return any(is_partitioned(p) and p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())
 
 

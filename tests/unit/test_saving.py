@@ -2,6 +2,7 @@
 
 import json
 import os
+import struct
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from transformers import (
 )
 
 from trl_ext import saving, shards
-from trl_ext.verify import CheckpointError, audit, check_against_plan
+from trl_ext.verify import CheckpointError, audit, check_written
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 
@@ -129,7 +130,7 @@ def test_failed_verification_commits_nothing_and_keeps_files_for_inspection(tmp_
     assert (tmp_path / ".out.trl_ext-partial" / "model.safetensors").exists()
 
 
-def test_check_against_plan_catches_changed_bytes_and_missing_tensors(tmp_path):
+def test_check_written_catches_changed_bytes_and_missing_tensors(tmp_path):
     tensors = {"a": torch.arange(6.0), "b": torch.ones(2, 2)}
     specs = [shards.TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
     plan = shards.plan_shards(specs, "1GB")
@@ -137,15 +138,32 @@ def test_check_against_plan_catches_changed_bytes_and_missing_tensors(tmp_path):
     for name, tensor in tensors.items():
         writer.write(name, tensor)
     writer.close()
-    assert check_against_plan(str(tmp_path), plan, writer.checksums) == []
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')  # save() writes it first
+    assert check_written(str(tmp_path), plan, writer.written) == []
 
     raw = bytearray((tmp_path / "model.safetensors").read_bytes())
     raw[-1] ^= 0xFF  # flip bits in b's data
     (tmp_path / "model.safetensors").write_bytes(bytes(raw))
-    assert "bytes differ from the trained values for" in " ".join(check_against_plan(str(tmp_path), plan,
-                                                                                      writer.checksums))
+    assert "bytes differ from the trained values for b" in " ".join(check_written(str(tmp_path), plan,
+                                                                                  writer.written))
     bigger = {"model.safetensors": specs + [shards.TensorSpec("c", (3,), torch.float32)]}
-    assert "1 tensors missing, e.g. c" in " ".join(check_against_plan(str(tmp_path), bigger, {}))
+    assert "1 tensors missing, e.g. c" in " ".join(check_written(str(tmp_path), bigger, writer.written))
+
+    def problems_with(data: bytes) -> str:
+        (tmp_path / "model.safetensors").write_bytes(data)
+        return " ".join(check_written(str(tmp_path), plan, writer.written))
+
+    good = bytes(raw[:-1]) + bytes([raw[-1] ^ 0xFF])
+    assert problems_with(good) == ""
+    header = writer.written["model.safetensors"].header
+    # A header that is not the one written is parsed in full, to name what differs (here: b saved as float16).
+    other = shards._header([specs[0], shards.TensorSpec("b", (4, 2), torch.float16)], {"format": "pt"})
+    assert "b: written ([4, 2], 'F16'), trained ([2, 2], 'F32')" in problems_with(other + good[len(header):])
+    assert "cannot be read back" in problems_with(good[:-4])  # truncated
+    nan = bytearray(good)
+    nan[len(header):len(header) + 4] = struct.pack("<f", float("nan"))
+    assert "differ from the trained values for a" in problems_with(bytes(nan))
+    assert "1 tensors contain NaN or inf values: a" in problems_with(bytes(nan))
 
 
 def test_save_pretrained_guard_refuses_zero3_placeholders(tiny_model_path, tmp_path):
@@ -154,10 +172,39 @@ def test_save_pretrained_guard_refuses_zero3_placeholders(tiny_model_path, tmp_p
     model.save_pretrained(tmp_path / "whole")  # parameters are whole: a plain save goes through
     assert (tmp_path / "whole" / "model.safetensors").exists()
 
+    for i, param in enumerate(model.parameters()):  # ZeRO-3 converts every parameter of the model
+        param.ds_id, param.ds_numel, param.ds_shape = i, param.numel(), param.shape
+    model.save_pretrained(tmp_path / "gathered")  # all gathered (inside GatheredParameters): goes through
     param = model.model.layers[0].mlp.up_proj.weight  # what ZeRO-3 leaves on a rank outside a gather
-    param.ds_id, param.ds_numel, param.ds_shape = 0, param.numel(), param.shape
     param.data = torch.empty(0)
     with pytest.raises(RuntimeError, match=r"empty torch.Size\(\[0\]\).*trainer.save_model\(output_dir\)"):
         model.save_pretrained(tmp_path / "partitioned")
     assert not (tmp_path / "partitioned").exists()
 
+
+def test_fsync_or_metadata_failure_commits_nothing(tmp_path, tiny_model_path, monkeypatch):
+    """The checks run while the last file's fsync is in flight; its failure, like a failure writing config.json,
+    still reaches the caller before anything is committed."""
+    import errno
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    saving.save(model, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shards.os, "fsync", full_disk)
+        with pytest.raises(CheckpointError, match="syncing .* to disk: .*No space left on device"):
+            saving.save(_perturbed(model), tmp_path / "out")
+
+    def broken_metadata(*args):
+        raise PermissionError(errno.EACCES, "Permission denied", "config.json")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(saving, "_write_metadata", broken_metadata)
+        with pytest.raises(CheckpointError, match="writing the configuration files: PermissionError"):
+            saving.save(_perturbed(model), tmp_path / "out")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert not (tmp_path / ".out.trl_ext-partial").exists()
