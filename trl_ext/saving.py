@@ -111,16 +111,12 @@ def _write_metadata(model, directory: Path, weight_sets, processing_class, train
         torch.save(training_args, directory / "training_args.bin")
 
 
-def _verify(model, directory: Path, weight_sets, checksums) -> list[str]:
+def _verify(model, directory: Path, weight_sets, written) -> list[str]:
     config = model.get_base_model().config if is_peft_model(model) else model.config
     num_labels = getattr(config, "num_labels", 1)
     problems = []
-    for ws, sums in zip(weight_sets, checksums):
-        target = directory / ws.subdir
-        problems += verify.check_against_plan(str(target), ws.plan, sums)
-        if ws.peft_config is not None:
-            problems += verify.check_adapter_config(str(target), ws.peft_config)
-        problems += verify.audit(str(target), num_labels=num_labels).problems
+    for ws, files in zip(weight_sets, written):
+        problems += verify.check_written(str(directory / ws.subdir), ws.plan, files, ws.peft_config, num_labels)
     return problems
 
 
@@ -235,7 +231,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     weight_sets = _adapter_weight_sets(model) if is_peft_model(model) else [_full_weight_set(model, max_shard_size)]
     target = Path(output_dir).absolute()
     staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
-    error, checksums, started = None, [], time.monotonic()
+    error, written, started = None, [], time.monotonic()
 
     if is_writer:
         try:
@@ -244,36 +240,46 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
                 (staging / ws.subdir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             error = f"cannot create {staging}: {exc}; {WRITE_FIX}"
+        if error is None:
+            try:  # first, so that the checks below run while the last weight file's fsync is still going on
+                _write_metadata(model, staging, weight_sets, processing_class, training_args)
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+                error = f"writing the configuration files: {type(exc).__name__}: {exc}"
         total = sum(s.nbytes for ws in weight_sets for specs in ws.plan.values() for s in specs)
         logger.info(f"[trl_ext] saving {total / 2**20:.1f} MiB to {target}")
-    writers = _ranks_where(is_writer) if collective else [0]
+    writing_ranks, writers = _ranks_where(is_writer) if collective else [0], []
     for ws in weight_sets:
         writer = ShardStreamWriter(staging / ws.subdir, ws.plan) if is_writer else None
         sink = _Guarded(writer, error) if writer is not None else None
-        gather.stream(ws.tensors, sink, collective, writers[0] if len(writers) == 1 else None)
+        gather.stream(ws.tensors, sink, collective, writing_ranks[0] if len(writing_ranks) == 1 else None)
         if sink is not None:
+            writers.append(writer)
             error = sink.error
             if error is None:
                 try:
-                    writer.close()
+                    writer.finish()  # the last file's fsync goes on during the checks below
                 except (OSError, ValueError) as exc:
                     error = str(exc)
             else:
                 writer.abort()
-        checksums.append(writer.checksums if writer is not None else {})
+        written.append(writer.written if writer is not None else {})
 
     keep_staging = False  # files that failed verification are kept for inspection
     if is_writer and error is None:
         try:
-            _write_metadata(model, staging, weight_sets, processing_class, training_args)
-            problems = _verify(model, staging, weight_sets, checksums)
-            if problems:
-                keep_staging = True
-                error = (f"the checkpoint for {target} failed verification; nothing was committed and the previous "
-                         f"contents are untouched. The files are kept in {staging} for inspection.\n  "
-                         + "\n  ".join(problems))
+            problems = _verify(model, staging, weight_sets, written)
         except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
-            error = f"writing the configuration files: {type(exc).__name__}: {exc}"
+            problems = [f"the checks themselves failed: {type(exc).__name__}: {exc}"]
+        if problems:
+            keep_staging = True
+            error = (f"the checkpoint for {target} failed verification; nothing was committed and the previous "
+                     f"contents are untouched. The files are kept in {staging} for inspection.\n  "
+                     + "\n  ".join(problems))
+    for writer in writers:  # every file on disk (or its fsync error) before anything is committed or removed
+        try:
+            writer.wait()
+        except OSError as exc:
+            error = error or f"syncing {staging} to disk: {exc}; {WRITE_FIX}"
     if is_writer and error is not None and not keep_staging:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -11,8 +11,7 @@ import math
 import os
 import struct
 import threading
-import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,9 +21,9 @@ DTYPE_CODES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
-# Each tensor's first bytes are checksummed, so verification re-reads a little of each. 4 KiB catches misplaced or
-# unwritten data as well as more would; 64 KiB re-read most of a LoRA adapter (a quarter of its save time).
-CHECKSUM_BYTES = 4 * 1024
+# Each tensor's first bytes are kept by the writer and compared with the file after the save. 4 KiB catches misplaced
+# or unwritten data as well as more would; 64 KiB re-read most of a LoRA adapter (a quarter of its save time).
+PREFIX_BYTES = 4 * 1024
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,15 @@ def index_json(plan: dict[str, list[TensorSpec]], metadata: dict | None = None) 
     }
 
 
+@dataclass
+class WrittenFile:
+    """What the writer put in one file, kept for the check that re-reads it: the header bytes (length included) and
+    each tensor's first ``PREFIX_BYTES``."""
+
+    header: bytes = b""
+    prefixes: dict[str, bytes] = field(default_factory=dict)
+
+
 def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
     entries, offset = {"__metadata__": metadata}, 0
     for spec in specs:
@@ -93,8 +101,8 @@ def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
 class ShardStreamWriter:
     """Writes the planned files in order; ``write`` must receive the tensors in plan order.
 
-    ``checksums`` maps file name -> {tensor name: crc32 of its first ``CHECKSUM_BYTES``}, for the post-save check
-    that re-reads them. Each finished file is fsynced in a background thread while the next one is being written;
+    ``written`` maps file name -> ``WrittenFile`` (its header and each tensor's first ``PREFIX_BYTES``), for the
+    post-save check that re-reads them; at most 4 KiB per tensor are held. Each finished file is fsynced in a background thread while the next one is being written;
     ``close`` waits for all of them.
     """
 
@@ -108,7 +116,7 @@ class ShardStreamWriter:
         self._filename = None
         self._syncing: list[threading.Thread] = []
         self._sync_errors: list[OSError] = []
-        self.checksums: dict[str, dict[str, int]] = {filename: {} for filename in plan}
+        self.written: dict[str, WrittenFile] = {filename: WrittenFile() for filename in plan}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one whole tensor."""
@@ -132,8 +140,9 @@ class ShardStreamWriter:
             self._close_file()
             self._file = open(self.directory / filename, "wb")
             self._filename = filename
-            self._file.write(_header(self._plan[filename], self.metadata))
-        self._written, self._crc = 0, 0
+            self.written[filename].header = _header(self._plan[filename], self.metadata)
+            self._file.write(self.written[filename].header)
+        self._written, self._prefix = 0, bytearray()
         return spec
 
     def append(self, piece: torch.Tensor) -> None:
@@ -145,8 +154,8 @@ class ShardStreamWriter:
         if self._written + len(data) > spec.nbytes:
             raise ValueError(f"{spec.name}: more bytes than its planned shape {spec.shape}")
         self._file.write(data)
-        if self._written < CHECKSUM_BYTES:
-            self._crc = zlib.crc32(data[: CHECKSUM_BYTES - self._written], self._crc)
+        if self._written < PREFIX_BYTES:
+            self._prefix += data[: PREFIX_BYTES - self._written]
         self._written += len(data)
 
     def end(self) -> None:
@@ -156,19 +165,27 @@ class ShardStreamWriter:
                 f"{spec.name}: {self._written} bytes written, its shape {spec.shape} needs {spec.nbytes} "
                 "(an ungathered ZeRO-3 placeholder has shape (0,))"
             )
-        self.checksums[filename][spec.name] = self._crc
+        self.written[filename].prefixes[spec.name] = bytes(self._prefix)
         self._position += 1
 
-    def close(self) -> None:
-        """Finish the last file and wait until every file is on disk. Raises if tensors are missing."""
+    def finish(self) -> None:
+        """Close the last file; its fsync goes on in the background (``wait``). Raises if tensors are missing."""
         self._close_file()
+        if self._position != len(self._queue):
+            missing = [spec.name for _, spec in self._queue[self._position:]]
+            raise ValueError(f"{len(missing)} planned tensors were never written, e.g. {missing[0]}")
+
+    def wait(self) -> None:
+        """Wait until every file is on disk; raises the first fsync error."""
         for thread in self._syncing:
             thread.join()
         if self._sync_errors:
             raise self._sync_errors[0]
-        if self._position != len(self._queue):
-            missing = [spec.name for _, spec in self._queue[self._position:]]
-            raise ValueError(f"{len(missing)} planned tensors were never written, e.g. {missing[0]}")
+
+    def close(self) -> None:
+        """Finish the last file and wait until every file is on disk. Raises if tensors are missing."""
+        self.finish()
+        self.wait()
 
     def abort(self) -> None:
         """Stop after a failure: close the open file (its content is incomplete) and wait for pending syncs."""
@@ -193,16 +210,3 @@ class ShardStreamWriter:
             self._sync_errors.append(exc)
         finally:
             file.close()
-
-
-def read_prefixes(path: str | Path, names, nbytes: int = CHECKSUM_BYTES) -> dict[str, bytes]:
-    """The first ``nbytes`` of each named tensor's data, read straight from a safetensors file."""
-    with open(path, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(size))
-        found = {}
-        for name in names:
-            begin, end = header[name]["data_offsets"]
-            f.seek(8 + size + begin)
-            found[name] = f.read(min(nbytes, end - begin))
-    return found

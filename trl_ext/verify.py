@@ -6,18 +6,28 @@ missing) or has the wrong number of outputs, and an adapter whose shapes do not 
 Used by ``trl-ext verify PATH [--base MODEL]``.
 """
 
+import collections
 import json
 import math
+import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+
+from .shards import DTYPE_CODES, PREFIX_BYTES, WrittenFile
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS, FULL_INDEX = "model.safetensors", "model.safetensors.index.json"
 HEAD_NAMES = ("score", "classifier", "v_head")  # reward / classification heads across architectures
-VALUE_SAMPLES = 4  # tensors per file whose leading values are read (NaN/inf check); the rest is headers only
+ITEM_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64,
+             "U32": 32, "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8}
+EXPONENT_BITS = {"F64": (np.uint64, 0x7FF0000000000000), "F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
+                 "BF16": (np.uint16, 0x7F80)}  # for the NaN/inf check
+# What a file that is not valid safetensors raises while being read (bad JSON is a ValueError).
+UNREADABLE = (OSError, ValueError, KeyError, TypeError, struct.error)
 
 
 @dataclass
@@ -41,30 +51,73 @@ class CheckpointError(RuntimeError):
     """A saved checkpoint failed its audit."""
 
 
-def _sample(sl, shape: list[int], elements: int = 16384) -> torch.Tensor:
-    """The leading values of a tensor (whole rows), without reading the rest of it."""
-    if not shape:
-        return sl[...]
-    rows = max(1, elements // max(1, math.prod(shape[1:])))
-    return sl[:rows]
+def read_safetensors(path: Path) -> tuple[dict[str, tuple[list[int], str]], dict[str, bytes]]:
+    """One file's tensors, {name: (shape, dtype code)}, and the first ``PREFIX_BYTES`` of each one's data.
+
+    The header is checked as ``safe_open`` checks it (sizes match shapes, offsets contiguous, nothing truncated);
+    only the prefixes of the data are read. Raises one of ``UNREADABLE`` for a broken file.
+    """
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise ValueError(f"{size} bytes, shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if length > size - 8:
+            raise ValueError(f"the header claims {length} bytes, the file holds {size - 8}")
+        header = json.loads(os.pread(fd, length, 8))
+        header.pop("__metadata__", None)
+        start, tensors, prefixes, spans = 8 + length, {}, {}, []
+        for name, entry in header.items():
+            shape, code, (begin, end) = list(entry["shape"]), entry["dtype"], entry["data_offsets"]
+            bits = ITEM_BITS.get(code)
+            if bits is not None and (end - begin) * 8 != math.prod(shape) * bits:
+                raise ValueError(f"{name}: {end - begin} bytes for a {code} tensor of shape {shape}")
+            spans.append((begin, end, name))
+            tensors[name] = (shape, code)
+        position = 0
+        for begin, end, name in sorted(spans):
+            if begin != position:
+                raise ValueError(f"{name}: its data starts at byte {begin}, the previous tensor ends at {position}")
+            position = end
+        if position != size - start:
+            raise ValueError(f"the tensors need {position} bytes of data, the file holds {size - start} (truncated?)")
+        for begin, end, name in spans:
+            prefixes[name] = os.pread(fd, min(end - begin, PREFIX_BYTES), start + begin)
+    return tensors, prefixes
 
 
-def _headers(files: list[Path], report: Report) -> dict[str, tuple[list[int], str]]:
-    """{tensor name: (shape, dtype)} read from the safetensors headers; reads only a few tensors' values."""
-    tensors = {}
+def _any_nonfinite(raw: bytes, code: str) -> bool:
+    """NaN and inf are exactly the values whose exponent bits are all ones, in every IEEE format (bfloat16 too)."""
+    kind, mask = EXPONENT_BITS[code]
+    bits = np.frombuffer(raw, dtype=kind)
+    return bits.size > 0 and int((bits & mask).max()) == mask
+
+
+def _nonfinite(tensors: dict, prefixes: dict[str, bytes]) -> list[str]:
+    """Floating-point tensors whose leading values hold NaN or inf: one pass per dtype over all the prefixes."""
+    by_dtype = collections.defaultdict(list)
+    for name, (_, code) in tensors.items():
+        if code in EXPONENT_BITS:
+            by_dtype[code].append(name)
+    bad = []
+    for code, names in by_dtype.items():
+        if _any_nonfinite(b"".join(prefixes.get(n, b"") for n in names), code):
+            bad += [n for n in names if _any_nonfinite(prefixes.get(n, b""), code)]
+    return sorted(bad)
+
+
+def _read_files(files: list[Path], report: Report) -> tuple[dict, dict]:
+    tensors, prefixes = {}, {}
     for path in files:
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for i, name in enumerate(f.keys()):
-                    sl = f.get_slice(name)
-                    tensors[name] = (list(sl.get_shape()), sl.get_dtype())
-                    if i < VALUE_SAMPLES and math.prod(tensors[name][0]) > 0:
-                        value = _sample(sl, tensors[name][0])
-                        if value.is_floating_point() and not torch.isfinite(value).all():
-                            report.problems.append(f"{name}: contains NaN or inf values")
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:  # a truncated or corrupted file
+            found, read = read_safetensors(path)
+        except UNREADABLE as exc:  # a truncated or corrupted file
             report.problems.append(f"{path.name}: cannot be read as safetensors ({exc})")
-    return tensors
+            continue
+        tensors.update(found)
+        prefixes.update(read)
+    return tensors, prefixes
 
 
 def _weight_files(root: Path, report: Report) -> list[Path]:
@@ -198,14 +251,8 @@ def _check_full(root: Path, tensors: dict, report: Report, base: str | None, num
         _check_against_base(tensors, _base_shapes(base, is_seq_cls, num_labels), report, adapter=False)
 
 
-def audit(path: str, base: str | None = None, num_labels: int = 1) -> Report:
-    """Audit the checkpoint at ``path``. ``base``: a model id/path to check shapes against."""
-    root = Path(path)
-    report = Report(str(path))
-    if not root.is_dir():
-        report.problems.append("not a directory")
-        return report
-    tensors = _headers(_weight_files(root, report), report)
+def _check_contents(root: Path, tensors: dict, prefixes: dict, report: Report, base: str | None,
+                    num_labels: int) -> None:
     report.num_tensors = len(tensors)
     empty = sorted(n for n, (shape, _) in tensors.items() if math.prod(shape) == 0)
     if empty:
@@ -213,45 +260,84 @@ def audit(path: str, base: str | None = None, num_labels: int = 1) -> Report:
             f"{len(empty)} empty tensors (e.g. {empty[0]} {tensors[empty[0]][0]}): ZeRO-3 placeholders saved without "
             "gathering the parameters first: " + ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else "")
         )
+    nonfinite = _nonfinite(tensors, prefixes)
+    if nonfinite:
+        report.problems.append(f"{len(nonfinite)} tensors contain NaN or inf values: " + ", ".join(nonfinite[:5])
+                               + (" ..." if len(nonfinite) > 5 else ""))
     if report.kind == "adapter":
         _check_adapter(root, tensors, report, base, num_labels)
     elif report.kind == "full":
         _check_full(root, tensors, report, base, num_labels)
+
+
+def audit(path: str, base: str | None = None, num_labels: int = 1) -> Report:
+    """Audit the checkpoint at ``path``. ``base``: a model id/path to check shapes against."""
+    root = Path(path)
+    report = Report(str(path))
+    if not root.is_dir():
+        report.problems.append("not a directory")
+        return report
+    tensors, prefixes = _read_files(_weight_files(root, report), report)
+    _check_contents(root, tensors, prefixes, report, base, num_labels)
     return report
 
 
-def check_against_plan(path: str, plan: dict, checksums: dict[str, dict[str, int]]) -> list[str]:
-    """Compare files just written with what was meant to be written: every planned tensor present, with its full
-    shape and dtype, nothing extra, and each tensor's first bytes unchanged. Headers plus a few KiB per tensor."""
-    import zlib
+def _read_as_planned(path: Path, specs: list, record: WrittenFile | None) -> dict[str, bytes] | None:
+    """The fast path for a file just written: if it holds exactly the header that was written and the size that
+    header implies, its tensors are the planned ones; only their prefixes are read. None otherwise."""
+    if record is None or not record.header:
+        return None
+    sizes = [s.nbytes for s in specs]
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        if os.fstat(fd).st_size != len(record.header) + sum(sizes) or os.pread(fd, len(record.header), 0) != record.header:
+            return None
+        prefixes, offset = {}, len(record.header)
+        for spec, size in zip(specs, sizes):
+            prefixes[spec.name] = os.pread(fd, min(size, PREFIX_BYTES), offset)  # one read per tensor
+            offset += size
+    return prefixes
 
-    from .shards import DTYPE_CODES, read_prefixes
 
-    problems = []
+def check_written(path: str, plan: dict, written: dict[str, WrittenFile], peft_config=None,
+                  num_labels: int = 1) -> list[str]:
+    """After a save, before it is committed: each file holds exactly the planned tensors (names, full shapes,
+    dtypes), each tensor's first bytes are the bytes that were written (``written``: the writer's record of each
+    file), and the audit's checks pass. Reads each header and ``PREFIX_BYTES`` per tensor; a header that is not the
+    one written is parsed in full, to say what differs."""
+    root = Path(path)
+    report = Report(str(path))
+    files = sorted(f.name for f in _weight_files(root, report))
+    if not report.problems and files != sorted(plan):
+        report.problems.append(f"the weight files are {files}, the save planned {sorted(plan)}")
+    tensors, prefixes = {}, {}
     for filename, specs in plan.items():
-        file = Path(path) / filename
+        expected = {s.name: (list(s.shape), DTYPE_CODES[s.dtype]) for s in specs}
         try:
-            with safe_open(str(file), framework="pt") as f:
-                found = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}  # noqa: SIM118 - not iterable
-            sums = {n: crc for n, crc in checksums.get(filename, {}).items() if n in found}
-            prefixes = read_prefixes(file, sums)
-            changed = [n for n, crc in sums.items() if zlib.crc32(prefixes[n]) != crc]
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            problems.append(f"{filename}: cannot be read back ({exc})")
+            read = _read_as_planned(root / filename, specs, written.get(filename))
+            found, read = (expected, read) if read is not None else read_safetensors(root / filename)
+        except UNREADABLE as exc:
+            report.problems.append(f"{filename}: cannot be read back ({exc})")
             continue
-        expected = {s.name: (s.shape, DTYPE_CODES[s.dtype]) for s in specs}
         missing = sorted(set(expected) - set(found))
         extra = sorted(set(found) - set(expected))
         wrong = sorted(n for n in set(expected) & set(found) if found[n] != expected[n])
+        record = written.get(filename, WrittenFile())
+        changed = [n for n, prefix in record.prefixes.items() if n in read and read[n] != prefix]
         if missing:
-            problems.append(f"{filename}: {len(missing)} tensors missing, e.g. {missing[0]}")
+            report.problems.append(f"{filename}: {len(missing)} tensors missing, e.g. {missing[0]}")
         if extra:
-            problems.append(f"{filename}: {len(extra)} unexpected tensors, e.g. {extra[0]}")
+            report.problems.append(f"{filename}: {len(extra)} unexpected tensors, e.g. {extra[0]}")
         for name in wrong[:5]:
-            problems.append(f"{name}: written {found[name]}, trained {expected[name]}")
+            report.problems.append(f"{name}: written {found[name]}, trained {expected[name]}")
         if changed:
-            problems.append(f"{filename}: bytes differ from the trained values for {', '.join(changed)}")
-    return problems
+            report.problems.append(f"{filename}: bytes differ from the trained values for {', '.join(changed[:5])}")
+        tensors.update(found)
+        prefixes.update(read)
+    _check_contents(root, tensors, prefixes, report, None, num_labels)
+    if peft_config is not None:
+        report.problems += check_adapter_config(path, peft_config)
+    return report.problems
 
 
 def check_adapter_config(path: str, trained) -> list[str]:

@@ -134,3 +134,64 @@ def test_nested_modules_to_save_are_found(capsys, tmp_path, tiny_model_path):
     get_peft_model(model, LoraConfig(modules_to_save=["embed_tokens"], **LORA)).save_pretrained(path)
     code, out = run_cli(capsys, path, "--base", tiny_model_path)
     assert code == 0, out
+
+
+def test_reader_agrees_with_safe_open_and_rejects_what_it_rejects(tmp_path):
+    """verify.read_safetensors parses headers itself (one pass, memory-mapped): it must read what safe_open reads and
+    refuse every file safe_open refuses."""
+    from safetensors import SafetensorError, safe_open
+
+    from trl_ext.verify import UNREADABLE, read_safetensors
+
+    tensors = {"w": torch.randn(3, 700), "h": torch.randn(5).half(), "b": torch.randn(2, 2).bfloat16(),
+               "i": torch.arange(4), "m": torch.tensor([True, False]), "e": torch.empty(0, 4), "s": torch.tensor(1.5)}
+    good = tmp_path / "good.safetensors"
+    save_file(tensors, good)
+    found, prefixes = read_safetensors(good)
+    with safe_open(str(good), framework="pt") as f:
+        assert found == {n: (list(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}  # noqa: SIM118
+    for name, tensor in tensors.items():
+        assert prefixes[name] == tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:4096], name
+
+    raw = good.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+
+    def with_header(edit):
+        entries = json.loads(json.dumps(header))
+        edit(entries)
+        text = json.dumps(entries).encode()
+        text += b" " * (-len(text) % 8)
+        return len(text).to_bytes(8, "little") + text + raw[8 + length:]
+
+    broken = {
+        "truncated": raw[:-10],
+        "longer": raw + b"\0" * 8,
+        "tiny": raw[:5],
+        "header_too_long": (10**9).to_bytes(8, "little") + raw[8:],
+        "not_json": raw[:8] + b"x" + raw[9:],
+        "size_mismatch": with_header(lambda h: h["w"].update(shape=[3, 699])),
+        "gap": with_header(lambda h: h["h"].update(data_offsets=[h["h"]["data_offsets"][0] + 2,
+                                                                 h["h"]["data_offsets"][1] + 2])),
+        "no_offsets": with_header(lambda h: h["i"].pop("data_offsets")),
+    }
+    for label, data in broken.items():
+        path = tmp_path / f"{label}.safetensors"
+        path.write_bytes(data)
+        with pytest.raises(UNREADABLE):
+            read_safetensors(path)
+        with pytest.raises(SafetensorError), safe_open(str(path), framework="pt") as f:  # safe_open refuses it too
+            [f.get_tensor(n) for n in f.keys()]  # noqa: SIM118
+
+
+def test_nan_or_inf_in_any_tensor(capsys, good_adapter, tmp_path):
+    def poison(w):
+        last = max(w)  # the check covers every tensor's leading values, not only the first few
+        w[last] = w[last].clone()
+        w[last].view(-1)[3] = float("nan")
+        return w
+
+    broken = _rewrite(good_adapter, tmp_path / "nan", poison)
+    code, out = run_cli(capsys, broken)
+    assert code == 1 and "1 tensors contain NaN or inf values" in out
+    assert max(load_file(broken / "adapter_model.safetensors")) in out
