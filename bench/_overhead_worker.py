@@ -106,7 +106,8 @@ def build(impl: str, cli, *callbacks: TrainerCallback):
     torch.manual_seed(0)
     model = (LlamaForSequenceClassification if cli.trainer == "reward" else LlamaForCausalLM)(config)
     name = TRAINERS[cli.trainer]
-    trainer_cls = getattr(trl_ext if impl == "trl_ext" else trl, f"{name}Trainer")
+    ours = impl == "trl_ext" and not getattr(cli, "control", False)  # --control: TRL on both sides
+    trainer_cls = getattr(trl_ext if ours else trl, f"{name}Trainer")
     args = getattr(trl_ext, f"{name}Config")(
         output_dir=tempfile.mkdtemp(prefix="bench-overhead-"), max_steps=cli.steps,
         per_device_train_batch_size=cli.batch, max_length=cli.seq_len, learning_rate=1e-4, logging_steps=1000,
@@ -130,6 +131,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--count_calls", action="store_true", help="one impl: count the calls of steps 5 and 6")
     parser.add_argument("--first", choices=["trl", "trl_ext"], default="trl", help="with --impl both: who starts")
+    parser.add_argument("--control", action="store_true", help="the 'trl_ext' side runs TRL's trainer too (A/A)")
     cli = parser.parse_args()
 
     impls = ["trl", "trl_ext"] if cli.impl == "both" else [cli.impl]

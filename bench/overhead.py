@@ -2,6 +2,7 @@
 
     python bench/overhead.py [--repeats 2] [--steps 30] [--trainers sft reward dpo] [--setups 1proc zero3]
     python bench/overhead.py --count_calls    # the Python calls of two steps, TRL vs trl_ext, function by function
+    python bench/overhead.py --control --setups 1proc    # A/A: TRL against TRL in the same pairing (its own bias)
 
 SFT, Reward and DPO, LoRA (all-linear, r=8) on a random Llama (hidden 256, 4 layers, sequence 128, batch 4 per
 rank), gradient checkpointing off (the checkpointing modes differ on purpose: see bench/checkpointing.py), one thread
@@ -72,12 +73,17 @@ def main():
     parser.add_argument("--steps", type=int, default=30, help="steps per trainer and run (ZeRO-3: half)")
     parser.add_argument("--trainers", nargs="+", default=["sft", "reward", "dpo"])
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--control", action="store_true",
+                        help="A/A control, 1 process: TRL's trainer on both sides, so the ratios show the pairing's "
+                             "own bias (which side is built second, runs second, ...)")
     parser.add_argument("--count_calls", action="store_true",
                         help="instead of timing: compare the Python calls of two steps, TRL vs trl_ext")
     cli = parser.parse_args()
 
     config = write_accelerate_config(Path(tempfile.mkdtemp(prefix="bench-overhead-")), "zero3")
     print(f"start: {load()} on {os.cpu_count()} CPUs", flush=True)
+    if cli.control:
+        print("A/A control: the 'trl_ext' column runs TRL's trainer too; a ratio away from 1.00 is the harness's bias")
     if cli.count_calls:
         return count_calls(cli, config)
     rows = []
@@ -88,7 +94,7 @@ def main():
                 for repeat in range(cli.repeats):
                     first = "trl" if repeat % 2 == 0 else "trl_ext"
                     times = run(setup, config, ["--impl", "both", "--trainer", trainer, "--steps", str(cli.steps),
-                                                "--first", first])
+                                                "--first", first, *(["--control"] if cli.control else [])])
                     trl_steps += times["times"]["trl"]
                     ours_steps += times["times"]["trl_ext"]
                 paired = [o / t for o, t in zip(ours_steps, trl_steps)]  # each trl_ext step / the TRL step beside it
