@@ -102,8 +102,8 @@ class ShardStreamWriter:
     """Writes the planned files in order; ``write`` must receive the tensors in plan order.
 
     ``written`` maps file name -> ``WrittenFile`` (its header and each tensor's first ``PREFIX_BYTES``), for the
-    post-save check that re-reads them; at most 4 KiB per tensor are held. Each finished file is fsynced in a background thread while the next one is being written;
-    ``close`` waits for all of them.
+    post-save check that re-reads them; at most 4 KiB per tensor are held. Each finished file is fsynced in a
+    background thread while the next one is being written; ``wait`` (or ``close``) waits for all of them.
     """
 
     def __init__(self, directory: str | Path, plan: dict[str, list[TensorSpec]], metadata: dict | None = None):

@@ -22,8 +22,7 @@ from .shards import DTYPE_CODES, PREFIX_BYTES, WrittenFile
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS, FULL_INDEX = "model.safetensors", "model.safetensors.index.json"
 HEAD_NAMES = ("score", "classifier", "v_head")  # reward / classification heads across architectures
-ITEM_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U64": 64,
-             "U32": 32, "U16": 16, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8}
+ITEM_BITS = {code: dtype.itemsize * 8 for dtype, code in DTYPE_CODES.items()}  # other codes: size not checked
 EXPONENT_BITS = {"F64": (np.uint64, 0x7FF0000000000000), "F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
                  "BF16": (np.uint16, 0x7F80)}  # for the NaN/inf check
 # What a file that is not valid safetensors raises while being read (bad JSON is a ValueError).
