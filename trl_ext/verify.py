@@ -281,15 +281,17 @@ def audit(path: str, base: str | None = None, num_labels: int = 1) -> Report:
     return report
 
 
-def _read_as_planned(path: Path, specs: list, record: WrittenFile | None) -> dict[str, bytes] | None:
+def _read_as_planned(path: Path, specs: list, record: WrittenFile) -> dict[str, bytes] | None:
     """The fast path for a file just written: if it holds exactly the header that was written and the size that
     header implies, its tensors are the planned ones; only their prefixes are read. None otherwise."""
-    if record is None or not record.header:
+    if not record.header:
         return None
     sizes = [s.nbytes for s in specs]
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
-        if os.fstat(fd).st_size != len(record.header) + sum(sizes) or os.pread(fd, len(record.header), 0) != record.header:
+        if os.fstat(fd).st_size != len(record.header) + sum(sizes):
+            return None
+        if os.pread(fd, len(record.header), 0) != record.header:
             return None
         prefixes, offset = {}, len(record.header)
         for spec, size in zip(specs, sizes):
@@ -312,8 +314,9 @@ def check_written(path: str, plan: dict, written: dict[str, WrittenFile], peft_c
     tensors, prefixes = {}, {}
     for filename, specs in plan.items():
         expected = {s.name: (list(s.shape), DTYPE_CODES[s.dtype]) for s in specs}
+        record = written.get(filename, WrittenFile())
         try:
-            read = _read_as_planned(root / filename, specs, written.get(filename))
+            read = _read_as_planned(root / filename, specs, record)
             found, read = (expected, read) if read is not None else read_safetensors(root / filename)
         except UNREADABLE as exc:
             report.problems.append(f"{filename}: cannot be read back ({exc})")
@@ -321,7 +324,6 @@ def check_written(path: str, plan: dict, written: dict[str, WrittenFile], peft_c
         missing = sorted(set(expected) - set(found))
         extra = sorted(set(found) - set(expected))
         wrong = sorted(n for n in set(expected) & set(found) if found[n] != expected[n])
-        record = written.get(filename, WrittenFile())
         changed = [n for n, prefix in record.prefixes.items() if n in read and read[n] != prefix]
         if missing:
             report.problems.append(f"{filename}: {len(missing)} tensors missing, e.g. {missing[0]}")
