@@ -5,9 +5,9 @@ ordinary ``from_pretrained(path)``. The same directory serves as a sequence-clas
 """
 
 import os
-import shutil
-import tempfile
-from pathlib import Path
+import sys
+
+from .cache import cached_build
 
 DEFAULT_MODEL_NAME = "trl-ext/tiny-llama"  # resolved to a local build, never fetched from the Hub
 _BUILD_DIR_NAME = "tiny-llama-v1"  # bump when the build changes
@@ -35,26 +35,9 @@ MODEL_CONFIG = dict(
 )
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("TRL_EXT_CACHE", Path.home() / ".cache" / "trl_ext"))
-
-
 def default_model_path() -> str:
     """Return the local path of the embedded model, building it on first use."""
-    target = cache_root() / _BUILD_DIR_NAME
-    if not (target / "config.json").exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{_BUILD_DIR_NAME}-", dir=target.parent))
-        try:
-            build(tmp)
-            try:
-                os.rename(tmp, target)  # atomic; another rank may have won the race, which is fine
-            except OSError:
-                if not (target / "config.json").exists():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return cached_build(_BUILD_DIR_NAME, __name__)
 
 
 def resolve_model(name_or_path: str | None) -> str:
@@ -116,3 +99,7 @@ def build(path: str | os.PathLike) -> None:
     )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+if __name__ == "__main__":  # the clean build process of cached_build
+    build(sys.argv[1])
