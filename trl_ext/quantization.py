@@ -206,3 +206,17 @@ def match_adapter_dtype(args, model) -> None:
             param.data = param.data.to(dtype)
             if getattr(param, "ds_tensor", None) is not None:  # a ZeRO-3 partition: its shard holds the values
                 param.ds_tensor.data = param.ds_tensor.data.to(dtype)
+
+
+def disable_cpu_packed_path(model) -> int:
+    """Keep bitsandbytes' 4-bit layers on the kernel they train with; returns how many layers were switched.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.48-0.50) repacks a 4-bit weight in place the first time the layer
+    runs in eval mode without grad (training-time evaluation, DPO's reference pass), and rounds its scales to bf16.
+    Under ZeRO-3 the next gather then meets the repacked layout and fails; otherwise, the next ``state_dict()``
+    (every save) unpacks it with the bf16 scales kept, so the base silently differs from the one loaded.
+    """
+    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)

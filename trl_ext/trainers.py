@@ -38,6 +38,9 @@ class TrlExtMixin:
         with self._around_trl_init(bound):
             super().__init__(*bound.args, **bound.kwargs)
         quantization.match_adapter_dtype(self.args, self.model)
+        for model in (self.model, getattr(self, "ref_model", None)):
+            if model is not None:
+                quantization.disable_cpu_packed_path(model)
         self._after_trl_init()
         if not getattr(self.args, "packing", False):  # packing changes the row count by design
             input_checks.check_rows_kept(bound.arguments.get("train_dataset"), self.train_dataset, "train_dataset",

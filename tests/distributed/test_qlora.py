@@ -7,6 +7,7 @@ imports no trl_ext).
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.slow
 
 # Tolerances, on the trained model's outputs (logits, or rewards) at fixed inputs:
 # - reloaded on the 4-bit base: the same NF4 weights and adapter, one process without DeepSpeed instead of two with it
-#   (measured: 0.0).
-ATOL_4BIT = 1e-4
+#   (measured: 0.0). Both sides run bitsandbytes' training kernel: the trainers switch off its CPU packed path (see
+#   quantization.disable_cpu_packed_path), and so does the reload, so the check means the same on every x86 CPU.
+ATOL_4BIT = 1e-5
 # - reloaded on the full-precision base: quantization is lossy, so the outputs differ by the base's 4-bit error. Bound:
 #   no more than 1.25x the error of the base alone (max|full base - 4-bit base|, no adapter, same inputs; measured
 #   ratio 0.99-1.06). The adapter must also still do what it did in training: its effect on the full-precision base
@@ -34,15 +36,45 @@ PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]  # as
 CASES = [(trainer, backend) for trainer in ("sft", "reward", "dpo") for backend in ("zero3", "zero2")]
 
 
-def reload(adapter: Path, kind: str, quant_type: str) -> dict[str, torch.Tensor]:
-    """Outputs of the adapter on the full-precision and on the 4-bit base, and of both bases alone (fresh process)."""
+def run_reload(adapter: Path, kind: str, quant_type: str) -> subprocess.CompletedProcess:
     from trl_ext.assets import default_model_path
 
-    proc = subprocess.run([sys.executable, "-m", "tests.distributed.test_qlora", default_model_path(), kind,
+    return subprocess.run([sys.executable, "-m", "tests.distributed.test_qlora", default_model_path(), kind,
                            str(adapter), quant_type], cwd=REPO, capture_output=True, text=True, timeout=240,
                           check=False)
+
+
+def reload(adapter: Path, kind: str, quant_type: str) -> dict[str, torch.Tensor]:
+    """Outputs of the adapter on the full-precision and on the 4-bit base, and of both bases alone (fresh process)."""
+    proc = run_reload(adapter, kind, quant_type)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {k: torch.tensor(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+def assert_damaged_adapters_fail(adapter: Path, trained: torch.Tensor, tmp_path: Path) -> None:
+    """The 4-bit check is strong enough to catch a wrong adapter tensor, and the reload one a missing tensor."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    lora_b = sorted(k for k in tensors if "lora_B" in k)
+    for damage in ("wrong", "missing"):
+        damaged = tmp_path / f"adapter_{damage}"
+        shutil.copytree(adapter, damaged)
+        changed = dict(tensors)
+        if damage == "wrong":  # one layer's lora_B back at its initial value (zeros), as if never trained
+            changed[lora_b[0]] = torch.zeros_like(tensors[lora_b[0]])
+        else:
+            del changed[lora_b[-1]]
+        save_file(changed, damaged / "adapter_model.safetensors", metadata={"format": "pt"})
+        proc = run_reload(damaged, "causal", "nf4")
+        if damage == "missing":
+            assert proc.returncode != 0 and "missing adapter keys" in proc.stderr, proc.stderr[-2000:]
+        else:
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            got = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1])["4bit"])
+            off = (got - trained).abs().max().item()
+            print(f"one untrained lora_B tensor: 4-bit reload off by {off:.3g} (tolerance {ATOL_4BIT})")
+            assert off > 10 * ATOL_4BIT, "a wrong lora_B tensor passed the 4-bit reload check"
 
 
 @pytest.mark.parametrize(("trainer", "backend"), CASES)
@@ -52,7 +84,7 @@ def test_qlora_trains_saves_and_reloads(tmp_path, trainer, backend):
 
     as_dict = trainer == "dpo"  # the YAML path: quantization_config given as a dict
     report = run_training(tmp_path, backend, trainer, "--lora", "--load_in_4bit", "--save_model", "final",
-                          "--max_steps", "2", "--rows", "8", "--quant_config_as", "dict" if as_dict else "object")
+                          "--max_steps", "2", "--rows", "8", "--eval_steps", "1", "--quant_config_as", "dict" if as_dict else "object")
     out = tmp_path / "out"
     stage = int(backend[-1])
     assert report["zero_stage"] == stage and report["world_size"] == 2
@@ -84,6 +116,8 @@ def test_qlora_trains_saves_and_reloads(tmp_path, trainer, backend):
         f"reloaded on the full-precision base: max diff {diff_full}, base quantization error {base_error}")
     assert effect_error <= ADAPTER_EFFECT_RTOL * effect.abs().max(), (
         f"the adapter's effect on the full-precision base is off by {effect_error}")
+    if (trainer, backend) == ("sft", "zero3"):  # one training run serves the damaged-adapter checks
+        assert_damaged_adapters_fail(adapter, trained, tmp_path)
 
 
 def _probe(model) -> list:
@@ -91,6 +125,15 @@ def _probe(model) -> list:
     with torch.no_grad():
         ids = torch.tensor(PROBE_IDS)
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().tolist()
+
+
+def _training_kernel(model):
+    """Keep bitsandbytes off its CPU packed path, as the trainers do: on a CPU with AVX512-BF16 an eval forward would
+    otherwise use another kernel (bf16 scales), and PEFT's wrapping then unpacks the weights lossily."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def _reload_main(base: str, kind: str, adapter: str, quant_type: str) -> None:
@@ -105,7 +148,7 @@ def _reload_main(base: str, kind: str, adapter: str, quant_type: str) -> None:
     outputs = {}
     for name, kwargs in {"full": {}, "4bit": {"quantization_config": four_bit}}.items():
         torch.manual_seed(0)
-        model = auto.from_pretrained(base, dtype=torch.float32, **extra, **kwargs)
+        model = _training_kernel(auto.from_pretrained(base, dtype=torch.float32, **extra, **kwargs))
         outputs[f"base_{name}"] = _probe(model)
         outputs[name] = _probe(PeftModel.from_pretrained(model, adapter))
     print(json.dumps(outputs))

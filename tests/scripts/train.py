@@ -55,7 +55,10 @@ class RecordCheckpointing(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.seen is None:
             hooks = [m for m in model.modules() if getattr(m, "_require_grads_hooks", None)]
-            self.seen = {"layers": layer_settings(model), "input_hooks": len(hooks)}
+            # Partitioning is read here, before any evaluation: ZeRO-3 may keep parameters gathered after an eval
+            # pass (its prefetch cache) until the next training step.
+            self.seen = {"layers": layer_settings(model), "input_hooks": len(hooks),
+                         "partition": partition_report(model)}
 
 
 def gathered_trainable(model) -> dict:
@@ -197,6 +200,7 @@ def main():
     parser.add_argument("--bnb_4bit_quant_type", default="nf4", choices=["nf4", "fp4"])
     parser.add_argument("--bnb_4bit_quant_storage", default=None, help="default: bitsandbytes' (uint8)")
     parser.add_argument("--quant_config_as", default="object", choices=["object", "dict"], help="as YAML would give it")
+    parser.add_argument("--eval_steps", type=int, default=0, help="evaluate on 4 test rows every N steps")
     parser.add_argument("--save_model", default=None, help="trainer.save_model(OUTPUT_DIR/NAME) after training, and "
                         "the trained model's probe outputs to OUTPUT_DIR/probes_NAME.json")
     cli = parser.parse_args()
@@ -204,7 +208,9 @@ def main():
         fail_writes(cli.fail_save, cli.fail_errno)
 
     trainer_cls, config_cls, data_kind = TRAINERS[cli.trainer]
-    dataset = load_default_dataset(data_kind)["train"].select(range(cli.rows))
+    splits = load_default_dataset(data_kind)
+    dataset = splits["train"].select(range(cli.rows))
+    eval_dataset = splits["test"].select(range(4)) if cli.eval_steps else None
     args = config_cls(
         output_dir=cli.output_dir,
         max_steps=cli.max_steps,
@@ -213,6 +219,9 @@ def main():
         learning_rate=1e-3,
         logging_steps=1,
         save_strategy="steps" if cli.save_steps else "no",
+        eval_strategy="steps" if cli.eval_steps else "no",
+        eval_steps=cli.eval_steps or None,
+        per_device_eval_batch_size=2,
         save_steps=cli.save_steps or 500,
         report_to="none",
         seed=0,
@@ -224,8 +233,8 @@ def main():
     recorder = RecordCheckpointing()
     counter = CountSteps()
     callbacks = [recorder, counter] + ([KillAtStep(cli.kill_at_step, cli.kill_rank)] if cli.kill_at_step else [])
-    trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, peft_config=peft_config,
-                          callbacks=callbacks)
+    trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, eval_dataset=eval_dataset,
+                          peft_config=peft_config, callbacks=callbacks)
     if cli.kill_during_save:
         peers = [os.getpid()]
         if torch.distributed.is_initialized():
@@ -239,7 +248,7 @@ def main():
     result = trainer.train(resume_from_checkpoint=True if cli.resume else None)
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
-        report["partition"] = partition_report(trainer.model_wrapped)
+        report["partition"] = (recorder.seen or {}).get("partition") or partition_report(trainer.model_wrapped)
     report["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     report["train_loss"] = result.training_loss
     report["global_step"] = trainer.state.global_step
