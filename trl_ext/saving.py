@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from . import gather, verify
-from .shards import ShardStreamWriter, TensorSpec, index_json, plan_shards
+from . import gather, hub_format, verify
+from .shards import DTYPE_CODES, ShardStreamWriter, TensorSpec, index_json, plan_shards
 
 logger = logging.getLogger("trl_ext")
 
@@ -38,10 +38,10 @@ _WEIGHTS_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5
 
 @dataclass
 class _WeightSet:
-    """One directory's weights: the adapter (PEFT) or the full model, in gathering order."""
+    """One directory's weights: the adapter (PEFT) or the full model (Hub layout), in writing order."""
 
     subdir: str
-    tensors: list[tuple[str, torch.Tensor]]
+    units: list[hub_format.Unit]
     plan: dict[str, list[TensorSpec]]
     peft_config: object = None
 
@@ -63,18 +63,65 @@ def _adapter_weight_sets(model) -> list[_WeightSet]:
     sets = []
     for adapter, config in model.peft_config.items():
         mapped = get_peft_model_state_dict(model, state_dict=live, adapter_name=adapter)
-        tensors = list(mapped.items())
-        specs = [TensorSpec(n, gather.full_shape(t), t.dtype) for n, t in tensors]
-        plan = plan_shards(specs, float("inf"), prefix="adapter_model")  # PEFT loads a single adapter file
-        sets.append(_WeightSet("" if adapter == "default" else adapter, tensors, plan, config))
+        # PEFT's keys are what PeftModel.from_pretrained takes: no conversion (PEFT's own save reverts none either)
+        units = [hub_format.Unit([(n, t)], [TensorSpec(n, gather.full_shape(t), t.dtype)]) for n, t in mapped.items()]
+        plan = plan_shards([u.outputs[0] for u in units], float("inf"), prefix="adapter_model")  # PEFT reads one file
+        sets.append(_WeightSet("" if adapter == "default" else adapter, units, plan, config))
     return sets
 
 
 def _full_weight_set(model, max_shard_size) -> _WeightSet:
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
     tensors = [(n, t) for n, t in gather.state_tensors(model).items() if n not in ignored]
-    specs = [TensorSpec(n, gather.full_shape(t), t.dtype) for n, t in tensors]
-    return _WeightSet("", tensors, plan_shards(specs, max_shard_size))
+    units = hub_format.plan(model, tensors)  # the names, shapes and layout save_pretrained writes
+    return _WeightSet("", units, plan_shards([s for u in units for s in u.outputs], max_shard_size))
+
+
+def _check_dtypes(weight_sets) -> None:
+    """Refuse, on every rank and before anything is written, a dtype the safetensors format cannot hold."""
+    unknown = sorted({str(s.dtype) for ws in weight_sets for specs in ws.plan.values() for s in specs
+                      if s.dtype not in DTYPE_CODES})
+    if unknown:
+        raise verify.CheckpointError(f"saving failed: safetensors cannot store {', '.join(unknown)}; nothing was "
+                                     "written. Cast those tensors to a supported dtype (e.g. model.to(torch.float32)) "
+                                     "before saving.")
+
+
+class _Collect:
+    """A sink that assembles each tensor whole (a conversion group's sources), on the writing rank."""
+
+    def __init__(self, sources: list[tuple[str, torch.Tensor]], copy: bool):
+        self.shapes = {n: gather.full_shape(t) for n, t in sources}
+        self.copy, self.tensors = copy, {}  # copy: gathered parameters are released after the gather
+
+    def begin(self, name):
+        self.name, self.pieces = name, []
+
+    def append(self, piece):
+        self.pieces.append(piece)
+
+    def end(self):
+        whole = torch.cat([p.reshape(-1) for p in self.pieces]) if self.copy or len(self.pieces) > 1 else self.pieces[0]
+        self.tensors[self.name] = whole.view(self.shapes[self.name])
+
+
+def _stream_units(model, units, sink, collective: bool, writer: int | None) -> None:
+    """Feed the units' outputs to ``sink`` in plan order: renamed tensors streamed in chunks, converted groups gathered
+    whole (one at a time) and converted on the writing rank. Every rank calls it, as ``gather.stream``."""
+    run: list[tuple[str, torch.Tensor]] = []  # consecutive streamed tensors, under their Hub names
+    for unit in [*units, None]:
+        if unit is not None and not unit.converted:
+            run.append((unit.outputs[0].name, unit.sources[0][1]))
+            continue
+        if run:
+            gather.stream(run, sink, collective, writer)
+            run = []
+        if unit is None:
+            continue
+        whole = _Collect(unit.sources, copy=collective) if sink is not None else None
+        gather.stream(unit.sources, whole, collective, writer)
+        if sink is not None:
+            sink.convert_and_write(lambda: hub_format.to_hub(model, whole.tensors), unit.outputs)
 
 
 def _write_metadata(model, directory: Path, weight_sets, processing_class, training_args) -> None:
@@ -133,8 +180,19 @@ class _Guarded:
                 getattr(self.writer, method)(*args)
             except OSError as exc:  # disk full, permission denied, I/O error
                 self.error = f"writing {self.writer.directory}: {exc}; {WRITE_FIX}"
-            except ValueError as exc:
-                self.error = f"writing {self.writer.directory}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+                self.error = f"writing {self.writer.directory}: {type(exc).__name__}: {exc}"
+
+    def convert_and_write(self, convert, outputs: list[TensorSpec]) -> None:
+        """Write ``convert()``'s tensors in the planned order (``outputs``)."""
+        if self.error is None:
+            try:
+                converted = convert()
+            except Exception as exc:  # noqa: BLE001 - as above
+                self.error = f"converting {[s.name for s in outputs][:2]} to the checkpoint layout: {exc}"
+                return
+            for spec in outputs:
+                self._call("write", spec.name, converted[spec.name])
 
     def begin(self, name):
         self._call("begin", name)
@@ -229,6 +287,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     if not collective and not is_writer:
         return
     weight_sets = _adapter_weight_sets(model) if is_peft_model(model) else [_full_weight_set(model, max_shard_size)]
+    _check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
     target = Path(output_dir).absolute()
     staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
     error, written, started = None, [], time.monotonic()
@@ -251,14 +310,14 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     for ws in weight_sets:
         writer = ShardStreamWriter(staging / ws.subdir, ws.plan) if is_writer else None
         sink = _Guarded(writer, error) if writer is not None else None
-        gather.stream(ws.tensors, sink, collective, writing_ranks[0] if len(writing_ranks) == 1 else None)
+        _stream_units(model, ws.units, sink, collective, writing_ranks[0] if len(writing_ranks) == 1 else None)
         if sink is not None:
             writers.append(writer)
             error = sink.error
             if error is None:
                 try:
                     writer.finish()  # the last file's fsync goes on during the checks below
-                except (OSError, ValueError) as exc:
+                except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
                     error = str(exc)
             else:
                 writer.abort()

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import torch
 
+# Every dtype safetensors writes (its ``safetensors.torch._TYPES``; a unit test keeps the two equal).
 DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
 }
 # Each tensor's first bytes are kept by the writer and compared with the file after the save. 4 KiB catches misplaced
 # or unwritten data as well as more would; 64 KiB re-read most of a LoRA adapter (a quarter of its save time).

@@ -13,8 +13,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("TRL_EXT_CACHE", Path.home() / ".cache" / "trl_ext"))
 
 
-def cached_build(name: str, builder_module: str) -> str:
-    """Return ``cache_root()/name``, building it first with ``python -m builder_module DIR`` if it is missing.
+def cached_build(name: str, builder_module: str, *builder_args: str) -> str:
+    """Return ``cache_root()/name``, building it first with ``python -m builder_module ARGS DIR`` if it is missing.
 
     The build runs in a fresh interpreter: in the caller's process, an initialised process group (transformers'
     ``save_pretrained`` then writes weights on rank 0 only) or an active ZeRO-3 context would change what is
@@ -22,7 +22,8 @@ def cached_build(name: str, builder_module: str) -> str:
 
     Args:
         name: The directory name under the cache root; bump it when the build changes.
-        builder_module: A module whose ``__main__`` writes the asset into the directory given as its argument.
+        builder_module: A module whose ``__main__`` writes the asset into the directory given as its last argument.
+        builder_args: Arguments given to the builder before the directory.
 
     Returns:
         The path of the built asset.
@@ -31,18 +32,18 @@ def cached_build(name: str, builder_module: str) -> str:
     if (target / "config.json").exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{name}.lock", "w") as lock:
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
             if target.exists():  # a leftover that is not a finished build
                 shutil.rmtree(target)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any model directory
             try:
-                proc = subprocess.run([sys.executable, "-m", builder_module, str(tmp)], capture_output=True, text=True,
+                proc = subprocess.run([sys.executable, "-m", builder_module, *builder_args, str(tmp)], capture_output=True, text=True,
                                       check=False)
                 if proc.returncode != 0 or not (tmp / "config.json").exists():
-                    raise RuntimeError(f"building the embedded asset {name} failed:\n{proc.stderr[-4000:]}")
+                    raise RuntimeError(f"building {name} failed:\n{proc.stderr[-4000:]}")
                 os.rename(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,92 @@
+"""Tiny random-weight models of the families users fine-tune, built offline from their transformers configs.
+
+Each is saved once with ``save_pretrained`` (the Hub's own format) under the trl_ext cache, with the embedded model's
+chat tokenizer, so tests load it with the real ``from_pretrained(path)``. Dimensions are multiples of 32 and small
+enough for 2-process ZeRO-3 on CPU. Run as ``python -m tests.families NAME DIR`` this file builds one family.
+"""
+
+import sys
+
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, head_dim=16)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+VISION_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                   patch_size=8, projection_dim=32)
+
+# family -> (kind, config class name, model class name, config kwargs); kind "vlm" models load as image-text-to-text
+FAMILIES = {
+    "llama": ("causal", "LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("causal", "Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "qwen3": ("causal", "Qwen3Config", "Qwen3ForCausalLM", {}),  # q/k norms
+    "gemma3": ("causal", "Gemma3TextConfig", "Gemma3ForCausalLM", {"tie_word_embeddings": True}),
+    "phi3": ("causal", "Phi3Config", "Phi3ForCausalLM", {}),  # fused qkv_proj and gate_up_proj
+    "mistral": ("causal", "MistralConfig", "MistralForCausalLM", {}),
+    "qwen3_moe": ("causal", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**MOE, "num_experts": 4}),
+    "mixtral": ("causal", "MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "glm4_moe": ("causal", "Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 {**MOE, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                  "topk_group": 1, "partial_rotary_factor": 0.5}),
+    "qwen2_vl": ("vlm", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {}),
+    "llava": ("vlm", "LlavaConfig", "LlavaForConditionalGeneration", {}),
+    "gemma3_vlm": ("vlm", "Gemma3Config", "Gemma3ForConditionalGeneration", {}),
+}
+_VERSION = "v1"  # bump when a build changes
+
+
+def _text_config(tokenizer, extra: dict) -> dict:
+    return {**TEXT, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, **extra}
+
+
+def build_config(family: str, tokenizer):
+    """The family's transformers config, tiny, with the tokenizer's vocabulary and special tokens."""
+    import transformers
+
+    kind, config_name, _, extra = FAMILIES[family]
+    config_class = getattr(transformers, config_name)
+    if kind == "causal":
+        return config_class(**_text_config(tokenizer, extra))
+    image_token = tokenizer.convert_tokens_to_ids("<|pad|>")  # text-only rows never use it; it must be in range
+    if family == "qwen2_vl":
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        return config_class(text_config=_text_config(tokenizer, {"rope_scaling": {"type": "mrope",
+                                                                                  "mrope_section": [2, 2, 4]}}),
+                            vision_config=vision, image_token_id=image_token, video_token_id=image_token)
+    if family == "llava":
+        return config_class(text_config={"model_type": "llama", **_text_config(tokenizer, {})},
+                            vision_config={"model_type": "clip_vision_model", **VISION_CLIP},
+                            image_token_index=image_token, vision_feature_layer=-1)
+    siglip = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    return config_class(text_config=_text_config(tokenizer, {}), vision_config=siglip, mm_tokens_per_image=4,
+                        image_token_index=image_token, boi_token_index=tokenizer.bos_token_id,
+                        eoi_token_index=tokenizer.eos_token_id)
+
+
+def build(family: str, path: str) -> None:
+    """Write the family's tiny model (seed 0, Hub format via ``save_pretrained``) and the chat tokenizer to ``path``."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    from trl_ext.assets import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    config = build_config(family, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = getattr(transformers, FAMILIES[family][2])(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def family_path(family: str) -> str:
+    """The family's tiny model directory, built on first use (once per machine, in a clean process)."""
+    from trl_ext.assets.cache import cached_build
+
+    return cached_build(f"families-{_VERSION}/{family}", "tests.families", family)
+
+
+if __name__ == "__main__":
+    build(sys.argv[1], sys.argv[2])
