@@ -93,7 +93,8 @@ def _stream_partitions(param, sink: Sink | None, writer: int, device: torch.devi
 
 
 @contextlib.contextmanager
-def _gathered(tensors: list[torch.Tensor]):
+def gathered(tensors: list[torch.Tensor]):
+    """Whole ZeRO-3 parameters among ``tensors`` inside the block, on every rank (call it on every rank)."""
     params = [t for t in tensors if is_partitioned(t)]
     if not params:
         yield
@@ -146,5 +147,5 @@ def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective:
 
 def _gather_and_write(group: list[tuple[str, torch.Tensor]], sink: Sink | None) -> None:
     if group:
-        with _gathered([t for _, t in group]):
+        with gathered([t for _, t in group]):
             _write_whole(group, sink)

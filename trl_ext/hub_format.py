@@ -36,9 +36,22 @@ def _meta(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {name: torch.empty(_shape(t), dtype=t.dtype, device="meta") for name, t in tensors}
 
 
+def _drop_unused_conversions(model) -> None:
+    """Keep only the conversions that matched the checkpoint, as ``from_pretrained`` does outside ZeRO-3.
+
+    Under ZeRO-3 (``integrations.deepspeed._load_state_dict_into_zero3_model``, transformers 5.23) the model keeps
+    every mapping entry, legacy renames and an unused ``PrefixChange`` included; reverting those writes wrong names
+    (``model.model.layers...`` for Qwen2-VL). Fixing the model also fixes the user's own ``save_pretrained``.
+    """
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions and not all(c.was_used() for c in conversions):
+        model._weight_conversions = [c for c in conversions if c.was_used()]
+
+
 def _revert(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from transformers.core_model_loading import revert_weight_conversion
 
+    _drop_unused_conversions(model)
     return revert_weight_conversion(model, dict(tensors))
 
 
@@ -110,3 +123,10 @@ def to_hub(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         Hub names mapped to tensors, as ``save_pretrained`` would write them.
     """
     return _revert(model, tensors)
+
+
+def is_converted(model) -> bool:
+    """True when ``save_pretrained`` writes ``model`` under other names or layouts than its ``state_dict``."""
+    meta = _meta(list(model.state_dict(keep_vars=True).items()))
+    whole = _revert(model, meta)
+    return list(whole) != list(meta) or any(whole[n].shape != meta[n].shape for n in meta)

@@ -2,18 +2,17 @@
 
 - ``merge(adapter, out)``: load the base once, merge in place, check that the merged model gives the adapter model's
   outputs, then write it through trl_ext's save path (streamed shards, verified, committed atomically).
-- ``iter_merged_weights(model)``: ``(name, tensor)`` of the merged weights under the base model's own names, one module
-  at a time (gathered under ZeRO-3), without merging the model: for pushing weights into vLLM and the like.
+- ``iter_merged_weights(model)``: ``(name, tensor)`` of the merged weights in the Hub's own layout, one module at a
+  time (gathered under ZeRO-3), without merging the model: for pushing weights into vLLM and the like.
 """
 
-import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from . import gather, saving, verify
+from . import gather, hub_format, saving, verify
 from .assets import resolve_model
 from .input_checks import check_model_path
 
@@ -60,6 +59,7 @@ def _refuse_quantized(base: str, dequantize: bool) -> None:
 def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
           max_shard_size: int | str = "5GB", dequantize_base: bool = False) -> Path:
     """Merge ``adapter`` into its base and save a standalone model to ``out`` (which must not hold files)."""
+    import transformers
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -85,8 +85,9 @@ def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
     kwargs = {"dtype": dtype}
     if is_classifier:
         model_class, kwargs["num_labels"] = AutoModelForSequenceClassification, num_labels
-    else:
-        model_class = AutoModelForCausalLM
+    else:  # the class the adapter was trained on, as PEFT records it (a vision-language model is no causal LM)
+        recorded_class = (config.get("auto_mapping") or {}).get("base_model_class")
+        model_class = getattr(transformers, recorded_class or "", None) or AutoModelForCausalLM
     model = model_class.from_pretrained(base, **kwargs)
     if dequantize_base and getattr(model, "is_quantized", False):
         model = model.dequantize()
@@ -110,37 +111,37 @@ def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
 
 def _probe(tokenizer, config) -> dict:
     """A small fixed batch of valid token ids (two rows, no padding)."""
-    vocab = min(len(tokenizer), config.vocab_size)
+    vocab = min(len(tokenizer), config.get_text_config().vocab_size)
     special = set(tokenizer.all_special_ids)
     ids = [i for i in range(vocab) if i not in special][: 2 * PROBE_LENGTH]
     ids = torch.tensor(ids + ids[: 2 * PROBE_LENGTH - len(ids)]).view(2, PROBE_LENGTH)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-@contextlib.contextmanager
-def _gathered(params: list[torch.Tensor]):
-    partitioned = [p for p in params if gather.is_partitioned(p)]
-    if not partitioned:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-        yield
-
-
 def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the merged weights of ``model`` (a PEFT model, or a plain transformers model) under the base model's
-    ``state_dict`` names: no ``base_model.model.``, ``.base_layer``, ``lora_*`` or ``modules_to_save.<adapter>``.
+    """Yield the merged weights of a model in the Hub's own layout, one module at a time, for serving engines.
 
-    One module at a time; under ZeRO-3 that module is gathered on every rank (so call it on every rank). The model
-    itself is not modified: its adapter stays unmerged. Each yielded tensor is a new tensor the caller may keep.
+    The names and layout are those ``save_pretrained`` writes for the merged model (what vLLM's ``load_weights``
+    takes): no ``base_model.model.``, ``.base_layer``, ``lora_*`` or ``modules_to_save.<adapter>``, and weights that
+    transformers converts on load (fused MoE experts, renamed vision-language prefixes) converted back with its own
+    reverse conversions. Tied weights are yielded once, under the name ``save_pretrained`` keeps.
+
+    Args:
+        model: A PEFT model (LoRA adapters are merged on the fly; the model itself is not modified) or a plain
+            transformers model. Under ZeRO-3 each module is gathered on every rank in turn, so call it on every rank.
+
+    Yields:
+        ``(name, tensor)`` pairs; each tensor is a new tensor the caller may keep.
+
+    Raises:
+        NotImplementedError: for DoRA adapters (``trl_ext.merge.merge`` handles them).
     """
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
     base = model.get_base_model() if saving.is_peft_model(model) else model
     done: list[str] = []  # prefixes of modules already yielded whole
+    seen: set[int] = set()  # tied parameters: the first name only, as save_pretrained keeps
     with torch.no_grad():
         for name, module in base.named_modules(remove_duplicate=False):
             if any(name.startswith(prefix) for prefix in done):
@@ -148,27 +149,28 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
             prefix = f"{name}." if name else ""
             if isinstance(module, LoraLayer):
                 done.append(prefix)
-                yield from _merged_lora(module, prefix)
+                tensors = dict(_merged_lora(module, prefix))
             elif isinstance(module, ModulesToSaveWrapper):
                 done.append(prefix)
                 trained = module.modules_to_save[module.active_adapters[0]]
-                with _gathered(list(trained.parameters())):
-                    for key, tensor in trained.state_dict(keep_vars=True).items():
-                        yield prefix + key, tensor.detach().clone()
+                with gather.gathered(list(trained.parameters())):
+                    tensors = {prefix + k: t.detach().clone() for k, t in trained.state_dict(keep_vars=True).items()}
             else:
-                own = [(k, p) for k, p in module._parameters.items() if p is not None]
+                own = [(k, p) for k, p in module._parameters.items() if p is not None and id(p) not in seen]
                 own += [(k, b) for k, b in module._buffers.items()
                         if b is not None and k not in module._non_persistent_buffers_set]
-                with _gathered([t for _, t in own]):
-                    for key, tensor in own:
-                        yield prefix + key, tensor.detach().clone()
+                seen.update(id(t) for _, t in own)
+                with gather.gathered([t for _, t in own]):
+                    tensors = {prefix + k: t.detach().clone() for k, t in own}
+            if tensors:  # a module's tensors hold whole conversion groups (one module's experts, say)
+                yield from hub_format.to_hub(base, tensors).items()
 
 
 def _merged_lora(module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     if any(module.use_dora.get(a, False) for a in module.active_adapters):
         raise NotImplementedError("iter_merged_weights does not support DoRA adapters; use trl_ext.merge.merge")
     base_layer = module.get_base_layer()
-    with _gathered(list(module.parameters())):
+    with gather.gathered(list(module.parameters())):
         weight = base_layer.weight.detach().clone()
         for adapter in module.active_adapters:
             if adapter in module.lora_A:

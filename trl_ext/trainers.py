@@ -11,7 +11,7 @@ import sys
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from . import checkpointing, configs, input_checks, quantization, reward_head, saving
+from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving
 from .runtime import check_distributed_setup
 
 
@@ -88,6 +88,18 @@ class TrlExtMixin:
                 config = getattr(self.model, "config", None)
                 input_checks.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Resume a full model saved in the Hub's layout: Trainer loads weights by name without transformers'
+        conversions (fused MoE experts, renamed prefixes), which would leave them untrained (transformers#48805).
+        DeepSpeed resumes from its own states and adapters are not converted: both stay with Trainer."""
+        model = model if model is not None else self.model
+        if (self.is_deepspeed_enabled or self.is_fsdp_enabled or saving.is_peft_model(model)
+                or not saving.supports(model) or not hub_format.is_converted(model)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # from_pretrained applies the conversions; the copy is on CPU, as Trainer's own state dict would be
+        loaded = type(model).from_pretrained(resume_from_checkpoint, dtype=model.dtype, config=model.config)
+        model.load_state_dict(loaded.state_dict(), strict=True)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save through trl_ext's one save path (gathered, streamed, verified, committed atomically)."""

@@ -142,16 +142,26 @@ def _strip_peft_prefix(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def _base_shapes(base: str, sequence_classification: bool, num_labels: int) -> dict[str, list[int]]:
-    """Parameter shapes of the base model, built on the meta device (no weights are loaded)."""
+def _base_shapes(base: str, sequence_classification: bool, num_labels: int,
+                 hub_layout: bool = False) -> dict[str, list[int]]:
+    """Parameter shapes of the base model, built on the meta device (no weights are loaded).
+
+    In-memory names (what adapters use), or with ``hub_layout`` the names and shapes ``save_pretrained`` writes.
+    """
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(base)
-    auto = AutoModelForCausalLM
+    recorded = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    auto = recorded if recorded is not None and hasattr(recorded, "_from_config") else AutoModelForCausalLM
     if sequence_classification:
         config.num_labels, auto = num_labels, AutoModelForSequenceClassification
     with torch.device("meta"):
-        model = auto.from_config(config)
+        model = auto.from_config(config) if auto.__name__.startswith("Auto") else auto._from_config(config)
+    if hub_layout:
+        from .hub_format import to_hub
+
+        return {name: list(t.shape) for name, t in to_hub(model, dict(model.state_dict())).items()}
     return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
@@ -247,7 +257,8 @@ def _check_full(root: Path, tensors: dict, report: Report, base: str | None, num
         if not heads:
             report.problems.append("a sequence-classification model without head weights (score.weight missing)")
     if base is not None:
-        _check_against_base(tensors, _base_shapes(base, is_seq_cls, num_labels), report, adapter=False)
+        _check_against_base(tensors, _base_shapes(base, is_seq_cls, num_labels, hub_layout=True), report,
+                            adapter=False)
 
 
 def _check_contents(root: Path, tensors: dict, prefixes: dict, report: Report, base: str | None,
