@@ -78,7 +78,7 @@ def plan(model, tensors: list[tuple[str, torch.Tensor]]) -> list[Unit]:
     """
     meta = _meta(tensors)
     whole = _revert(model, meta)
-    if list(whole) == list(meta) and all(whole[n].shape == meta[n].shape for n in meta):  # nothing converted
+    if not _differs(whole, meta):  # nothing converted: every tensor streams under its own name
         return [Unit([(n, t)], [TensorSpec(n, _shape(t), t.dtype)]) for n, t in tensors]
 
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
@@ -128,5 +128,8 @@ def to_hub(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def is_converted(model) -> bool:
     """True when ``save_pretrained`` writes ``model`` under other names or layouts than its ``state_dict``."""
     meta = _meta(list(model.state_dict(keep_vars=True).items()))
-    whole = _revert(model, meta)
-    return list(whole) != list(meta) or any(whole[n].shape != meta[n].shape for n in meta)
+    return _differs(_revert(model, meta), meta)
+
+
+def _differs(reverted: dict[str, torch.Tensor], meta: dict[str, torch.Tensor]) -> bool:
+    return set(reverted) != set(meta) or any(reverted[n].shape != meta[n].shape for n in meta)

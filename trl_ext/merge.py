@@ -167,15 +167,21 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _merged_lora(module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The wrapped module's tensors with the active adapters' deltas added, under the module's own names."""
+    from peft.tuners.lora import LoraLayer
+
     if any(module.use_dora.get(a, False) for a in module.active_adapters):
         raise NotImplementedError("iter_merged_weights does not support DoRA adapters; use trl_ext.merge.merge")
-    base_layer = module.get_base_layer()
     with gather.gathered(list(module.parameters())):
-        weight = base_layer.weight.detach().clone()
-        for adapter in module.active_adapters:
-            if adapter in module.lora_A:
-                weight += module.get_delta_weight(adapter).to(weight.dtype)
-        yield prefix + "weight", weight
-        for key, tensor in base_layer.state_dict(keep_vars=True).items():
-            if key != "weight":
-                yield prefix + key, tensor.detach().clone()
+        deltas, layer = {}, module
+        while isinstance(layer, LoraLayer):  # LoRA on parameters (MoE experts) nests one wrapper per parameter
+            name = getattr(layer, "parameter_name", "weight")
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    deltas[name] = deltas.get(name, 0) + layer.get_delta_weight(adapter)
+            layer = layer.base_layer
+        for key, tensor in layer.state_dict(keep_vars=True).items():
+            merged = tensor.detach().clone()
+            if key in deltas:
+                merged += deltas[key].to(merged.dtype)
+            yield prefix + key, merged

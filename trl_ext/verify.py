@@ -219,11 +219,15 @@ def _check_adapter(root: Path, tensors: dict, report: Report, base: str | None, 
 
 def _check_against_base(tensors: dict, base_shapes: dict, report: Report, adapter: bool) -> None:
     mismatched = []
+    modules = {name.rpartition(".")[0] for name in base_shapes}
     for name, (shape, _) in tensors.items():
         key = _strip_peft_prefix(name)
         if adapter and ".lora_" in key:
             module, rest = key.split(".lora_", 1)
+            module = module.replace(".base_layer", "")  # LoRA on several parameters of one module nests wrappers
             base_weight = base_shapes.get(f"{module}.weight")
+            if base_weight is None and module in modules:
+                continue  # LoRA on a module's parameters (target_parameters, MoE experts): its own layout
             if base_weight is None:
                 mismatched.append(f"{name} targets '{module}', which the base model does not have")
             elif rest.startswith("A") and shape[-1:] != base_weight[-1:]:

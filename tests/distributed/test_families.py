@@ -1,7 +1,8 @@
 """Every model family saves in the Hub's own format, under real 2-process ZeRO-3 with parameters partitioned.
 
 Twelve tiny families (dense, MoE, vision-language; see ``tests/families.py``) train SFT for two steps with LoRA and
-with full fine-tuning, plus a reward model (dense LoRA, MoE full) and DPO (MoE LoRA): one launch for all runs
+with full fine-tuning, plus a reward model (dense LoRA, MoE full), DPO (MoE LoRA) and LoRA on a MoE's fused expert
+tensors (PEFT ``target_parameters``): one launch for all runs
 (``tests/scripts/family_train.py``). Each adapter is merged with ``trl-ext merge``. Then one fresh process with plain
 transformers and peft (``tests/scripts/family_check.py``) checks every run:
 
@@ -10,23 +11,28 @@ transformers and peft (``tests/scripts/family_check.py``) checks every run:
 2. ``from_pretrained`` gives the trained outputs;
 3. ``iter_merged_weights`` (taken under ZeRO-3 during the run) equals the merged model's Hub-format state dict;
 4. the ``trl-ext merge`` output is Hub format and gives the trained outputs;
-and the model loaded partitioned under ``zero.Init`` gave the one-process outputs before any step.
+and the model loaded partitioned under ``zero.Init`` gave the one-process outputs before any step, and each full
+fine-tuning run resumed from ``checkpoint-1`` equals the uninterrupted run (under ZeRO-3, and in one process for the
+families whose layout transformers converts).
 """
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.families import FAMILIES, family_path
-from tests.harness import REPO, SCRIPTS, launch, write_accelerate_config
+from tests.harness import REPO, SCRIPTS, launch, run_command, write_accelerate_config
 
 pytestmark = pytest.mark.slow
 
 RUNS = ([f"{family}:sft:{mode}" for mode in ("lora", "full") for family in FAMILIES]
-        + ["llama:reward:lora", "qwen3_moe:reward:full", "qwen3_moe:dpo:lora"])
-ATOL = 1e-5  # fp32 on CPU; measured 0.0 for reloads and below 1e-6 for merges
+        + ["llama:reward:lora", "qwen3_moe:reward:full", "qwen3_moe:dpo:lora", "qwen3_moe:sft:experts"])
+ATOL = 1e-5  # fp32 on CPU; measured 0.0 for reloads and resumes, below 1e-6 for merges
+ONE_PROCESS_RESUME = ["qwen3_moe", "mixtral", "qwen2_vl", "llava"]  # the families whose layout is converted
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
     for family in FAMILIES:
         family_path(family)  # built once here, not by both ranks
     config = write_accelerate_config(out / "configs", "zero3")
-    trained = launch(SCRIPTS / "family_train.py", ["--out", str(out), "--runs", ",".join(RUNS)], config, timeout=600)
+    trained = launch(SCRIPTS / "family_train.py", ["--out", str(out), "--runs", ",".join(RUNS), "--resume_check"],
+                     config, timeout=600)
     assert trained.returncode == 0 and not trained.timed_out, trained.output[-6000:]
 
     from trl_ext import cli
@@ -45,7 +52,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
         family, trainer, mode = run.split(":")
         directory = out / f"{family}-{trainer}-{mode}"
         merged = None
-        if mode == "lora":
+        if mode != "full":
             merged = directory / "merged"
             assert cli.main(["merge", "--adapter", str(directory / "final"), "--out", str(merged)]) in (0, None)
         specs[run] = {"dir": str(directory), "base": family_path(family), "model_class": FAMILIES[family][2],
@@ -57,7 +64,39 @@ def results(tmp_path_factory) -> dict[str, dict]:
     assert checked.returncode == 0, checked.stderr[-6000:]
     by_dir = json.loads(checked.stdout.strip().splitlines()[-1])
     reports = {run: json.loads((out / run.replace(":", "-") / "report.json").read_text()) for run in RUNS}
-    return {run: {**by_dir[spec["dir"]], "partition": reports[run]} for run, spec in specs.items()}
+    return {run: {**by_dir[spec["dir"]], "partition": reports[run], "resume_diff": resume_diff(Path(spec["dir"]))}
+            for run, spec in specs.items()}
+
+
+def resume_diff(run: Path) -> float | None:
+    """Outputs after resuming from checkpoint-1 vs the uninterrupted run's (full fine-tuning runs only)."""
+    resumed = json.loads((run / "probes_resumed.json").read_text())
+    if resumed is None:
+        return None
+    return (torch.tensor(resumed) - torch.tensor(json.loads((run / "probes_final.json").read_text()))).abs().max().item()
+
+
+@pytest.mark.parametrize("family", ONE_PROCESS_RESUME)
+def test_one_process_resume_of_a_converted_checkpoint_equals_uninterrupted(tmp_path_factory, family):
+    """Trainer loads checkpoint-N by name; for converted layouts trl_ext loads it as from_pretrained does."""
+    out = one_process_runs(tmp_path_factory)
+    diff = resume_diff(out / f"{family}-sft-full")
+    print(f"{family}: one-process resume vs uninterrupted, max|diff| {diff}")
+    assert diff is not None and diff <= ATOL
+
+
+_ONE_PROCESS: dict = {}
+
+
+def one_process_runs(tmp_path_factory) -> Path:
+    if "out" not in _ONE_PROCESS:  # one process for all families: start-up costs more than a run
+        out = tmp_path_factory.mktemp("families_one_process")
+        runs = ",".join(f"{family}:sft:full" for family in ONE_PROCESS_RESUME)
+        result = run_command([sys.executable, "-m", "tests.scripts.family_train", "--out", str(out), "--runs", runs,
+                              "--resume_check"], timeout=600)
+        assert result.returncode == 0 and not result.timed_out, result.output[-6000:]
+        _ONE_PROCESS["out"] = out
+    return _ONE_PROCESS["out"]
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -71,6 +110,8 @@ def test_family_saves_in_hub_format_and_reloads(results, run):
     if "diff_loaded" in result:  # a reward base gets a random head at each load
         assert result["diff_loaded"] <= ATOL, "loaded under zero.Init, the model differs from a one-process load"
     assert result["iter_equal"], f"iter_merged_weights differs from the Hub-format merged state dict: {result}"
-    if run.endswith(":lora"):
+    if not run.endswith(":full"):
         assert result["merge_as_save_pretrained"], "trl-ext merge did not write the Hub format"
         assert result["merge_diff"] <= ATOL, "the merged model does not give the trained outputs"
+    else:  # a new trainer resumed from checkpoint-1 (DeepSpeed's states) and ran step 2 again
+        assert result["resume_diff"] is not None and result["resume_diff"] <= ATOL, "resume differs from uninterrupted"

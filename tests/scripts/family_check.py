@@ -1,7 +1,7 @@
 """Check the families' saves in a fresh process with plain transformers and peft (no trl_ext imported).
 
 ``python -m tests.scripts.family_check SPEC.json`` where SPEC maps each run directory (see ``family_train.py``) to
-``{"base": PATH, "model_class": NAME, "mode": "lora"|"full", "reward": bool, "merged": DIR or null}``. Prints one
+``{"base": PATH, "model_class": NAME, "mode": "lora"|"experts"|"full", "reward": bool, "merged": DIR or null}``. Prints one
 JSON object: per run, the measured differences and whether the files match what ``save_pretrained`` writes.
 """
 
@@ -73,7 +73,7 @@ def check(run: str, spec: dict) -> dict:
     base = load(spec["base"], spec)
     if not spec["reward"]:  # a reward base gets a new random head at every load: nothing to compare before training
         result["diff_loaded"] = max_diff(probe(base), json.load(open(os.path.join(run, "probes_loaded.json"))))
-    if spec["mode"] == "lora":
+    if spec["mode"] != "full":  # an adapter
         model = PeftModel.from_pretrained(base, final)
         result["diff_final"] = max_diff(probe(model), trained)
         model.save_pretrained(os.path.join(scratch, "peft"))  # what PEFT itself writes for these weights

@@ -1,7 +1,7 @@
 """Train several model families in turn, in one set of processes, and record what the checks need.
 
 Run under ``accelerate launch`` (2-process ZeRO-3, see ``tests/harness.py``) or alone. For each run
-``FAMILY:TRAINER:MODE`` (trainer sft|reward|dpo, mode lora|full) it writes to ``OUT/FAMILY-TRAINER-MODE/``:
+``FAMILY:TRAINER:MODE`` (trainer sft|reward|dpo, mode lora|full|experts) it writes to ``OUT/FAMILY-TRAINER-MODE/``:
 ``final/`` (``trainer.save_model``), ``probes_loaded.json`` (outputs of the model as loaded, before any step),
 ``probes_final.json`` (after training), ``iter.safetensors`` (``iter_merged_weights``, from rank 0) and
 ``report.json`` (partitioning seen during training) and, with ``--resume_check``, for full fine-tuning
@@ -77,8 +77,11 @@ def run(family: str, trainer_name: str, mode: str, out: Path, resume_check: bool
     loaded = probe(model)
     tokenizer = AutoTokenizer.from_pretrained(family_path(family))
     lora = None
-    if mode == "lora":  # attention only: LoRA on fused MoE experts (PEFT target_parameters) is not covered here
+    if mode == "lora":
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"] if family != "phi3" else ["qkv_proj"])
+    elif mode == "experts":  # LoRA on the fused MoE expert tensors too (PEFT's target_parameters)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     seen = SeePartitioning()
     data = load_default_dataset(data_kind)["train"].select(range(8))
     trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=tokenizer, peft_config=lora,
