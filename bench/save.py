@@ -1,11 +1,13 @@
 """Saving a full model under 2-process ZeRO-3 on CPU: trl_ext's save path vs transformers' Trainer.save_model.
 
-    python bench/save.py [--repeats 2] [--layers 12]
+    python bench/save.py [--repeats 2] [--layers 12] [--moe]
 
 The model is a random Llama with hidden 768, 12 layers and a 32k vocabulary (134M parameters, 537 MB in fp32), in
 the embedded model's format. Both sides train one step under ZeRO-3 (gather flag on, as transformers' path needs)
 and then save with shards of a quarter of the model. Runs alternate (transformers, trl_ext, ...); medians shown.
-Memory: rank 0's peak RSS growth during the save, over its level just before it.
+Memory: rank 0's peak RSS growth during the save, over its level just before it. With ``--moe``, a Qwen3-MoE
+(hidden 512, 32 experts per layer, 581 MB for 4 layers) whose fused experts both sides convert back to the Hub's
+per-expert tensors: trl_ext one layer's experts at a time.
 """
 
 import argparse
@@ -21,35 +23,48 @@ from tests.harness import launch, write_accelerate_config
 IMPLS = ["transformers", "trl_ext"]
 
 
-def build_model(directory: Path, layers: int) -> int:
-    """A random Llama with the embedded model's tokenizer; returns its size in bytes."""
+def build_model(directory: Path, layers: int, moe: bool) -> tuple[int, int]:
+    """A random Llama (or Qwen3-MoE) with the embedded model's tokenizer; returns its size and its largest group of
+    tensors converted together (one layer's experts), in bytes."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from trl_ext.assets import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
-                         num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=False,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None)
+    common = dict(vocab_size=32000, num_hidden_layers=layers, tie_word_embeddings=False, bos_token_id=None,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    if moe:  # 32 experts of 3 x 512 x 512 per layer: 101 MB in fp32, the group converted at once
+        config = Qwen3MoeConfig(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_experts=32,
+                                num_experts_per_tok=2, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
+                                **common)
+    else:
+        config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=12,
+                             **common)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    groups = {}
+    for name, p in model.named_parameters():
+        groups[name.rpartition(".")[0]] = groups.get(name.rpartition(".")[0], 0) + p.numel() * p.element_size()
+    largest = max(size for module, size in groups.items() if module.endswith("experts")) if moe else 0
+    return sum(p.numel() * p.element_size() for p in model.parameters()), largest
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE, whose experts are converted on save")
     cli = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-save-"))
-    model_bytes = build_model(work / "model", cli.layers)
+    model_bytes, group_bytes = build_model(work / "model", cli.layers, cli.moe)
     shard = f"{model_bytes // 4 // 1000}KB"  # a quarter of the model; a unit both parsers accept
-    print(f"model: {model_bytes / 1e6:.0f} MB; max_shard_size {shard}", flush=True)
+    print(f"model: {model_bytes / 1e6:.0f} MB; max_shard_size {shard}"
+          + (f"; largest converted group (one layer's experts) {group_bytes / 2**20:.0f} MiB" if cli.moe else ""),
+          flush=True)
     config = write_accelerate_config(work / "configs", "zero3")
     worker = Path(__file__).with_name("_save_worker.py")
     results = {impl: [] for impl in IMPLS}
