@@ -4,8 +4,12 @@ Each fix changes a setting only where the hardware cannot honour it, and says so
 nothing changes.
 """
 
+import copy
+import json
 import logging
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
@@ -42,13 +46,26 @@ def adapt_to_hardware(args) -> None:
         raise ValueError("bf16=True and fp16=True conflict: pass only one of --bf16 / --fp16 (neither: fp32)")
     if args.use_cpu:
         return  # the user asked for CPU explicitly; transformers handles that path itself
+    unsupported = set()
+    if not is_torch_bf16_gpu_available() and not is_torch_xla_available():
+        unsupported |= {"bf16", "fp8"}  # accelerate's fp8 runs on bf16 autocast
+    if not has_accelerator():
+        unsupported.add("fp16")
+    changed = []
     bf16_requested = args.bf16 is None or args.bf16 or args.bf16_full_eval  # TRL resolves None to True
-    if bf16_requested and not args.fp16 and not is_torch_bf16_gpu_available() and not is_torch_xla_available():
+    if bf16_requested and not args.fp16 and "bf16" in unsupported:
         args.bf16, args.bf16_full_eval = False, False
-        notice("bf16 is not supported on this hardware (no bf16-capable GPU): training in fp32 instead.")
-    if (args.fp16 or args.fp16_full_eval) and not has_accelerator():
+        changed.append("bf16 (training arguments)")
+    if (args.fp16 or args.fp16_full_eval) and "fp16" in unsupported:
         args.fp16, args.fp16_full_eval = False, False
-        notice("fp16 needs a GPU and none was found: training in fp32 instead.")
+        changed.append("fp16 (training arguments)")
+    # The same choice can come from the accelerate config and from a DeepSpeed config; all must agree with the
+    # arguments, or transformers stops in deepspeed_init ("ds bf16.enabled=True vs hf bf16=False").
+    changed += _disable_in_launcher_configs(args, unsupported)
+    if changed:
+        why = ("no bf16-capable GPU" if "fp16" not in " ".join(changed) else "no GPU")
+        notice(f"{' and '.join(dict.fromkeys(c.split(' ')[0] for c in changed))} is not supported on this hardware "
+               f"({why}): training in fp32 instead (turned off: {', '.join(changed)}).")
     if is_distributed_launch() and not has_accelerator():
         if args.ddp_backend is None:
             args.ddp_backend = "gloo"
@@ -57,6 +74,35 @@ def adapt_to_hardware(args) -> None:
             # Without a GPU, accelerate sets up data parallelism only when told it runs on CPU (MULTI_CPU); otherwise
             # every rank trains alone on all the data. Under DeepSpeed this must stay unset: transformers would skip it.
             os.environ["ACCELERATE_USE_CPU"] = "true"
+
+
+def _disable_in_launcher_configs(args, unsupported: set[str]) -> list[str]:
+    """Turn off ``unsupported`` precisions in accelerate's ``mixed_precision`` and in the DeepSpeed config (a dict, a
+    JSON file in the arguments, or accelerate's ``deepspeed_config_file``); "auto" follows the arguments already."""
+    changed = []
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launcher in unsupported:
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+        changed.append(f"{launcher} (accelerate mixed_precision)")
+    env_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") if uses_deepspeed(args) else None
+    source = args.deepspeed or env_file
+    if not source:
+        return changed
+    config = json.loads(Path(source).read_text()) if isinstance(source, (str, os.PathLike)) else copy.deepcopy(source)
+    for section, mode in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        block = config.get(section)
+        if mode in unsupported and isinstance(block, dict) and str(block.get("enabled")).lower() == "true":
+            block["enabled"] = False
+            changed.append(f"{mode} (DeepSpeed {section}.enabled)")
+    if not any("DeepSpeed" in c for c in changed):
+        return changed
+    if args.deepspeed:
+        args.deepspeed = config
+    else:  # accelerate hands transformers a file: give it an adjusted copy
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="trl_ext-ds-", delete=False) as f:
+            json.dump(config, f)
+        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = f.name
+    return changed
 
 
 def uses_deepspeed(args) -> bool:

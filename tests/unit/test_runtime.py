@@ -34,7 +34,7 @@ def test_fp16_falls_back_without_gpu(cpu_only, caplog):
     args = _fields(bf16=False, fp16=True)
     runtime.adapt_to_hardware(args)
     assert (args.fp16, args.bf16) == (False, False)
-    assert "fp16 needs a GPU" in caplog.text
+    assert "fp16 is not supported on this hardware (no GPU): training in fp32" in caplog.text
 
 
 def test_gloo_only_for_multi_process_cpu_launch(cpu_only, monkeypatch):
@@ -90,3 +90,41 @@ def test_single_training_process_in_a_multi_process_launch_is_refused(monkeypatc
     with pytest.raises(RuntimeError, match="world size 2, parallel mode not_parallel"):
         runtime.check_distributed_setup(unsynced)
     runtime.check_distributed_setup(type("Args", (), {"world_size": 2, "parallel_mode": ParallelMode.DISTRIBUTED})())
+
+
+# --- precision from every source agrees with the fp32 fallback (accelerate config, DeepSpeed config, arguments) -----
+
+DS_BF16 = {"bf16": {"enabled": True}, "fp16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}
+DS_FP16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}, "zero_optimization": {"stage": 2}}
+
+
+def test_launcher_and_deepspeed_precision_follow_the_cpu_fallback(cpu_only, monkeypatch, caplog):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    args = _fields(deepspeed=DS_BF16)
+    runtime.adapt_to_hardware(args)
+    assert args.bf16 is False and runtime.os.environ["ACCELERATE_MIXED_PRECISION"] == "no"
+    assert args.deepspeed["bf16"] == {"enabled": False} and args.deepspeed["fp16"] == {"enabled": "auto"}
+    assert DS_BF16["bf16"]["enabled"] is True, "the user's dict was modified"
+    assert caplog.text.count("[trl_ext]") == 1 and "accelerate mixed_precision" in caplog.text
+
+
+def test_fp16_deepspeed_file_from_accelerate_gets_an_adjusted_copy(cpu_only, monkeypatch, tmp_path, caplog):
+    path = tmp_path / "ds.json"
+    path.write_text(runtime.json.dumps(DS_FP16))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    runtime.adapt_to_hardware(_fields(bf16=False))
+    copy = runtime.os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
+    assert copy != str(path) and runtime.json.loads(path.read_text()) == DS_FP16, "the user's file was changed"
+    assert runtime.json.loads(open(copy).read())["fp16"] == {**DS_FP16["fp16"], "enabled": False}
+    assert "fp16 (DeepSpeed fp16.enabled)" in caplog.text
+
+
+def test_gpu_machines_keep_every_precision_setting(gpu, monkeypatch, tmp_path):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    path = tmp_path / "ds.json"
+    path.write_text(runtime.json.dumps(DS_BF16))
+    args = _fields(bf16=None, deepspeed=str(path))
+    runtime.adapt_to_hardware(args)
+    assert args.bf16 is None and args.deepspeed == str(path)
+    assert runtime.os.environ["ACCELERATE_MIXED_PRECISION"] == "bf16"
