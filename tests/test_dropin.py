@@ -56,5 +56,5 @@ def test_args_default_like_trl_and_run_on_cpu(tiny_model_path, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     data = load_default_dataset("sft")["train"].select(range(4))
     trainer = trl_ext.SFTTrainer(model=tiny_model_path, train_dataset=data)
-    assert trainer.args.output_dir.endswith("tiny-llama-v1-SFT")
+    assert trainer.args.output_dir.endswith("tiny-llama-v2-SFT")
     assert trainer.args.bf16 is False

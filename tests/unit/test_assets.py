@@ -1,4 +1,7 @@
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -12,9 +15,15 @@ def _digest(path: Path) -> str:
     return hashlib.sha256((path / "model.safetensors").read_bytes() + (path / "tokenizer.json").read_bytes()).hexdigest()
 
 
-def test_model_build_is_deterministic(tmp_path, tiny_model_path):
-    build(tmp_path)
-    assert _digest(tmp_path) == _digest(Path(tiny_model_path))
+def test_model_build_is_deterministic_on_every_cpu_instruction_set(tmp_path, tiny_model_path):
+    """Built here and in a process restricted to ATen's baseline kernels (ATEN_CPU_CAPABILITY=default): the same bytes.
+    torch's own random init differed between the two, so a cache built on another machine was another model."""
+    build(tmp_path / "here")
+    assert _digest(tmp_path / "here") == _digest(Path(tiny_model_path))
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    subprocess.run([sys.executable, "-m", "trl_ext.assets.tiny_model", str(tmp_path / "baseline")], env=env, check=True,
+                   capture_output=True)
+    assert _digest(tmp_path / "baseline") == _digest(tmp_path / "here")
 
 
 def test_embedded_model_resolves_and_loads_as_lm_and_reward_base(tiny_model_path):

@@ -10,7 +10,7 @@ import sys
 from .cache import cached_build
 
 DEFAULT_MODEL_NAME = "trl-ext/tiny-llama"  # resolved to a local build, never fetched from the Hub
-_BUILD_DIR_NAME = "tiny-llama-v1"  # bump when the build changes
+_BUILD_DIR_NAME = "tiny-llama-v2"  # bump when the build changes
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 # ChatML with {% generation %} markers, so SFT can train on assistant tokens only (assistant_only_loss=True).
 CHAT_TEMPLATE = (
@@ -76,7 +76,8 @@ def build_tokenizer():
 
 
 def build(path: str | os.PathLike) -> None:
-    """Write the tokenizer and a freshly initialised tiny Llama (seed 0) to ``path``."""
+    """Write the tokenizer and a freshly initialised tiny Llama (seed 0, the same bytes on every CPU) to ``path``."""
+    import numpy as np
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -88,9 +89,14 @@ def build(path: str | os.PathLike) -> None:
         eos_token_id=tokenizer.eos_token_id,
         **MODEL_CONFIG,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    # numpy's generator, not torch's: torch's vectorised normal_ gives other values on other CPU instruction sets
+    # (AVX-512 vs AVX2 vs ATEN_CPU_CAPABILITY=default), and the same build must give the same model on every machine.
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:  # matrices and embeddings, as transformers initialises them; norms stay at one
+                param.copy_(torch.from_numpy(rng.normal(0.0, config.initializer_range, param.shape)))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
