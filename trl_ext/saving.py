@@ -88,11 +88,12 @@ def _check_dtypes(weight_sets) -> None:
 
 
 class _Collect:
-    """A sink that assembles each tensor whole (a conversion group's sources), on the writing rank."""
+    """A sink that assembles each tensor whole (a conversion group's sources), on the writing rank. A failure is kept
+    for later, never raised mid-transfer (the other ranks are still sending)."""
 
     def __init__(self, sources: list[tuple[str, torch.Tensor]], copy: bool):
         self.shapes = {n: gather.full_shape(t) for n, t in sources}
-        self.copy, self.tensors = copy, {}  # copy: gathered parameters are released after the gather
+        self.copy, self.tensors, self.error = copy, {}, None  # copy: gathered parameters are released after the gather
 
     def begin(self, name):
         self.name, self.pieces = name, []
@@ -101,8 +102,17 @@ class _Collect:
         self.pieces.append(piece)
 
     def end(self):
-        whole = torch.cat([p.reshape(-1) for p in self.pieces]) if self.copy or len(self.pieces) > 1 else self.pieces[0]
-        self.tensors[self.name] = whole.view(self.shapes[self.name])
+        try:
+            pieces = self.pieces
+            whole = torch.cat([p.reshape(-1) for p in pieces]) if self.copy or len(pieces) > 1 else pieces[0]
+            self.tensors[self.name] = whole.view(self.shapes[self.name])
+        except Exception as exc:  # noqa: BLE001 - reported by convert_and_write once the transfer is over
+            self.error = self.error or exc
+
+    def result(self) -> dict[str, torch.Tensor]:
+        if self.error is not None:
+            raise self.error
+        return self.tensors
 
 
 def _stream_units(model, units, sink, collective: bool, writer: int | None) -> None:
@@ -121,7 +131,7 @@ def _stream_units(model, units, sink, collective: bool, writer: int | None) -> N
         whole = _Collect(unit.sources, copy=collective) if sink is not None else None
         gather.stream(unit.sources, whole, collective, writer)
         if sink is not None:
-            sink.convert_and_write(lambda: hub_format.to_hub(model, whole.tensors), unit.outputs)
+            sink.convert_and_write(lambda: hub_format.to_hub(model, whole.result()), unit.outputs)
 
 
 def _write_metadata(model, directory: Path, weight_sets, processing_class, training_args) -> None:
