@@ -57,20 +57,26 @@ class TrlExtMixin:
             saving.guard_save_pretrained(self.model)
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
-        """Refuse a missing model path or malformed rows with one clear line, before TRL fails deep inside."""
+        """Refuse a missing model path, or rows TRL cannot prepare, with one clear line before the model is loaded."""
         input_checks.check_model_path(bound.arguments.get("model"))
-        args = bound.arguments["args"]
-        if bound.arguments.get("formatting_func") or (getattr(args, "dataset_kwargs", None) or {}).get(
-                "skip_prepare_dataset"):
-            return  # the user formats or prepares the rows themselves
         datasets = {"train_dataset": bound.arguments.get("train_dataset")}
         eval_dataset = bound.arguments.get("eval_dataset")
         if isinstance(eval_dataset, dict):
             datasets.update({f"eval_dataset['{k}']": v for k, v in eval_dataset.items()})
         else:
             datasets["eval_dataset"] = eval_dataset
-        for name, dataset in datasets.items():
-            input_checks.check_dataset(dataset, self._dataset_kind, name, getattr(args, "dataset_text_field", "text"))
+        input_checks.probe_datasets(self._trl_class, datasets, bound.arguments["args"], bound.arguments.get("model"),
+                                    bound.arguments.get("processing_class"), bound.arguments.get("formatting_func"),
+                                    self._dataset_kind)
+
+    def _prepare_dataset(self, dataset, *args, **kwargs):
+        """TRL's dataset preparation; rows it cannot prepare (or prepares into nothing) are refused in one line."""
+        prepare = super()._prepare_dataset
+        bound = inspect.signature(prepare).bind(dataset, *args, **kwargs)
+        return input_checks.prepare_or_explain(
+            lambda rows: prepare(rows, *args, **kwargs), dataset,
+            input_checks.dataset_display_name(bound.arguments.get("dataset_name", "train")), self._dataset_kind,
+            getattr(bound.arguments.get("args"), "dataset_text_field", "text"), bound.arguments.get("formatting_func"))
 
     def _around_trl_init(self, bound: inspect.BoundArguments):
         """Context for TRL's constructor; trainers with something to fix while TRL builds the model override it."""
@@ -130,6 +136,8 @@ class TrlExtMixin:
             TrlExtMixin.__init__(self, *args, **kwargs)
 
         cls.__init__ = __init__
+        cls._trl_class = trl_base
+        cls._trl_config_class = next(c for c in cls._config_class.__mro__ if c.__module__.startswith("trl."))
 
 
 class SFTTrainer(TrlExtMixin, trl.SFTTrainer):
