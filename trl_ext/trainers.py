@@ -31,6 +31,11 @@ class TrlExtMixin:
             bound.arguments["args"] = training_args = self._config_class(
                 output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{self._default_run_suffix}"
             )
+        elif not isinstance(training_args, self._trl_config_class):
+            # A plain TrainingArguments: converted here, as TRL would, so that every check below sees the config
+            # TRL trains with (TRL keeps it: it is already its config class).
+            bound.arguments["args"] = training_args = configs.from_training_arguments(
+                training_args, self._config_class, self._trl_class)
         check_distributed_setup(training_args)
         self._check_input(bound)
         quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
