@@ -6,6 +6,7 @@ Each trainer is TRL's class plus ``TrlExtMixin``, the one place that holds what 
 import contextlib
 import functools
 import inspect
+import os
 import sys
 
 import trl
@@ -13,6 +14,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from . import checkpointing, configs, input_checks, quantization, reward_head, saving
 from .runtime import check_distributed_setup
+from .verify import CheckpointError
+
+NONFINITE = "NaN or inf"  # how trl_ext.verify reports weights that hold NaN or inf
 
 
 class TrlExtMixin:
@@ -104,11 +108,30 @@ class TrlExtMixin:
         """Save through trl_ext's one save path (gathered, streamed, verified, committed atomically)."""
         if self.is_fsdp_enabled or not saving.supports(self.model):
             return super().save_model(output_dir, _internal_call)
-        saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
-                    training_args=self.args,
-                    max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE))
+        try:
+            saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
+                        training_args=self.args,
+                        max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE))
+        except CheckpointError as exc:
+            diverged = self._diverged(exc)
+            if diverged is None:
+                raise
+            raise diverged from exc
         if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _diverged(self, exc: CheckpointError) -> CheckpointError | None:
+        """A save refused because the weights hold NaN or inf means training diverged: say when, and what to resume."""
+        nonfinite = [line.strip() for line in str(exc).splitlines() if NONFINITE in line]
+        if not nonfinite:
+            return None
+        step = self.state.global_step
+        last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        resume = (f"resume from it (resume_from_checkpoint='{last}') with a lower learning_rate or max_grad_norm"
+                  if last else "start again with a lower learning_rate or max_grad_norm")
+        return CheckpointError(f"training diverged at step {step}; last good checkpoint: {last or 'none'} (the weights "
+                               f"at step {step} hold NaN or inf: {nonfinite[0]}). Nothing was saved for step {step}; "
+                               f"{resume}.")
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint save, written into a hidden directory and renamed to checkpoint-N once complete."""
