@@ -259,7 +259,7 @@ def main():
                                                      default_model_path(), kind=kind)
                 times.append(time.perf_counter() - start)
             print(f"\ninput_checks.probe_datasets ({trainer_cls.__name__}, {rows} rows; TRL prepares the first "
-                  f"{trainers.input_checks.PROBE_ROWS}, tokenizer loaded once): median of 5 "
+                  f"{trainers.input_checks.PROBE_ROWS}, tokenizer load included): median of 5 "
                   f"{ms(statistics.median(times))}, once per run")
 
     if cli.skip_save:
