@@ -188,7 +188,7 @@ def main():
         timers.wrap(checkpointing, name, f"checkpointing.{name}")
     timers.wrap(checkpointing.CheckpointingPolicy, "on_train_begin", "CheckpointingPolicy.on_train_begin")
     timers.wrap(saving, "guard_save_pretrained", "saving.guard_save_pretrained")
-    optional = [(trainers.TrlExtMixin, "_check_input", "input checks (model path, dataset rows)")]
+    optional = [(trainers.TrlExtMixin, "_check_input", "input checks (model path, TRL on the first rows)")]
     for module, names in (("input_checks", ("check_rows_kept", "check_resume_checkpoint")),
                           ("quantization", ("prepare", "match_adapter_dtype"))):
         try:
@@ -239,19 +239,28 @@ def main():
             detail = ", ".join(f"{k} x{v / 2:g}" for k, v in r["per_step_calls"].items()) or "none"
             print(f"  trl_ext calls per training step: {calls:g} ({detail})")
 
-    if hasattr(trainers, "input_checks"):
+    if hasattr(trainers.input_checks, "probe_datasets"):
         from datasets import Dataset
+
+        from trl_ext.assets import default_model_path
 
         rows = 20_000
         conversation = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42"}]
-        for kind, dataset in (("sft", Dataset.from_dict({"messages": [conversation] * rows})),
-                              ("preference", Dataset.from_dict({"prompt": ["12 + 30 ="] * rows,
-                                                                "chosen": ["42"] * rows, "rejected": ["41"] * rows}))):
-            start = time.perf_counter()
-            trainers.input_checks.check_dataset(dataset, kind, "train_dataset")
-            per_row = (time.perf_counter() - start) / rows
-            print(f"\ninput_checks.check_dataset ({kind}, {rows} rows): {per_row * 1e6:.1f} us per row "
-                  f"({per_row * 1e5:.2f} s per 100k rows), once per run")
+        for trainer_cls, config_cls, kind, dataset in (
+                (trl.SFTTrainer, trl_ext.SFTConfig, "sft", Dataset.from_dict({"messages": [conversation] * rows})),
+                (trl.DPOTrainer, trl_ext.DPOConfig, "preference",
+                 Dataset.from_dict({"prompt": ["12 + 30 ="] * rows, "chosen": ["42"] * rows,
+                                    "rejected": ["41"] * rows}))):
+            args = config_cls(output_dir=tempfile.mkdtemp(), report_to="none")
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                trainers.input_checks.probe_datasets(trainer_cls, {"train_dataset": dataset}, args,
+                                                     default_model_path(), kind=kind)
+                times.append(time.perf_counter() - start)
+            print(f"\ninput_checks.probe_datasets ({trainer_cls.__name__}, {rows} rows; TRL prepares the first "
+                  f"{trainers.input_checks.PROBE_ROWS}, tokenizer load included): median of 5 "
+                  f"{ms(statistics.median(times))}, once per run")
 
     if cli.skip_save:
         return

@@ -39,3 +39,40 @@ class RewardConfig(_HardwareAware, _SaveOptions, trl.RewardConfig):
 @dataclass
 class DPOConfig(_HardwareAware, _SaveOptions, trl.DPOConfig):
     __doc__ = trl.DPOConfig.__doc__
+
+
+def from_training_arguments(args, config_class: type, trl_trainer: type):
+    """The config a trainer trains with when it is given a plain ``transformers.TrainingArguments``.
+
+    TRL's trainers that declare ``TrainingArguments`` for ``args`` (``SFTTrainer``) convert it into their config with
+    ``to_dict()``; here it becomes the matching trl_ext config, a subclass of TRL's, so TRL keeps it as it is and
+    trl_ext's checks see the same values TRL trains with. The others (``DPOTrainer``, ``RewardTrainer``) would fail
+    on a missing field deep inside their constructor: they are refused with the fix.
+
+    Args:
+        args: the ``args`` the user passed (anything that is not ``config_class``'s TRL config).
+        config_class: the trl_ext config for this trainer (``trl_ext.SFTConfig``, ...).
+        trl_trainer: TRL's trainer class.
+
+    Returns:
+        ``args`` converted to ``config_class``, or ``args`` unchanged when it is not a ``TrainingArguments`` (TRL
+        reports that).
+
+    Raises:
+        TypeError: ``trl_trainer`` does not accept a plain ``TrainingArguments``.
+    """
+    import inspect
+
+    from transformers import TrainingArguments
+
+    if not isinstance(args, TrainingArguments):
+        return args
+    annotation = inspect.signature(trl_trainer.__init__).parameters["args"].annotation
+    if "TrainingArguments" not in str(annotation):
+        trl_config = config_class.__name__  # trl_ext's configs carry TRL's names
+        raise TypeError(f"{trl_trainer.__name__} needs a {trl_config}, not a {type(args).__name__} (TRL converts "
+                        f"one only for SFTTrainer): build the config as {trl_config}(output_dir=..., ...), or convert "
+                        f"it with {trl_config}(**args.to_dict())")
+    values = args.to_dict()
+    values["hub_token"] = args.hub_token  # to_dict() hides it
+    return config_class(**values)

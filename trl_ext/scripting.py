@@ -26,7 +26,8 @@ RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint 
 def parse_recipe_args(parser, recipe: str, dataset_kind: str, argv: list[str] | None = None):
     """``(script_args, training_args, model_args)`` for a recipe, checked; or a re-launch under an accelerate config.
 
-    ``dataset_kind``: "sft" or "preference", the rows the recipe's trainer reads (see ``input_checks.REQUIRED``).
+    ``recipe``: "sft", "reward" or "dpo", whose TRL trainer judges the dataset; ``dataset_kind``: "sft" or
+    "preference", the formats an error message suggests (see ``input_checks.FORMATS``).
     Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -48,7 +49,7 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str, argv: list[str] | 
     _check_flags(model_args)
     prepare_output_dir(training_args, recipe, overwrite)
     _check_model(model_args.model_name_or_path)
-    _check_dataset(script_args, training_args, dataset_kind)
+    _check_dataset(script_args, training_args, model_args, recipe, dataset_kind)
     if accelerate_config:  # hand the checked choices on, so every process trains into the same place
         forwarded = [*rest, "--config", recipe_config, "--output_dir", training_args.output_dir]
         if training_args.resume_from_checkpoint:
@@ -127,11 +128,13 @@ def _check_model(name: str | None) -> None:
         raise UsageError(f"cannot load model '{name}': {first}") from None
 
 
-def _check_dataset(script_args, training_args, kind: str) -> None:
-    """The dataset loads, has the splits the run uses, and its rows are what the trainer reads (the trainers check
-    them again; here a bad row stops the run before any process is launched)."""
-    from .assets import load_dataset_by_name
-    from .input_checks import DatasetError, check_dataset
+def _check_dataset(script_args, training_args, model_args, recipe: str, kind: str) -> None:
+    """The dataset loads, has the splits the run uses, and TRL can prepare its first rows (the trainers check them
+    again, and every row as TRL prepares them; here a bad dataset stops the run before any process is launched)."""
+    import trl
+
+    from .assets import load_dataset_by_name, resolve_model
+    from .input_checks import DatasetError, probe_datasets
 
     name = script_args.dataset_name
     if not name:
@@ -149,11 +152,12 @@ def _check_dataset(script_args, training_args, kind: str) -> None:
             hint = " (or pass --eval_strategy no)" if split == script_args.dataset_test_split else ""
             raise UsageError(f"dataset '{name}' has no split '{split}'; it has {sorted(dataset)}. Choose one with "
                              f"--dataset_{'test' if hint else 'train'}_split{hint}.")
-        try:
-            check_dataset(dataset[split], kind, f"dataset '{name}' split '{split}'",
-                          getattr(training_args, "dataset_text_field", "text"))
-        except DatasetError as exc:
-            raise UsageError(str(exc)) from None
+    trainer = {"sft": trl.SFTTrainer, "reward": trl.RewardTrainer, "dpo": trl.DPOTrainer}[recipe]
+    try:
+        probe_datasets(trainer, {f"dataset '{name}' split '{split}'": dataset[split] for split in splits},
+                       training_args, resolve_model(model_args.model_name_or_path), kind=kind)
+    except DatasetError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _same_on_all_ranks(value: str) -> str:

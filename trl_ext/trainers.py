@@ -6,6 +6,7 @@ Each trainer is TRL's class plus ``TrlExtMixin``, the one place that holds what 
 import contextlib
 import functools
 import inspect
+import os
 import sys
 
 import trl
@@ -13,6 +14,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving
 from .runtime import check_distributed_setup
+from .verify import CheckpointError
+
+NONFINITE = "NaN or inf"  # how trl_ext.verify reports weights that hold NaN or inf
 
 
 class TrlExtMixin:
@@ -31,6 +35,11 @@ class TrlExtMixin:
             bound.arguments["args"] = training_args = self._config_class(
                 output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{self._default_run_suffix}"
             )
+        elif not isinstance(training_args, self._trl_config_class):
+            # A plain TrainingArguments: converted here, as TRL would, so that every check below sees the config
+            # TRL trains with (TRL keeps it: it is already its config class).
+            bound.arguments["args"] = training_args = configs.from_training_arguments(
+                training_args, self._config_class, self._trl_class)
         check_distributed_setup(training_args)
         self._check_input(bound)
         quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
@@ -57,20 +66,26 @@ class TrlExtMixin:
             saving.guard_save_pretrained(self.model)
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
-        """Refuse a missing model path or malformed rows with one clear line, before TRL fails deep inside."""
+        """Refuse a missing model path, or rows TRL cannot prepare, with one clear line before the model is loaded."""
         input_checks.check_model_path(bound.arguments.get("model"))
-        args = bound.arguments["args"]
-        if bound.arguments.get("formatting_func") or (getattr(args, "dataset_kwargs", None) or {}).get(
-                "skip_prepare_dataset"):
-            return  # the user formats or prepares the rows themselves
         datasets = {"train_dataset": bound.arguments.get("train_dataset")}
         eval_dataset = bound.arguments.get("eval_dataset")
         if isinstance(eval_dataset, dict):
             datasets.update({f"eval_dataset['{k}']": v for k, v in eval_dataset.items()})
         else:
             datasets["eval_dataset"] = eval_dataset
-        for name, dataset in datasets.items():
-            input_checks.check_dataset(dataset, self._dataset_kind, name, getattr(args, "dataset_text_field", "text"))
+        input_checks.probe_datasets(self._trl_class, datasets, bound.arguments["args"], bound.arguments.get("model"),
+                                    bound.arguments.get("processing_class"), bound.arguments.get("formatting_func"),
+                                    self._dataset_kind)
+
+    def _prepare_dataset(self, dataset, *args, **kwargs):
+        """TRL's dataset preparation; rows it cannot prepare (or prepares into nothing) are refused in one line."""
+        prepare = super()._prepare_dataset
+        bound = inspect.signature(prepare).bind(dataset, *args, **kwargs)
+        return input_checks.prepare_or_explain(
+            lambda rows: prepare(rows, *args, **kwargs), dataset,
+            input_checks.dataset_display_name(bound.arguments.get("dataset_name", "train")), self._dataset_kind,
+            getattr(bound.arguments.get("args"), "dataset_text_field", "text"), bound.arguments.get("formatting_func"))
 
     def _around_trl_init(self, bound: inspect.BoundArguments):
         """Context for TRL's constructor; trainers with something to fix while TRL builds the model override it."""
@@ -105,11 +120,30 @@ class TrlExtMixin:
         """Save through trl_ext's one save path (gathered, streamed, verified, committed atomically)."""
         if self.is_fsdp_enabled or not saving.supports(self.model):
             return super().save_model(output_dir, _internal_call)
-        saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
-                    training_args=self.args,
-                    max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE))
+        try:
+            saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
+                        training_args=self.args,
+                        max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE))
+        except CheckpointError as exc:
+            diverged = self._diverged(exc)
+            if diverged is None:
+                raise
+            raise diverged from exc
         if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _diverged(self, exc: CheckpointError) -> CheckpointError | None:
+        """A save refused because the weights hold NaN or inf means training diverged: say when, and what to resume."""
+        nonfinite = [line.strip() for line in str(exc).splitlines() if NONFINITE in line]
+        if not nonfinite:
+            return None
+        step = self.state.global_step
+        last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        resume = (f"resume from it (resume_from_checkpoint='{last}') with a lower learning_rate or max_grad_norm"
+                  if last else "start again with a lower learning_rate or max_grad_norm")
+        return CheckpointError(f"training diverged at step {step}; last good checkpoint: {last or 'none'} (the weights "
+                               f"at step {step} hold NaN or inf: {nonfinite[0]}). Nothing was saved for step {step}; "
+                               f"{resume}.")
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint save, written into a hidden directory and renamed to checkpoint-N once complete."""
@@ -142,6 +176,8 @@ class TrlExtMixin:
             TrlExtMixin.__init__(self, *args, **kwargs)
 
         cls.__init__ = __init__
+        cls._trl_class = trl_base
+        cls._trl_config_class = next(c for c in cls._config_class.__mro__ if c.__module__.startswith("trl."))
 
 
 class SFTTrainer(TrlExtMixin, trl.SFTTrainer):
