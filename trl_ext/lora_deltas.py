@@ -172,7 +172,10 @@ def load_adapter(path: Path, model: torch.nn.Module) -> Adapter:
     from peft.tuners.lora import LoraLayer
     from peft.utils import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-    config = PeftConfig.from_pretrained(str(path))
+    try:
+        config = PeftConfig.from_pretrained(str(path))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise AdapterError(f"cannot read {path / 'adapter_config.json'}: {exc}".splitlines()[0]) from exc
     _refuse_config(config)
     try:  # PEFT's own matching of target_modules, on a copy (PEFT wraps modules in place)
         peft_model = get_peft_model(copy.deepcopy(model), copy.deepcopy(config), low_cpu_mem_usage=True)

@@ -418,7 +418,13 @@ def merge_streamed(adapter: str, out: str, base: str | None = None, dtype: str =
             raise MergeError(f"the merged model failed verification; nothing was committed. The files are kept in "
                              f"{staging} for inspection: " + "; ".join(problems))
         if probe or (probe is None and _base_bytes(job.reader) <= PROBE_MAX_BYTES):
-            probe_diff = _probe_outputs(job, staging)
+            try:
+                probe_diff = _probe_outputs(job, staging)
+            except (OSError, ValueError, RuntimeError, TypeError) as exc:  # MergeError (a difference) passes through
+                if isinstance(exc, MergeError):
+                    raise
+                raise MergeError(f"the end-to-end check could not run ({type(exc).__name__}: {exc}); nothing was "
+                                 "written. merge_streamed(..., probe=False) skips it".splitlines()[0]) from exc
         saving.commit(staging, target)
     except BaseException:
         if not keep_staging:
