@@ -267,39 +267,38 @@ class RowMerger:
         # below the weight's.
         check_dtype = torch.float64 if block.dtype.itemsize >= 4 else torch.float32
         x, factor_x = self._inputs(check_dtype)
-        before = block.to(check_dtype) @ x
+        work = block.to(check_dtype, copy=True)  # the rows before the merge
+        before = work @ x
         delta = self.delta_rows(start, stop)
         lora_y = self.delta.scaling * ((self.a[:, start:stop].T if self.delta.transposed else self.b[start:stop])
                                        .to(check_dtype) @ factor_x)
-        factor = None
+        scale = torch.linalg.vector_norm(work, dim=1) + torch.linalg.vector_norm(delta, dim=1).to(check_dtype)
         if self.magnitude is not None:  # DoRA (DoraLinearVariant.merge_unsafe): rows rescaled to the magnitude
             combined = block + delta
             norm = torch.linalg.norm(combined, dim=1).to(combined.dtype)
-            factor = self.magnitude[start:stop] / norm
-            block.copy_((factor.view(-1, 1) * combined).to(block.dtype))
-            expected = factor.to(check_dtype).view(-1, 1) * (before + lora_y)
-        else:
+            factor = (self.magnitude[start:stop] / norm).view(-1, 1)
+            block.copy_((factor * combined).to(block.dtype))
+            expected = factor.to(check_dtype) * (before + lora_y)
+            scale = scale * factor.abs().view(-1).to(check_dtype)
+        else:  # Linear.merge / Embedding.merge, unsafe path
             block += delta.to(block.dtype) if self.delta.delta_in_weight_dtype else delta
             expected = before + lora_y
-        got = block.to(check_dtype) @ x
-        self._record(got, expected, block, delta, factor)
+        work.copy_(block)  # the rows as written
+        self._record(work @ x - expected, scale, block.dtype, delta.dtype)
         return block
 
-    def _record(self, got, expected, block, delta, factor) -> None:
-        # Each merged value is rounded to the weight's dtype (half an epsilon, relative; the delta too where PEFT
-        # rounds it first) and the delta is computed in the adapter's dtype (about sqrt(rank) epsilons of each delta
-        # value). On random Gaussian inputs the error of W'x is then a normal variable with at most that norm per row.
-        out_eps, delta_eps = torch.finfo(block.dtype).eps, torch.finfo(delta.dtype).eps
-        row_weight = torch.linalg.vector_norm(block, dim=1, dtype=torch.float32).to(got.dtype)
-        row_delta = torch.linalg.vector_norm(delta, dim=1, dtype=torch.float32).to(got.dtype)
-        if factor is not None:
-            row_delta = row_delta * factor.abs().to(got.dtype)
-        sigma = ((0.5 * out_eps + 4 * delta_eps) * row_weight
-                 + (0.5 * out_eps + delta_eps * math.sqrt(self.rank)) * row_delta)
+    def _record(self, error: torch.Tensor, scale: torch.Tensor, weight_dtype, delta_dtype) -> None:
+        # Each merged value is rounded to the weight's dtype (half an epsilon, relative; the delta may be rounded
+        # first, as PEFT's Embedding.merge does) and the delta is computed in the adapter's dtype (about sqrt(rank)
+        # epsilons of each value). On random Gaussian inputs the error of W'x is then a normal variable whose standard
+        # deviation per row is at most that, times the row's norm, which is at most ||W_row|| + ||delta_row||.
+        eps, delta_eps = torch.finfo(weight_dtype).eps, torch.finfo(delta_dtype).eps
+        sigma = (eps + (4 + math.sqrt(self.rank)) * delta_eps) * scale
         tolerance = CHECK_SIGMAS * sigma.view(-1, 1) + torch.finfo(torch.float32).tiny
-        error = (got - expected).abs()
-        self.result.max_error = max(self.result.max_error, float(error.max()) if error.numel() else 0.0)
-        self.result.worst_ratio = max(self.result.worst_ratio, float((error / tolerance).max()) if error.numel() else 0)
+        error = error.abs()
+        if error.numel():
+            self.result.max_error = max(self.result.max_error, float(error.max()))
+            self.result.worst_ratio = max(self.result.worst_ratio, float((error / tolerance).max()))
 
 
 def merge_bias(bias: torch.Tensor, delta: LoraDelta, weights: AdapterWeights) -> torch.Tensor:
