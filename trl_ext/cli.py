@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("--out", required=True, help="where to write the merged model (must not hold files)")
     merge.add_argument("--base", help="base model id or path (default: the one recorded in the adapter)")
     merge.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="dtype to load and save in (default: auto, the base checkpoint's)")
+                       help="dtype to write floating tensors in (default: auto, each base tensor's own)")
     merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     merge.add_argument("--dequantize-base", action="store_true",
                        help="allow a quantized base checkpoint: load it and dequantize before merging (in memory)")

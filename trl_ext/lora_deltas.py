@@ -43,9 +43,6 @@ class AdapterWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._tensors[name].shape) if self._tensors is not None else self._reader.spec(name).shape
 
-    def dtype(self, name: str) -> torch.dtype:
-        return self._tensors[name].dtype if self._tensors is not None else self._reader.spec(name).dtype
-
     def read(self, name: str) -> torch.Tensor:
         return self._tensors[name] if self._tensors is not None else self._reader.read(name)
 
@@ -186,7 +183,7 @@ def load_adapter(path: Path, model: torch.nn.Module) -> Adapter:
     adapter, used = Adapter(config, weights), set()
     for name, module in peft_model.get_base_model().named_modules():
         if isinstance(module, LoraLayer):
-            if not hasattr(module, "get_base_layer") or type(module).__name__ == "ParamWrapper":
+            if type(module).__name__ == "ParamWrapper":  # target_parameters, also refused from the config
                 raise AdapterError(f"LoRA on parameters of {name} is not something the streamed merge applies: "
                                    "merge it in memory with trl_ext.merge.merge")
             delta = _lora_delta(name, module, names)
