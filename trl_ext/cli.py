@@ -46,16 +46,31 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    """Merge a LoRA adapter into its base and save a standalone model (reward models stay reward models)."""
+    """Merge a LoRA adapter into its base and save a standalone model, streamed tensor by tensor without loading the
+    model (reward models stay reward models)."""
     from .merge import MergeError, merge
+    from .merge_stream import merge_streamed
     from .verify import CheckpointError
 
+    if len(args.adapter) > 1:
+        print(f"error: {len(args.adapter)} adapters given; merge one at a time: --adapter {args.adapter[0]} --out M1, "
+              f"then --adapter {args.adapter[1]} --base M1 --out M2", file=sys.stderr)
+        return 1
     try:
-        out = merge(args.adapter, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                    dequantize_base=args.dequantize_base)
+        if args.dequantize_base:  # a quantized base has to be loaded and dequantized: the in-memory merge
+            print("--dequantize-base: merging in memory (the base is loaded and dequantized)", file=sys.stderr)
+            out = merge(args.adapter[0], args.out, base=args.base, dtype=args.dtype,
+                        max_shard_size=args.max_shard_size, dequantize_base=True)
+            report = None
+        else:
+            report = merge_streamed(args.adapter[0], args.out, base=args.base, dtype=args.dtype,
+                                    max_shard_size=args.max_shard_size)
+            out = report.path
     except (MergeError, CheckpointError, OSError) as exc:  # OSError: a base or adapter path that is not there
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if report is not None:
+        print(report.summary())
     print(f"merged model saved to {out}: load it with from_pretrained('{out}')")
     return 0
 
@@ -72,14 +87,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="outputs a sequence-classification head must have (default 1: a reward model)")
     verify.set_defaults(func=_verify)
     merge = commands.add_parser("merge", help=_merge.__doc__, description=_merge.__doc__)
-    merge.add_argument("--adapter", required=True, help="the adapter directory (adapter_config.json + weights)")
+    merge.add_argument("--adapter", required=True, action="append",
+                       help="the adapter directory (adapter_config.json + weights)")
     merge.add_argument("--out", required=True, help="where to write the merged model (must not hold files)")
     merge.add_argument("--base", help="base model id or path (default: the one recorded in the adapter)")
     merge.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="dtype to load and save in (default: auto, the base checkpoint's)")
+                       help="dtype to write floating tensors in (default: auto, each base tensor's own)")
     merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     merge.add_argument("--dequantize-base", action="store_true",
-                       help="allow a quantized base checkpoint: load it and dequantize before merging")
+                       help="allow a quantized base checkpoint: load it and dequantize before merging (in memory)")
     merge.set_defaults(func=_merge)
     args = parser.parse_args(argv)
     return args.func(args)
