@@ -111,10 +111,10 @@ def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
 
 def _probe(tokenizer, config) -> dict:
     """A small fixed batch of valid token ids (two rows, no padding)."""
-    vocab = min(len(tokenizer), config.get_text_config().vocab_size)
+    vocab = config.get_text_config().vocab_size  # the model's rows, whatever the tokenizer saved beside it holds
     special = set(tokenizer.all_special_ids)
-    ids = [i for i in range(vocab) if i not in special][: 2 * PROBE_LENGTH]
-    ids = torch.tensor(ids + ids[: 2 * PROBE_LENGTH - len(ids)]).view(2, PROBE_LENGTH)
+    ids = [i for i in range(vocab) if i not in special][: 2 * PROBE_LENGTH] or list(range(vocab))
+    ids = torch.tensor((ids * (2 * PROBE_LENGTH // len(ids) + 1))[: 2 * PROBE_LENGTH]).view(2, PROBE_LENGTH)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 

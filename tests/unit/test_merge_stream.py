@@ -333,14 +333,20 @@ def test_refusals(tmp_path, tiny_llama, tiny_model_path, capsys):
                                                     base)
 
 
-def test_refuses_lora_on_fused_experts(tmp_path, capsys):
-    torch.manual_seed(0)
+def test_lora_on_fused_experts_is_refused_by_the_stream_and_merged_in_memory_by_the_cli(tmp_path, capsys):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from trl_ext.merge import MergeError
+    from trl_ext.merge_stream import merge_streamed
+
+    torch.manual_seed(0)
     base = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
     base_dir = _save_base(base, tmp_path / "base")
     config = LoraConfig(r=8, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"],
                         init_lora_weights=False)
-    _adapter(base, config, tmp_path / "adapter")
-    assert "fused MoE experts" in _refused(capsys, tmp_path, "--adapter", str(tmp_path / "adapter"), "--base",
-                                           str(base_dir))
+    peft_model = _adapter(base, config, tmp_path / "adapter")
+    with pytest.raises(MergeError, match="fused MoE experts"):
+        merge_streamed(str(tmp_path / "adapter"), str(tmp_path / "streamed"), base=str(base_dir), progress=False)
+    assert not (tmp_path / "streamed").exists()
+    check_merge(tmp_path, peft_model, tmp_path / "adapter", base_dir, Qwen3MoeForCausalLM)  # per-expert Hub tensors
+    assert "merging in memory" in capsys.readouterr().err
