@@ -48,7 +48,7 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str, argv: list[str] | 
     _check_flags(model_args)
     prepare_output_dir(training_args, recipe, overwrite)
     _check_model(model_args.model_name_or_path)
-    _check_dataset(script_args, training_args, dataset_kind)
+    _check_dataset(script_args, training_args, dataset_kind, model_args.model_name_or_path)
     if accelerate_config:  # hand the checked choices on, so every process trains into the same place
         forwarded = [*rest, "--config", recipe_config, "--output_dir", training_args.output_dir]
         if training_args.resume_from_checkpoint:
@@ -127,11 +127,12 @@ def _check_model(name: str | None) -> None:
         raise UsageError(f"cannot load model '{name}': {first}") from None
 
 
-def _check_dataset(script_args, training_args, kind: str) -> None:
+def _check_dataset(script_args, training_args, kind: str, model: str | None = None) -> None:
     """The dataset loads, has the splits the run uses, and its rows are what the trainer reads (the trainers check
     them again; here a bad row stops the run before any process is launched)."""
     from .assets import load_dataset_by_name
     from .input_checks import DatasetError, check_dataset
+    from .vision import check_image_dataset, is_vision_model
 
     name = script_args.dataset_name
     if not name:
@@ -152,6 +153,7 @@ def _check_dataset(script_args, training_args, kind: str) -> None:
         try:
             check_dataset(dataset[split], kind, f"dataset '{name}' split '{split}'",
                           getattr(training_args, "dataset_text_field", "text"))
+            check_image_dataset(dataset[split], f"dataset '{name}' split '{split}'", is_vision_model(model))
         except DatasetError as exc:
             raise UsageError(str(exc)) from None
 

@@ -11,7 +11,7 @@ import sys
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving
+from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving, vision
 from .runtime import check_distributed_setup
 
 
@@ -69,8 +69,12 @@ class TrlExtMixin:
             datasets.update({f"eval_dataset['{k}']": v for k, v in eval_dataset.items()})
         else:
             datasets["eval_dataset"] = eval_dataset
+        vision_model = None
         for name, dataset in datasets.items():
             input_checks.check_dataset(dataset, self._dataset_kind, name, getattr(args, "dataset_text_field", "text"))
+            if any(c in (getattr(dataset, "column_names", None) or ()) for c in vision.IMAGE_COLUMNS):
+                vision_model = vision.is_vision_model(bound.arguments["model"]) if vision_model is None else vision_model
+                vision.check_image_dataset(dataset, name, vision_model)
 
     def _around_trl_init(self, bound: inspect.BoundArguments):
         """Context for TRL's constructor; trainers with something to fix while TRL builds the model override it."""
