@@ -199,6 +199,12 @@ def announce_done(trainer, what: str, task: str = "causal") -> None:
                   "m = M.from_pretrained('{}', num_labels=1)" if adapter else
                   "from transformers import AutoModelForSequenceClassification as M; m = M.from_pretrained('{}')")
         lines.append(f'[trl_ext] load it: python -c "{loader.format(out)}; print(m.config.num_labels)"')
+    elif hasattr(trainer.processing_class, "image_processor"):  # a vision-language model: ask about a shapes image
+        chat = ("[{'role': 'user', 'content': [{'type': 'image', 'image': load_shapes('sft')['test'][0]['images'][0]}, "
+                "{'type': 'text', 'text': 'What colour is the shape?'}]}]")
+        lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; from trl_ext.assets import "
+                     f"load_shapes; print(pipeline('image-text-to-text', '{out}')(text={chat}, max_new_tokens=8, "
+                     "return_full_text=False))\"")
     else:
         chat = "[{'role': 'user', 'content': 'Compute 2 + 3.'}]"
         lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; "
