@@ -183,12 +183,12 @@ def freeze_vision_tower(model) -> int:
         model: A vision-language model, possibly inside a ``PeftModel``.
 
     Returns:
-        The number of parameters frozen (0 for a text-only model).
+        The number of the vision tower's parameter tensors, all frozen now (0 for a text-only model).
     """
     tower = vision_tower(model)
     if tower is None:
         return 0
-    params = [p for p in tower.parameters() if p.requires_grad]
+    params = list(tower.parameters())
     for param in params:
         param.requires_grad_(False)
     return len(params)
