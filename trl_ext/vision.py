@@ -135,12 +135,26 @@ def _row_problem(value, column: str, conversation) -> str | None:
         problem = _image_problem(image)
         if problem is None and isinstance(image, dict) and image.get("bytes"):
             problem = _undecodable(image["bytes"])
+        elif problem is None and isinstance(image, (str, dict)):  # a local file: its header, not its pixels
+            path = image.get("path") if isinstance(image, dict) else image
+            problem = None if path.startswith(("http://", "https://", "data:")) else _unreadable_file(path)
         if problem:
             return f"an image {problem}"
     placeholders = _placeholders(conversation)
     if placeholders is not None and placeholders != len(images):
         return (f"{len(images)} image(s) but {placeholders} {{'type': 'image'}} placeholder(s) in its "
                 "conversation (one placeholder per image)")
+    return None
+
+
+def _unreadable_file(path: str) -> str | None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path):  # reads the header only: cheap for every row, catches non-images and missing files
+            pass
+    except (UnidentifiedImageError, OSError) as exc:
+        return f"cannot be read ({path[:60]}: {type(exc).__name__})"
     return None
 
 

@@ -108,3 +108,24 @@ def test_freeze_vision_tower(vlm_path):
     assert not any(p.requires_grad for p in tower.parameters())
     assert all(p.requires_grad for n, p in model.named_parameters() if "language_model" in n)
     assert vision_tower(torch.nn.Linear(2, 2)) is None and freeze_vision_tower(torch.nn.Linear(2, 2)) == 0
+
+
+def test_image_checks_accept_what_trl_trains_on(tmp_path):
+    from datasets import Dataset, Image, Sequence
+
+    from trl_ext.vision import check_image_dataset
+
+    sft, pref = load_shapes("sft")["test"], load_shapes("preference")["test"]
+    check_image_dataset(sft, "sft", True)
+    check_image_dataset(pref, "pref", True)
+    check_image_dataset(sft, "no model known", None)
+    # text content with images: TRL's prepare_multimodal_messages inserts the placeholders itself
+    sft[0]["images"][0].save(tmp_path / "a.png")
+    text = [{"role": "user", "content": "Colour?"}, {"role": "assistant", "content": "red"}]
+    check_image_dataset(Dataset.from_dict({"messages": [text], "images": [[sft[0]["images"][0]]]}), "text", True)
+    # images as paths to readable files, plain strings or a datasets Image column
+    check_image_dataset(Dataset.from_dict({"messages": [text], "images": [[str(tmp_path / "a.png")]]}), "paths", True)
+    by_path = Dataset.from_dict({"messages": [text], "images": [[str(tmp_path / "a.png")]]})
+    check_image_dataset(by_path.cast_column("images", Sequence(Image())), "image paths", True)
+    # rows without images are left to the other checks
+    check_image_dataset(Dataset.from_dict({"messages": [text]}), "no images", False)
