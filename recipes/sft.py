@@ -28,7 +28,9 @@ from trl import get_peft_config, get_quantization_config
 
 from trl_ext import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser
 from trl_ext.assets import load_dataset_by_name, resolve_model
+from trl_ext.runtime import notice
 from trl_ext.scripting import announce_done, parse_recipe_args, report_eval
+from trl_ext.vision import freeze_vision_tower
 
 
 def main(script_args, training_args, model_args):
@@ -53,6 +55,9 @@ def main(script_args, training_args, model_args):
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
         peft_config=get_peft_config(model_args),
     )
+    # A vision-language model (processor, image rows) trains its language model: the vision tower stays frozen
+    if frozen := freeze_vision_tower(trainer.model):
+        notice(f"vision-language model: its vision tower ({frozen} tensors) is frozen; the language model trains.")
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     # Save (gathered, verified, committed atomically) and evaluate on the held-out split

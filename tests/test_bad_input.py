@@ -74,7 +74,7 @@ def run_python(fn: Callable) -> tuple[int, str]:
     return 0, out.getvalue()
 
 
-def trainer(kind: str, rows: list[dict] | None = None, model: str | None = None, lora: bool = False,
+def trainer(kind: str, rows: list[dict] | Callable | None = None, model: str | None = None, lora: bool = False,
             resume: str | None = None, **config) -> Callable:
     """Build ``kind``'s trainer on ``rows`` (and train, when ``resume`` is given) as a user script would."""
 
@@ -90,7 +90,7 @@ def trainer(kind: str, rows: list[dict] | None = None, model: str | None = None,
         def build_and_train():
             args = config_cls(output_dir=str(ws / "run"), max_steps=3, per_device_train_batch_size=2,
                               report_to="none", save_steps=1, **config)
-            dataset = Dataset.from_list(rows or SFT_ROWS)
+            dataset = rows(ws) if callable(rows) else Dataset.from_list(rows or SFT_ROWS)
             peft_config = LoraConfig(r=4, target_modules=["q_proj"]) if lora else None
             t = trainer_cls(model=(model or "{assets}/base").format(ws=ws, assets=assets), args=args,
                             train_dataset=dataset, peft_config=peft_config)
@@ -162,6 +162,37 @@ def with_setup(setup: Callable[[Path, Path], None], run: Callable) -> Callable:
 
 SFT_ROWS = [{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}] * 4
 PREF_ROWS = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 4
+
+
+def shapes(edit: Callable | None = None, kind: str = "sft") -> Callable[[Path], Dataset]:
+    """Four rows of the bundled image data (TRL's vision format); ``edit(ws, rows)`` returns them made bad."""
+
+    def make(ws: Path) -> Dataset:
+        from trl_ext.assets import load_shapes
+
+        rows = load_shapes(kind)["train"].select(range(4))
+        return edit(ws, rows) if edit else rows
+
+    return make
+
+
+def image_files(name: str) -> Callable[[Path, Dataset], Dataset]:
+    """Each row's image replaced by the file ``name`` in the workspace (a datasets Image read from that path)."""
+
+    def edit(ws: Path, rows: Dataset) -> Dataset:
+        from datasets import Image, Sequence
+
+        return rows.remove_columns("images").add_column("images", [[str(ws / name)]] * len(rows)).cast_column(
+            "images", Sequence(Image()))
+
+    return edit
+
+
+def images_value(value) -> Callable[[Path, Dataset], Dataset]:
+    def edit(ws: Path, rows: Dataset) -> Dataset:
+        return Dataset.from_dict({"messages": rows["messages"], "images": [value(row) for row in rows["images"]]})
+
+    return edit
 
 
 def copy(name: str, corrupt: str | None = None, how: str = "truncate") -> Callable[[Path, Path], None]:
@@ -249,6 +280,26 @@ CASES = [
          "all 4 rows are too long for max_length=16"),
     Case("reward-missing-value", trainer("reward", [{"chosen": "1+1=2", "rejected": None}] * 2), 1,
          "row 0: 'rejected' is missing (None)"),
+    # --- images (vision-language models): refused before the model loads, instead of mid-training in the collator
+    Case("vlm-missing-image-file", trainer("sft", shapes(image_files("gone.png")), model="{assets}/vlm"), 1,
+         "DatasetError: train_dataset: 4 bad image row(s) in 4 rows, first at row 0: an image is a path that does "
+         "not exist"),
+    Case("vlm-unreadable-image", with_setup(files(**{"broken.png": "not a png"}),
+                                            trainer("sft", shapes(image_files("broken.png")), model="{assets}/vlm")),
+         1, "first at row 0: an image cannot be read"),
+    Case("vlm-more-images-than-placeholders", trainer("sft", shapes(images_value(lambda imgs: imgs * 2)),
+                                                       model="{assets}/vlm"),
+         1, "row 0: 2 image(s) but 1 {'type': 'image'} placeholder(s) in its conversation"),
+    Case("vlm-image-column-wrong-type", trainer("sft", shapes(images_value(lambda imgs: 5)), model="{assets}/vlm"), 1,
+         "row 0: 'images' has type int, expected a list of images"),
+    Case("vlm-dpo-missing-image-file",
+         trainer("dpo", shapes(image_files("gone.png"), kind="preference"), model="{assets}/vlm", lora=True), 1,
+         "an image is a path that does not exist"),
+    Case("vlm-images-for-a-text-only-model", trainer("sft", shapes()), 1,
+         "has an 'images' column but the model is text-only"),
+    Case("recipe-vlm-data-for-a-text-only-model",
+         recipe("sft", "--config", "recipes/configs/sft_vlm.yaml", "--model_name_or_path", "trl-ext/tiny-llama"), 1,
+         "dataset 'trl-ext/shapes-sft' split 'train' has an 'images' column but the model is text-only"),
     # --- model paths and flags
     Case("missing-model-path", trainer("sft", SFT_ROWS, model="{ws}/no-such-model"), 1,
          "FileNotFoundError: model path '"),
@@ -311,9 +362,11 @@ def assets(tmp_path_factory, tiny_model_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     import trl_ext
+    import trl_ext.assets
 
     root = tmp_path_factory.mktemp("assets")
     shutil.copytree(tiny_model_path, root / "base")
+    shutil.copytree(trl_ext.assets.vlm_model_path(), root / "vlm")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     model.save_pretrained(root / "full")
     get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(root / "adapter")

@@ -3,6 +3,7 @@ the same kernel (leftover distributed state, loaded models and existing output d
 second run). Any cell error fails the test; the artifacts of both runs must exist and pass the audit.
 """
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -13,7 +14,8 @@ from trl_ext.verify import audit
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "quickstart.ipynb"
 # Directories each run writes (one per training cell), and the kind of checkpoint each must hold.
-ARTIFACTS = {"sft": "adapter", "reward": "adapter", "dpo": "adapter", "sft-merged": "full", "sft-zero3": "adapter"}
+ARTIFACTS = {"sft": "adapter", "reward": "adapter", "dpo": "adapter", "sft-merged": "full", "sft-vlm": "adapter",
+             "sft-zero3": "adapter"}
 
 pytestmark = pytest.mark.slow  # the last cell trains on 2 processes (ZeRO-3)
 
@@ -54,3 +56,7 @@ def test_quickstart_runs_twice_in_one_kernel(tmp_path, monkeypatch):
     assert '"SEQ_CLS"' in reward_config.read_text()
     sft_cell = next(c for c in nb.cells if c.cell_type == "code" and "SFT with LoRA" in c.source)
     assert any("image/png" in out.get("data", {}) for out in sft_cell.outputs)  # the inline loss plot
+    vlm_cell = next(c for c in nb.cells if c.cell_type == "code" and "trl-ext/tiny-vlm" in c.source)
+    accuracy = re.search(r"held-out answer accuracy: 0.00 -> ([\d.]+)", _text(vlm_cell))
+    assert accuracy and float(accuracy.group(1)) >= 0.3, _text(vlm_cell)  # 0.66 measured
+    assert any("image/png" in out.get("data", {}) for out in vlm_cell.outputs)  # the test image and its answer

@@ -137,3 +137,37 @@ def test_every_accelerate_config_trains(config, tmp_path):
     assert f"running under accelerate_configs/{config}.yaml with 2 processes" in result.output
     assert f"saved and verified: {out}" in result.output
     assert audit(str(out)).ok
+
+
+def assert_vlm_trained_and_saved(result, out):
+    assert not result.timed_out and result.returncode == 0, result.output[-6000:]
+    assert f"saved and verified: {out}" in result.output
+    assert re.search(r"held-out eval, before -> after training: eval_loss ([\d.]+) -> ([\d.]+)", result.output)
+    assert "vision tower (" in result.output and ") is frozen" in result.output
+    from trl_ext.assets import vlm_model_path
+
+    report = audit(str(out), base=vlm_model_path())
+    assert report.ok, report.format()
+
+
+def test_vlm_dpo_recipe_single_process(tmp_path):
+    out = tmp_path / "dpo_vlm"
+    cmd = [sys.executable, "recipes/dpo.py", "--config", "recipes/configs/dpo_vlm.yaml", "--output_dir", str(out),
+           *SHORT]
+    assert_vlm_trained_and_saved(run_command(cmd, 300), out)
+    assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+
+
+@pytest.mark.slow
+def test_vlm_sft_recipe_as_written_under_zero3_and_its_try_it_line(tmp_path):
+    out = tmp_path / "sft_vlm"
+    cmd = [*ACCELERATE, "recipes/sft.py", "--config", "accelerate_configs/zero3.yaml", "--config",
+           "recipes/configs/sft_vlm.yaml", "--output_dir", str(out), *SHORT]
+    result = run_command(cmd, timeout=600, env={"HF_HOME": str(tmp_path / "hf")})
+    assert_vlm_trained_and_saved(result, out)
+    assert "running under accelerate_configs/zero3.yaml with 2 processes" in result.output
+    # the printed command answers a question about a shapes image with the saved adapter
+    (line,) = [ln for ln in result.output.splitlines() if ln.startswith("[trl_ext] try it: python -c ")]
+    command = line.removeprefix("[trl_ext] try it: python -c ").strip('"')
+    tried = run_command([sys.executable, "-c", command], timeout=120)
+    assert tried.returncode == 0 and "'generated_text'" in tried.output, tried.output[-3000:]

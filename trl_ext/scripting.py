@@ -129,12 +129,14 @@ def _check_model(name: str | None) -> None:
 
 
 def _check_dataset(script_args, training_args, model_args, recipe: str, kind: str) -> None:
-    """The dataset loads, has the splits the run uses, and TRL can prepare its first rows (the trainers check them
-    again, and every row as TRL prepares them; here a bad dataset stops the run before any process is launched)."""
+    """The dataset loads, has the splits the run uses, its images are readable and fit the model, and TRL can prepare
+    its first rows (the trainers check them again, and every row as TRL prepares them; here a bad dataset stops the
+    run before any process is launched)."""
     import trl
 
     from .assets import load_dataset_by_name, resolve_model
     from .input_checks import DatasetError, probe_datasets
+    from .vision import check_image_dataset, is_vision_model
 
     name = script_args.dataset_name
     if not name:
@@ -153,9 +155,12 @@ def _check_dataset(script_args, training_args, model_args, recipe: str, kind: st
             raise UsageError(f"dataset '{name}' has no split '{split}'; it has {sorted(dataset)}. Choose one with "
                              f"--dataset_{'test' if hint else 'train'}_split{hint}.")
     trainer = {"sft": trl.SFTTrainer, "reward": trl.RewardTrainer, "dpo": trl.DPOTrainer}[recipe]
+    model = resolve_model(model_args.model_name_or_path)
     try:
+        for split in splits:
+            check_image_dataset(dataset[split], f"dataset '{name}' split '{split}'", is_vision_model(model))
         probe_datasets(trainer, {f"dataset '{name}' split '{split}'": dataset[split] for split in splits},
-                       training_args, resolve_model(model_args.model_name_or_path), kind=kind)
+                       training_args, model, kind=kind)
     except DatasetError as exc:
         raise UsageError(str(exc)) from None
 
@@ -201,6 +206,12 @@ def announce_done(trainer, what: str, task: str = "causal") -> None:
                   "m = M.from_pretrained('{}', num_labels=1)" if adapter else
                   "from transformers import AutoModelForSequenceClassification as M; m = M.from_pretrained('{}')")
         lines.append(f'[trl_ext] load it: python -c "{loader.format(out)}; print(m.config.num_labels)"')
+    elif hasattr(trainer.processing_class, "image_processor"):  # a vision-language model: ask about a shapes image
+        chat = ("[{'role': 'user', 'content': [{'type': 'image', 'image': load_shapes('sft')['test'][0]['images'][0]}, "
+                "{'type': 'text', 'text': 'What colour is the shape?'}]}]")
+        lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; from trl_ext.assets import "
+                     f"load_shapes; print(pipeline('image-text-to-text', '{out}')(text={chat}, max_new_tokens=8, "
+                     "return_full_text=False))\"")
     else:
         chat = "[{'role': 'user', 'content': 'Compute 2 + 3.'}]"
         lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; "

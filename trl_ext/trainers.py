@@ -12,7 +12,7 @@ import sys
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving
+from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving, vision
 from .runtime import check_distributed_setup
 from .verify import CheckpointError
 
@@ -74,6 +74,11 @@ class TrlExtMixin:
             datasets.update({f"eval_dataset['{k}']": v for k, v in eval_dataset.items()})
         else:
             datasets["eval_dataset"] = eval_dataset
+        vision_model = None  # image rows first: their problems are clearer than what TRL's preparation would say
+        for name, dataset in datasets.items():
+            if any(c in (getattr(dataset, "column_names", None) or ()) for c in vision.IMAGE_COLUMNS):
+                vision_model = vision.is_vision_model(bound.arguments["model"]) if vision_model is None else vision_model
+                vision.check_image_dataset(dataset, name, vision_model)
         input_checks.probe_datasets(self._trl_class, datasets, bound.arguments["args"], bound.arguments.get("model"),
                                     bound.arguments.get("processing_class"), bound.arguments.get("formatting_func"),
                                     self._dataset_kind)
