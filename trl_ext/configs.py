@@ -39,3 +39,13 @@ class RewardConfig(_HardwareAware, _SaveOptions, trl.RewardConfig):
 @dataclass
 class DPOConfig(_HardwareAware, _SaveOptions, trl.DPOConfig):
     __doc__ = trl.DPOConfig.__doc__
+
+
+@dataclass
+class GRPOConfig(_HardwareAware, _SaveOptions, trl.GRPOConfig):
+    __doc__ = trl.GRPOConfig.__doc__
+
+
+@dataclass
+class RLOOConfig(_HardwareAware, _SaveOptions, trl.RLOOConfig):
+    __doc__ = trl.RLOOConfig.__doc__
