@@ -37,7 +37,8 @@ class EngineStandIn:
             if name not in self.shapes:
                 raise KeyError(f"engine stand-in: no parameter named {name!r} in the checkpoint layout")
             if tuple(tensor.shape) != self.shapes[name]:
-                raise ValueError(f"engine stand-in: {name} has shape {tuple(tensor.shape)}, expected {self.shapes[name]}")
+                raise ValueError(f"engine stand-in: {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {self.shapes[name]}")
             self.log.append(("load_weights", name))
             self.received[name] = tensor.detach().clone()
         return set(self.received)
@@ -57,8 +58,8 @@ class FakeLLM:
     def __init__(self, standin: EngineStandIn, dtype: torch.dtype):
         self.log = standin.log
         runner = SimpleNamespace(model=standin)
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
-                                          model_config=SimpleNamespace(dtype=dtype))
+        executor = SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner))
+        self.llm_engine = SimpleNamespace(model_executor=executor, model_config=SimpleNamespace(dtype=dtype))
 
     def wake_up(self, tags=None):
         self.log.append(("wake_up", tuple(tags or ())))

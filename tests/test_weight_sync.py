@@ -24,7 +24,8 @@ def _policy(family: str):
     torch.manual_seed(0)
     model = model_class.from_pretrained(path, dtype=torch.float32)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    extra = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} if family == "qwen3_moe" else {}
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # LoRA on the fused experts, as PEFT allows
+    extra = {"target_parameters": experts} if family == "qwen3_moe" else {}
     config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=["lm_head"],
                         init_lora_weights=False, **extra)
     policy = get_peft_model(model, config).eval()
