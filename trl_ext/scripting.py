@@ -23,10 +23,11 @@ TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments pic
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
 
 
-def parse_recipe_args(parser, recipe: str, dataset_kind: str, argv: list[str] | None = None):
+def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[str] | None = None):
     """``(script_args, training_args, model_args)`` for a recipe, checked; or a re-launch under an accelerate config.
 
-    ``dataset_kind``: "sft" or "preference", the rows the recipe's trainer reads (see ``input_checks.REQUIRED``).
+    ``dataset_kind``: "sft" or "preference", the rows the recipe's trainer reads (see ``input_checks.REQUIRED``), or
+    None for prompt datasets (GRPO), whose rows only the trainer and its reward functions interpret.
     Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -127,7 +128,7 @@ def _check_model(name: str | None) -> None:
         raise UsageError(f"cannot load model '{name}': {first}") from None
 
 
-def _check_dataset(script_args, training_args, kind: str) -> None:
+def _check_dataset(script_args, training_args, kind: str | None) -> None:
     """The dataset loads, has the splits the run uses, and its rows are what the trainer reads (the trainers check
     them again; here a bad row stops the run before any process is launched)."""
     from .assets import load_dataset_by_name
@@ -149,6 +150,8 @@ def _check_dataset(script_args, training_args, kind: str) -> None:
             hint = " (or pass --eval_strategy no)" if split == script_args.dataset_test_split else ""
             raise UsageError(f"dataset '{name}' has no split '{split}'; it has {sorted(dataset)}. Choose one with "
                              f"--dataset_{'test' if hint else 'train'}_split{hint}.")
+        if kind is None:
+            continue
         try:
             check_dataset(dataset[split], kind, f"dataset '{name}' split '{split}'",
                           getattr(training_args, "dataset_text_field", "text"))
