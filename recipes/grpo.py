@@ -31,6 +31,7 @@ from trl import get_peft_config, get_quantization_config
 
 from trl_ext import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser
 from trl_ext.assets import load_dataset_by_name, resolve_model
+from trl_ext.gather import gathered
 from trl_ext.scripting import announce_done, parse_recipe_args
 
 NUMBER = re.compile(r"-?\d+")
@@ -51,17 +52,17 @@ def format_reward(completions, **kwargs) -> list[float]:
     return [0.5 if NUMBER.fullmatch(_text(c).strip()) else 0.0 for c in completions]
 
 
-def held_out_accuracy(trainer, dataset, rows: int = 64) -> float:
-    """Greedy answers to ``rows`` held-out prompts: the share whose first number is the right sum. Every rank runs
-    the same prompts (under ZeRO-3 generation is collective)."""
+def held_out_accuracy(trainer, rows) -> float:
+    """Greedy answers to the held-out prompts: the share whose first number is the right sum. Every rank runs the
+    same prompts (under ZeRO-3 generation is collective)."""
     tokenizer, model = trainer.processing_class, trainer.model
-    rows = dataset.select(range(min(rows, len(dataset))))
     prompts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     was_training = model.training
     model.eval()
-    with torch.no_grad():
+    # Gathered whole for the few generation calls: before training no DeepSpeed engine exists to fetch partitions.
+    with torch.no_grad(), gathered(list(model.parameters())):
         out = model.generate(**batch, max_new_tokens=trainer.max_completion_length, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, synced_gpus=trainer.is_deepspeed_enabled)
     model.train(was_training)
