@@ -41,6 +41,16 @@ class DPOConfig(_HardwareAware, _SaveOptions, trl.DPOConfig):
     __doc__ = trl.DPOConfig.__doc__
 
 
+@dataclass
+class GRPOConfig(_HardwareAware, _SaveOptions, trl.GRPOConfig):
+    __doc__ = trl.GRPOConfig.__doc__
+
+
+@dataclass
+class RLOOConfig(_HardwareAware, _SaveOptions, trl.RLOOConfig):
+    __doc__ = trl.RLOOConfig.__doc__
+
+
 def from_training_arguments(args, config_class: type, trl_trainer: type):
     """The config a trainer trains with when it is given a plain ``transformers.TrainingArguments``.
 

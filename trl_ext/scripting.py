@@ -23,11 +23,12 @@ TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments pic
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
 
 
-def parse_recipe_args(parser, recipe: str, dataset_kind: str, argv: list[str] | None = None):
+def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[str] | None = None):
     """``(script_args, training_args, model_args)`` for a recipe, checked; or a re-launch under an accelerate config.
 
     ``recipe``: "sft", "reward" or "dpo", whose TRL trainer judges the dataset; ``dataset_kind``: "sft" or
-    "preference", the formats an error message suggests (see ``input_checks.FORMATS``).
+    "preference", the formats an error message suggests (see ``input_checks.FORMATS``), or None for prompt datasets
+    (GRPO), whose rows only the trainer and its reward functions interpret.
     Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -128,7 +129,7 @@ def _check_model(name: str | None) -> None:
         raise UsageError(f"cannot load model '{name}': {first}") from None
 
 
-def _check_dataset(script_args, training_args, model_args, recipe: str, kind: str) -> None:
+def _check_dataset(script_args, training_args, model_args, recipe: str, kind: str | None) -> None:
     """The dataset loads, has the splits the run uses, its images are readable and fit the model, and TRL can prepare
     its first rows (the trainers check them again, and every row as TRL prepares them; here a bad dataset stops the
     run before any process is launched)."""
@@ -154,6 +155,8 @@ def _check_dataset(script_args, training_args, model_args, recipe: str, kind: st
             hint = " (or pass --eval_strategy no)" if split == script_args.dataset_test_split else ""
             raise UsageError(f"dataset '{name}' has no split '{split}'; it has {sorted(dataset)}. Choose one with "
                              f"--dataset_{'test' if hint else 'train'}_split{hint}.")
+    if kind is None:
+        return  # prompt datasets (GRPO): the trainer and its reward functions interpret the rows
     trainer = {"sft": trl.SFTTrainer, "reward": trl.RewardTrainer, "dpo": trl.DPOTrainer}[recipe]
     model = resolve_model(model_args.model_name_or_path)
     try:

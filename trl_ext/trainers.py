@@ -12,7 +12,7 @@ import sys
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving, vision
+from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving, vision, weight_sync
 from .runtime import check_distributed_setup
 from .verify import CheckpointError
 
@@ -210,3 +210,38 @@ class DPOTrainer(TrlExtMixin, trl.DPOTrainer):
     __doc__ = trl.DPOTrainer.__doc__
     _config_class, _default_run_suffix = configs.DPOConfig, "DPO"
     _dataset_kind = "preference"
+
+
+@contextlib.contextmanager
+def _bounded_weight_sync(trl_module):
+    """While TRL's constructor runs, it builds our ``VLLMGeneration`` (the bounded, Hub-named weight sync) instead of
+    its own: TRL creates the object inline in ``__init__`` and offers no hook to choose its class."""
+    original = trl_module.VLLMGeneration
+    trl_module.VLLMGeneration = weight_sync.BoundedVLLMGeneration
+    try:
+        yield
+    finally:
+        trl_module.VLLMGeneration = original
+
+
+class _OnlineRLMixin:
+    """GRPO and RLOO: prompt-only datasets, and the vLLM weight sync that never gathers the whole model."""
+
+    def _check_input(self, bound: inspect.BoundArguments) -> None:
+        # Rows are prompts (plus reward-function columns): input_checks' SFT/preference formats do not apply.
+        input_checks.check_model_path(bound.arguments.get("model"))
+
+    def _around_trl_init(self, bound: inspect.BoundArguments):
+        return _bounded_weight_sync(sys.modules[self._trl_class.__module__])
+
+
+class GRPOTrainer(_OnlineRLMixin, TrlExtMixin, trl.GRPOTrainer):
+    __doc__ = trl.GRPOTrainer.__doc__
+    _config_class, _default_run_suffix = configs.GRPOConfig, "GRPO"
+    _trl_class = trl.GRPOTrainer
+
+
+class RLOOTrainer(_OnlineRLMixin, TrlExtMixin, trl.RLOOTrainer):
+    __doc__ = trl.RLOOTrainer.__doc__
+    _config_class, _default_run_suffix = configs.RLOOConfig, "RLOO"
+    _trl_class = trl.RLOOTrainer

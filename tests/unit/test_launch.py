@@ -104,9 +104,10 @@ def test_shipped_accelerate_configs(path):
 
 @pytest.mark.parametrize("path", sorted((REPO / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_recipe_configs_have_only_known_keys(path):
-    from trl_ext import DPOConfig, ModelConfig, RewardConfig, ScriptArguments, SFTConfig, TrlParser
+    from trl_ext import DPOConfig, GRPOConfig, ModelConfig, RewardConfig, ScriptArguments, SFTConfig, TrlParser
 
-    config_class = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig}[path.stem.split("_")[0]]
+    config_class = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig,
+                    "grpo": GRPOConfig}[path.stem.split("_")[0]]
     parser = TrlParser((ScriptArguments, config_class, ModelConfig))
     assert not launch.is_accelerate_config(yaml.safe_load(path.read_text()))
     parser.parse_args_and_config(["--config", str(path)])  # unknown keys raise; bf16 falls back to fp32 on CPU

@@ -5,20 +5,24 @@ from pathlib import Path
 from datasets import DatasetDict, load_dataset
 
 DATA_DIR = Path(__file__).parent / "data"
-# sft: conversational "messages"; preference: prompt/chosen/rejected (DPO); reward: chosen/rejected.
-DATASET_KINDS = ("sft", "preference", "reward")
+# sft: conversational "messages"; preference: prompt/chosen/rejected (DPO); reward: chosen/rejected;
+# prompt: prompt/answer (GRPO, RLOO: the answer feeds a verifiable reward), derived from the preference files.
+DATASET_KINDS = ("sft", "preference", "reward", "prompt")
 DATASET_NAMES = {f"trl-ext/arithmetic-{kind}": kind for kind in DATASET_KINDS}
 
 
 def load_default_dataset(kind: str) -> DatasetDict:
     if kind not in DATASET_KINDS:
         raise ValueError(f"Unknown bundled dataset {kind!r}; choose one of {', '.join(DATASET_KINDS)}.")
+    if kind == "prompt":
+        pairs = load_default_dataset("preference")
+        return pairs.map(lambda row: {"answer": row["chosen"][0]["content"]}, remove_columns=["chosen", "rejected"])
     files = {split: str(DATA_DIR / f"{kind}_{split}.jsonl") for split in ("train", "test")}
     return load_dataset("json", data_files=files)
 
 
 def load_dataset_by_name(name: str, config: str | None = None) -> DatasetDict:
-    """``trl-ext/arithmetic-{sft,preference,reward}`` load the bundled data and ``trl-ext/shapes-{sft,preference}``
+    """``trl-ext/arithmetic-{sft,preference,reward,prompt}`` load the bundled data and ``trl-ext/shapes-{sft,preference}``
     generate the bundled image data; anything else goes to ``load_dataset``."""
     from .shapes import SHAPES_NAMES, load_shapes
 
