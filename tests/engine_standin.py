@@ -11,7 +11,6 @@ converts the checkpoint layout to the in-memory one as it does for any Hub check
 fake ``LLM`` that records sleep-mode calls, so TRL's own ``sync_weights`` runs unchanged.
 """
 
-import json
 import shutil
 import tempfile
 from pathlib import Path

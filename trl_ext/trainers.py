@@ -77,7 +77,8 @@ class TrlExtMixin:
         vision_model = None  # image rows first: their problems are clearer than what TRL's preparation would say
         for name, dataset in datasets.items():
             if any(c in (getattr(dataset, "column_names", None) or ()) for c in vision.IMAGE_COLUMNS):
-                vision_model = vision.is_vision_model(bound.arguments["model"]) if vision_model is None else vision_model
+                if vision_model is None:
+                    vision_model = vision.is_vision_model(bound.arguments["model"])
                 vision.check_image_dataset(dataset, name, vision_model)
         input_checks.probe_datasets(self._trl_class, datasets, bound.arguments["args"], bound.arguments.get("model"),
                                     bound.arguments.get("processing_class"), bound.arguments.get("formatting_func"),

@@ -73,7 +73,8 @@ def resume_diff(run: Path) -> float | None:
     resumed = json.loads((run / "probes_resumed.json").read_text())
     if resumed is None:
         return None
-    return (torch.tensor(resumed) - torch.tensor(json.loads((run / "probes_final.json").read_text()))).abs().max().item()
+    final = torch.tensor(json.loads((run / "probes_final.json").read_text()))
+    return (torch.tensor(resumed) - final).abs().max().item()
 
 
 @pytest.mark.parametrize("family", ONE_PROCESS_RESUME)

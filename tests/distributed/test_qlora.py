@@ -84,7 +84,8 @@ def test_qlora_trains_saves_and_reloads(tmp_path, trainer, backend):
 
     as_dict = trainer == "dpo"  # the YAML path: quantization_config given as a dict
     report = run_training(tmp_path, backend, trainer, "--lora", "--load_in_4bit", "--save_model", "final",
-                          "--max_steps", "2", "--rows", "8", "--eval_steps", "1", "--quant_config_as", "dict" if as_dict else "object")
+                          "--max_steps", "2", "--rows", "8", "--eval_steps", "1",
+                          "--quant_config_as", "dict" if as_dict else "object")
     out = tmp_path / "out"
     stage = int(backend[-1])
     assert report["zero_stage"] == stage and report["world_size"] == 2

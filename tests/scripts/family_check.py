@@ -1,8 +1,8 @@
 """Check the families' saves in a fresh process with plain transformers and peft (no trl_ext imported).
 
 ``python -m tests.scripts.family_check SPEC.json`` where SPEC maps each run directory (see ``family_train.py``) to
-``{"base": PATH, "model_class": NAME, "mode": "lora"|"experts"|"full", "reward": bool, "merged": DIR or null}``. Prints one
-JSON object: per run, the measured differences and whether the files match what ``save_pretrained`` writes.
+``{"base": PATH, "model_class": NAME, "mode": "lora"|"experts"|"full", "reward": bool, "merged": DIR or null}``.
+Prints one JSON object: per run, the measured differences and whether the files match what ``save_pretrained`` writes.
 """
 
 import glob

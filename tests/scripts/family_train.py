@@ -5,7 +5,8 @@ Run under ``accelerate launch`` (2-process ZeRO-3, see ``tests/harness.py``) or 
 ``final/`` (``trainer.save_model``), ``probes_loaded.json`` (outputs of the model as loaded, before any step),
 ``probes_final.json`` (after training), ``iter.safetensors`` (``iter_merged_weights``, from rank 0) and
 ``report.json`` (partitioning seen during training) and, with ``--resume_check``, for full fine-tuning
-``probes_resumed.json`` (a new trainer resumed from ``checkpoint-1`` and ran step 2 again). One process set for all runs: start-up costs more than a run.
+``probes_resumed.json`` (a new trainer resumed from ``checkpoint-1`` and ran step 2 again). One process set for all
+runs: start-up costs more than a run.
 """
 
 import argparse

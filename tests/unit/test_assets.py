@@ -12,7 +12,8 @@ from trl_ext.assets.tiny_model import build
 
 
 def _digest(path: Path) -> str:
-    return hashlib.sha256((path / "model.safetensors").read_bytes() + (path / "tokenizer.json").read_bytes()).hexdigest()
+    files = (path / "model.safetensors", path / "tokenizer.json")
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
 def test_model_build_is_deterministic_on_every_cpu_instruction_set(tmp_path, tiny_model_path):

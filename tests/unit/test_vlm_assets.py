@@ -16,7 +16,6 @@ from tests.harness import REPO
 from trl_ext import DPOConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl_ext.assets import (VLM_MODEL_NAME, answer_accuracy, load_dataset_by_name, load_shapes, resolve_model,
                             vlm_model_path)
-from trl_ext.assets.tiny_vlm import build
 from trl_ext.vision import freeze_vision_tower, is_vision_model, vision_tower
 
 

@@ -40,8 +40,8 @@ def cached_build(name: str, builder_module: str, *builder_args: str) -> str:
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any model directory
             try:
-                proc = subprocess.run([sys.executable, "-m", builder_module, *builder_args, str(tmp)], capture_output=True, text=True,
-                                      check=False)
+                proc = subprocess.run([sys.executable, "-m", builder_module, *builder_args, str(tmp)],
+                                      capture_output=True, text=True, check=False)
                 if proc.returncode != 0 or not (tmp / "config.json").exists():
                     raise RuntimeError(f"building {name} failed:\n{proc.stderr[-4000:]}")
                 os.rename(tmp, target)

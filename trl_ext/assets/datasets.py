@@ -22,8 +22,8 @@ def load_default_dataset(kind: str) -> DatasetDict:
 
 
 def load_dataset_by_name(name: str, config: str | None = None) -> DatasetDict:
-    """``trl-ext/arithmetic-{sft,preference,reward,prompt}`` load the bundled data and ``trl-ext/shapes-{sft,preference}``
-    generate the bundled image data; anything else goes to ``load_dataset``."""
+    """``trl-ext/arithmetic-{sft,preference,reward,prompt}`` load the bundled data and
+    ``trl-ext/shapes-{sft,preference}`` generate the bundled image data; anything else goes to ``load_dataset``."""
     from .shapes import SHAPES_NAMES, load_shapes
 
     if name in SHAPES_NAMES:
