@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .gather import full_shape
 from .shards import TensorSpec
 
 
@@ -28,12 +29,8 @@ class Unit:
     converted: bool = False
 
 
-def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    return tuple(tensor.ds_shape) if hasattr(tensor, "ds_id") else tuple(tensor.shape)
-
-
 def _meta(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {name: torch.empty(_shape(t), dtype=t.dtype, device="meta") for name, t in tensors}
+    return {name: torch.empty(full_shape(t), dtype=t.dtype, device="meta") for name, t in tensors}
 
 
 def _drop_unused_conversions(model) -> None:
@@ -79,7 +76,7 @@ def plan(model, tensors: list[tuple[str, torch.Tensor]]) -> list[Unit]:
     meta = _meta(tensors)
     whole = _revert(model, meta)
     if not _differs(whole, meta):  # nothing converted: every tensor streams under its own name
-        return [Unit([(n, t)], [TensorSpec(n, _shape(t), t.dtype)]) for n, t in tensors]
+        return [Unit([(n, t)], [TensorSpec(n, full_shape(t), t.dtype)]) for n, t in tensors]
 
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in tensors:  # conversions act within one module (its experts, its projections)
@@ -90,14 +87,11 @@ def plan(model, tensors: list[tuple[str, torch.Tensor]]) -> list[Unit]:
         if group is None:
             continue  # this module's group is already planned
         out = _revert(model, _meta(group))
-        renamed = len(out) == len(group) and all(
-            len(single := _revert(model, _meta([item]))) == 1
-            and next(iter(single.values())).shape == meta[item[0]].shape
-            for item in group
-        )
-        if renamed:
-            for item in group:
-                (hub_name, hub), = _revert(model, _meta([item])).items()
+        singles = [_revert(model, _meta([item])) for item in group] if len(out) == len(group) else []
+        if singles and all(len(single) == 1 and next(iter(single.values())).shape == meta[item[0]].shape
+                           for item, single in zip(group, singles)):  # every tensor at most renamed
+            for item, single in zip(group, singles):
+                (hub_name, hub), = single.items()
                 units.append(Unit([item], [TensorSpec(hub_name, tuple(hub.shape), hub.dtype)]))
         else:
             units.append(Unit(group, _specs(out), converted=True))
