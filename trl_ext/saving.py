@@ -77,6 +77,19 @@ def _full_weight_set(model, max_shard_size) -> _WeightSet:
     return _WeightSet("", units, plan_shards([s for u in units for s in u.outputs], max_shard_size))
 
 
+def plan_weight_sets(model, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[_WeightSet]:
+    """What a save of ``model`` writes: its adapters (PEFT), or the full model in the Hub's layout.
+
+    Args:
+        model: a transformers model or a PEFT model around one, possibly ZeRO-3 or FSDP2 sharded.
+        max_shard_size: the largest safetensors file of a full model (adapters are one file, as PEFT reads them).
+
+    Returns:
+        One ``_WeightSet`` per directory written, each with its units (live tensors -> Hub names) and file plan.
+    """
+    return _adapter_weight_sets(model) if is_peft_model(model) else [_full_weight_set(model, max_shard_size)]
+
+
 def _check_dtypes(weight_sets) -> None:
     """Refuse, on every rank and before anything is written, a dtype the safetensors format cannot hold."""
     unknown = sorted({str(s.dtype) for ws in weight_sets for specs in ws.plan.values() for s in specs
@@ -296,7 +309,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     collective = _distributed() and any(gather.is_partitioned(p) for p in model.parameters())
     if not collective and not is_writer:
         return
-    weight_sets = _adapter_weight_sets(model) if is_peft_model(model) else [_full_weight_set(model, max_shard_size)]
+    weight_sets = plan_weight_sets(model, max_shard_size)
     _check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
     target = Path(output_dir).absolute()
     staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")

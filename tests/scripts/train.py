@@ -64,6 +64,8 @@ class RecordCheckpointing(TrainerCallback):
 def gathered_trainable(model) -> dict:
     """Full (gathered) trainable weights, on every rank."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):  # FSDP2: collective per tensor
+        return {n: p.full_tensor().detach().cpu().clone().contiguous() for n, p in params.items()}
     try:
         import deepspeed
 
@@ -139,6 +141,8 @@ def optimizer_state(optimizer) -> dict:
     state = {}  # by position: ZeRO-3 swaps its flat partitions in and out of param_groups
     for i, param_state in enumerate(innermost_optimizer(optimizer).state.values()):
         for key, value in param_state.items():
+            if isinstance(value, torch.distributed.tensor.DTensor):  # FSDP2: this rank's shard
+                value = value.to_local()
             state[f"{i}.{key}"] = torch.as_tensor(value).detach().float().cpu().reshape(-1).clone().contiguous()
     return state
 
