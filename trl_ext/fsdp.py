@@ -8,6 +8,7 @@ state to FSDP, as it already lets DeepSpeed run on CPU.
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -39,6 +40,8 @@ def allow_on_cpu() -> None:
             self.fsdp_plugin = fsdp_plugin
             if self._mixed_precision != "no":
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # pinned memory needs an accelerator
+                fsdp_plugin.cpu_offload = dataclasses.replace(fsdp_plugin.cpu_offload, pin_memory=False)
 
     setattr(__init__, _PATCHED, True)
     AcceleratorState.__init__ = __init__

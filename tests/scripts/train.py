@@ -253,6 +253,10 @@ def main():
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
         report["partition"] = (recorder.seen or {}).get("partition") or partition_report(trainer.model_wrapped)
+    if trainer.is_fsdp_enabled:  # FSDP2: parameters that are DTensors, those this rank holds only a part of, all
+        params = list(trainer.model.parameters())
+        dtensors = [p for p in params if isinstance(p, torch.distributed.tensor.DTensor)]
+        report["fsdp_sharded"] = [len(dtensors), sum(p.to_local().numel() < p.numel() for p in dtensors), len(params)]
     report["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     report["train_loss"] = result.training_loss
     report["global_step"] = trainer.state.global_step
