@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from . import gather, hub_format, verify
 from .shards import DTYPE_CODES, ShardStreamWriter, TensorSpec, index_json, plan_shards
@@ -59,10 +60,16 @@ def _adapter_weight_sets(model) -> list[_WeightSet]:
     name, ``modules_to_save`` under the plain module name. One set per adapter, laid out as PEFT does."""
     from peft import get_peft_model_state_dict
 
-    live = model.state_dict(keep_vars=True)
+    live, wrapper = model.state_dict(keep_vars=True), _CHECKPOINT_PREFIX
+    if any(wrapper in name for name, _ in model.named_modules()):
+        # Activation-checkpoint wrappers (FSDP's fsdp_activation_checkpointing) strip their prefix from state_dict
+        # keys but not from module names, and PEFT finds adapter weights by module name: it would drop every LoRA
+        # weight. Map with the module names, write without the wrapper's prefix.
+        live = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     sets = []
     for adapter, config in model.peft_config.items():
-        mapped = get_peft_model_state_dict(model, state_dict=live, adapter_name=adapter)
+        mapped = {name.replace(wrapper, ""): tensor for name, tensor in
+                  get_peft_model_state_dict(model, state_dict=live, adapter_name=adapter).items()}
         # PEFT's keys are what PeftModel.from_pretrained takes: no conversion (PEFT's own save reverts none either)
         units = [hub_format.Unit([(n, t)], [TensorSpec(n, gather.full_shape(t), t.dtype)]) for n, t in mapped.items()]
         plan = plan_shards([u.outputs[0] for u in units], float("inf"), prefix="adapter_model")  # PEFT reads one file

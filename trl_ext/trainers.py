@@ -44,6 +44,7 @@ class TrlExtMixin:
         check_distributed_setup(training_args)
         self._check_input(bound)
         quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
+        fsdp_checkpoints = checkpointing.fsdp_checkpoints(training_args)  # one policy: FSDP's, or ours below
         user_reentrant = checkpointing.take_user_choice(training_args)
         with self._around_trl_init(bound):
             super().__init__(*bound.args, **bound.kwargs)
@@ -63,6 +64,8 @@ class TrlExtMixin:
             if not use_reentrant:
                 checkpointing.remove_input_require_grads_hooks(self.model)  # TRL registered it for PEFT
             self.add_callback(checkpointing.CheckpointingPolicy(use_reentrant))
+        elif fsdp_checkpoints:
+            self.add_callback(checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
             saving.guard_save_pretrained(self.model)
 

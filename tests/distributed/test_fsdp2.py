@@ -92,7 +92,8 @@ def test_trl_fsdp2_config_lora_sft_saves_reloads_and_resumes_after_a_kill_mid_sa
 # trainer, training args, probe kind, accelerate config
 CASES = {
     "dpo-lora": ("dpo", ["--lora"], "causal", "fsdp2.yaml"),
-    "reward-lora": ("reward", ["--lora"], "reward", "fsdp2.yaml"),  # the score head, trained and saved whole
+    # the score head, trained and saved whole; FSDP's own activation checkpointing instead of ours
+    "reward-lora-fsdp-checkpointing": ("reward", ["--lora"], "reward", "fsdp2.yaml"),
     "sft-full-offload": ("sft", [], "causal", "fsdp2_offload.yaml"),
 }
 
@@ -100,10 +101,20 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_fsdp2_saves_reload_to_the_trained_outputs(tmp_path, case):
     trainer, args, kind, config = CASES[case]
-    result = train(tmp_path, OURS / config, "--trainer", trainer, *args, "--max_steps", "2", "--save_steps", "2",
+    config = OURS / config
+    if "fsdp-checkpointing" in case:
+        config = tmp_path / "fsdp2_ac.yaml"
+        config.write_text((OURS / "fsdp2.yaml").read_text().replace("fsdp_activation_checkpointing: false",
+                                                                     "fsdp_activation_checkpointing: true"))
+    result = train(tmp_path, config, "--trainer", trainer, *args, "--max_steps", "2", "--save_steps", "2",
                    "--save_model", "final")
     assert result.returncode == 0, result.output[-6000:]
     assert_sharded_and_saved(tmp_path, kind)
+    layers = json.loads((tmp_path / "report_rank0.json").read_text())["checkpointing"]["layers"]
+    if "fsdp-checkpointing" in case:  # FsdpCheckpointingCheck verified FSDP's wrappers at train start
+        assert "gradient_checkpointing is turned off" in result.output and layers == {}
+    else:  # ours: every layer non-reentrant (CheckpointingPolicy verified it at train start too)
+        assert layers and set(layers.values()) == {False}, layers
 
 
 def test_dpo_recipe_as_written_under_fsdp2(tmp_path):
