@@ -173,8 +173,9 @@ def quantized_init_kwargs(cli) -> dict:
 
 def quantization_report(model) -> dict:
     """The 4-bit weights' storage dtype and the dtypes of the trainable and frozen floating parameters."""
-    four_bit = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
-    others = [p for p in model.parameters() if type(p).__name__ != "Params4bit"]
+    # By module: FSDP2 turns every parameter into a DTensor, Params4bit included (the layer keeps its quant_state)
+    four_bit = [m.weight for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    others = [p for p in model.parameters() if all(p is not w for w in four_bit)]
     return {
         "num_4bit": len(four_bit),
         "storage": sorted({str(p.dtype) for p in four_bit}),
@@ -257,6 +258,8 @@ def main():
         params = list(trainer.model.parameters())
         dtensors = [p for p in params if isinstance(p, torch.distributed.tensor.DTensor)]
         report["fsdp_sharded"] = [len(dtensors), sum(p.to_local().numel() < p.numel() for p in dtensors), len(params)]
+        report["fsdp_whole"] = [n for n, p in trainer.model.named_parameters()
+                                if not isinstance(p, torch.distributed.tensor.DTensor)]
     report["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     report["train_loss"] = result.training_loss
     report["global_step"] = trainer.state.global_step
