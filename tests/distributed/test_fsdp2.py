@@ -59,9 +59,10 @@ def assert_sharded_and_saved(out: Path, kind: str) -> None:
         assert sorted(p.name for p in (checkpoint / "optimizer_0").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def test_trl_fsdp2_config_lora_sft_saves_reloads_and_resumes_after_a_kill_mid_save(tmp_path):
-    """TRL's shipped fsdp2.yaml, unchanged: bf16 falls back to fp32 on CPU, FULL_STATE_DICT still saves sharded."""
-    args = ["--trainer", "sft", "--lora", "--max_steps", "4", "--save_steps", "2"]
+def test_trl_fsdp2_config_full_sft_saves_reloads_and_resumes_after_a_kill_mid_save(tmp_path):
+    """TRL's shipped fsdp2.yaml, unchanged: bf16 falls back to fp32 on CPU, FULL_STATE_DICT still saves sharded.
+    Full fine-tuning, so resume loads every weight (each rank its own rows of the Hub-format file)."""
+    args = ["--trainer", "sft", "--max_steps", "4", "--save_steps", "2"]
     reference = train(tmp_path / "reference", TRL_FSDP2, *args, "--save_model", "final")
     assert reference.returncode == 0, reference.output[-6000:]
     assert "bf16 is not supported on this hardware" in reference.output
@@ -94,7 +95,7 @@ CASES = {
     "dpo-lora": ("dpo", ["--lora"], "causal", "fsdp2.yaml"),
     # the score head, trained and saved whole; FSDP's own activation checkpointing instead of ours
     "reward-lora-fsdp-checkpointing": ("reward", ["--lora"], "reward", "fsdp2.yaml"),
-    "sft-full-offload": ("sft", [], "causal", "fsdp2_offload.yaml"),
+    "sft-lora-offload": ("sft", ["--lora"], "causal", "fsdp2_offload.yaml"),
 }
 
 
