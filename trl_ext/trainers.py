@@ -10,9 +10,9 @@ import os
 import sys
 
 import trl
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, set_seed, get_last_checkpoint, rotate_checkpoints
 
-from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving, vision, weight_sync
+from . import checkpointing, configs, elastic, hub_format, input_checks, quantization, reward_head, saving, vision, weight_sync
 from .runtime import check_distributed_setup
 from .verify import CheckpointError
 
@@ -108,6 +108,8 @@ class TrlExtMixin:
             if path is not None:  # None: Trainer says that no checkpoint was found
                 config = getattr(self.model, "config", None)
                 input_checks.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
+                if self.is_deepspeed_enabled:  # another number of processes: universal checkpoint, same global batch
+                    self._elastic_plan = elastic.prepare(self, path)
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -121,6 +123,17 @@ class TrlExtMixin:
         # from_pretrained applies the conversions; the copy is on CPU, as Trainer's own state dict would be
         loaded = type(model).from_pretrained(resume_from_checkpoint, dtype=model.dtype, config=model.config)
         model.load_state_dict(loaded.state_dict(), strict=True)
+
+    def _load_rng_state(self, checkpoint):
+        """On another number of processes, rank r takes rank r's saved RNG state; a rank that did not exist is seeded
+        from (seed, step, rank) so that repeating the resume repeats the run."""
+        plan = getattr(self, "_elastic_plan", None)
+        if checkpoint is None or plan is None or not plan.changed:
+            return super()._load_rng_state(checkpoint)
+        with elastic.rng_checkpoint(checkpoint, plan, self.args.process_index) as found:
+            if found is not None:
+                return super()._load_rng_state(found)
+        set_seed(self.args.seed + self.state.global_step * plan.world_size + self.args.process_index)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save through trl_ext's one save path (gathered, streamed, verified, committed atomically)."""
