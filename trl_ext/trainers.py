@@ -10,9 +10,10 @@ import os
 import sys
 
 import trl
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, set_seed, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, set_seed
 
-from . import checkpointing, configs, elastic, hub_format, input_checks, quantization, reward_head, saving, vision, weight_sync
+from . import (checkpointing, configs, elastic, hub_format, input_checks, nodes, quantization, reward_head, saving,
+               vision, weight_sync)
 from .runtime import check_distributed_setup
 from .verify import CheckpointError
 
@@ -102,10 +103,15 @@ class TrlExtMixin:
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """Audit the checkpoint to resume from first: a damaged one is refused in one line, before anything loads."""
+        self._storage = nodes.detect(self.args)  # several nodes: is output_dir shared? (refused here if that breaks)
+        nodes.check(self._storage, self.args)
         if resume_from_checkpoint:
-            path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
-                    else resume_from_checkpoint)
+            path = resume_from_checkpoint
+            if resume_from_checkpoint is True:
+                path = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            path = nodes.resume_path(self.args, path)  # rank 0's choice, on every rank
             if path is not None:  # None: Trainer says that no checkpoint was found
+                resume_from_checkpoint = path
                 config = getattr(self.model, "config", None)
                 input_checks.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
                 if self.is_deepspeed_enabled:  # another number of processes: universal checkpoint, same global batch
@@ -169,19 +175,23 @@ class TrlExtMixin:
         if trial is not None or self.hp_search_backend is not None:
             return super()._save_checkpoint(model, trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        with saving.StagedCheckpoint(self.args.output_dir, name, self.args.should_save,
-                                     self.accelerator.wait_for_everyone) as staged:
+        storage = getattr(self, "_storage", None)
+        writer = storage.checkpoint_writer(self.args) if storage else self.args.should_save
+        with saving.StagedCheckpoint(self.args.output_dir, name, writer, self.accelerator.wait_for_everyone) as staged:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the staging directory.
             self._get_output_dir = lambda trial=None: str(staged.staging_run_dir)
             try:
                 super()._save_checkpoint(model, trial)
             finally:
                 del self._get_output_dir
+            if storage and not storage.shared and writer and self.is_deepspeed_enabled:
+                # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's copy needs its own
+                (staged.staging_run_dir / name / "latest").write_text(f"global_step{self.state.global_step}")
             if staged.staged_path(self.state.best_model_checkpoint):  # this checkpoint is the best so far
                 self.state.best_model_checkpoint = str(staged.final)
                 if self.args.should_save:
                     self.state.save_to_json(str(staged.staging_run_dir / name / "trainer_state.json"))
-        if self.args.should_save:  # Trainer rotated inside the staging directory; rotate the real one
+        if writer:  # Trainer rotated inside the staging directory; rotate the real one
             rotate_checkpoints(output_dir=self.args.output_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 

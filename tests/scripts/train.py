@@ -215,6 +215,7 @@ def main():
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: no checkpoints)")
     parser.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True (the last checkpoint)")
     parser.add_argument("--resume_from", default=None, help="resume_from_checkpoint=PATH")
+    parser.add_argument("--save_on_each_node", action="store_true")
     parser.add_argument("--kill_at_step", type=int, default=0, help="SIGKILL every rank (or --kill_rank) at this step")
     parser.add_argument("--kill_rank", type=int, default=None)
     parser.add_argument("--kill_during_save", type=int, default=0,
@@ -248,6 +249,7 @@ def main():
         eval_steps=cli.eval_steps or None,
         per_device_eval_batch_size=2,
         save_steps=cli.save_steps or 500,
+        save_on_each_node=cli.save_on_each_node,
         report_to="none",
         seed=0,
         dataloader_num_workers=0,
@@ -286,7 +288,8 @@ def main():
         full = full_optimizer_state(trainer.model_wrapped)  # collective: every rank gathers
         if trainer.accelerator.is_main_process:
             save_file(full, os.path.join(cli.output_dir, "optimizer_full.safetensors"))
-    if cli.save_steps or cli.resume or cli.resume_from:  # what a resume must restore: the schedule and each rank's optimizer state
+    resumes = cli.save_steps or cli.resume or cli.resume_from
+    if resumes:  # what a resume must restore: the schedule and each rank's optimizer state
         scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # under accelerate's wrapper
         report["scheduler"] = {"last_epoch": scheduler.last_epoch, "last_lr": scheduler.get_last_lr()}
         optim = optimizer_state(trainer.optimizer)
