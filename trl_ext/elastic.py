@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,14 @@ def read_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
     # mmap: the ds_config is all we need; ZeRO-1/2 files also hold the whole 16-bit model
     saved_config = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True)["ds_config"]
     global_batch = int(saved_config["train_batch_size"])
-    saved_world = len(ranks)
+    # From the saved batch sizes, not from the files: a node-local copy holds only its own ranks' states
+    saved_world = global_batch // (int(saved_config["train_micro_batch_size_per_gpu"]) *
+                                   int(saved_config["gradient_accumulation_steps"]))
+    if saved_world != args.world_size and len(ranks) < saved_world:
+        raise ValueError(
+            f"{folder} holds the ZeRO states of {len(ranks)} of the {saved_world} processes that saved it (node-local "
+            f"storage?): resume on {saved_world} processes, or first copy every node's {tag}/ files into one "
+            f"directory.")
     per_step = args.world_size * args.per_device_train_batch_size
     if global_batch % per_step:
         raise ValueError(
@@ -93,8 +101,12 @@ def convert_to_universal(checkpoint: str | os.PathLike, tag: str) -> None:
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=checkpoint))
         options = Namespace(input_folder=str(checkpoint / tag), output_folder=str(staging), num_extract_workers=1,
                             num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-        with contextlib.redirect_stdout(io.StringIO()):  # its progress report is per parameter
-            ds_to_universal.main(options)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # its progress report is per parameter
+                ds_to_universal.main(options)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         staging.chmod(0o755)
         os.replace(staging, final)
     # What load_universal reads instead of ``latest``. Always rewritten: ds_to_universal writes one naming its

@@ -8,6 +8,7 @@ processes, on one process (2 -> 1, twice the gradient accumulation) and from one
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -185,7 +186,7 @@ class _Args:  # what read_plan reads from TrainingArguments
         self.world_size, self.per_device_train_batch_size = world_size, per_device_train_batch_size
 
 
-def test_a_global_batch_that_cannot_be_kept_is_refused_with_the_arithmetic(two_process_run):
+def test_a_global_batch_that_cannot_be_kept_is_refused_with_the_arithmetic(two_process_run, tmp_path):
     _, ref = two_process_run
     checkpoint = ref / "checkpoint-2"
     plan = elastic.read_plan(checkpoint, _Args(1, 2))
@@ -194,3 +195,12 @@ def test_a_global_batch_that_cannot_be_kept_is_refused_with_the_arithmetic(two_p
     with pytest.raises(ValueError, match=r"global batch size of 4 samples \(saved on 2 processes\) on 3 processes x "
                                          r"per_device_train_batch_size 2 = 6 samples per micro-step"):
         elastic.read_plan(checkpoint, _Args(3, 2))
+    # A node-local copy (only rank 0's ZeRO states) resumes on the same 2 processes, and only there
+    node_copy = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, node_copy)
+    for rank_file in (node_copy / "global_step2").glob("zero_pp_rank_1_*"):
+        rank_file.unlink()
+    assert elastic.read_plan(node_copy, _Args(2, 2)).changed is False
+    with pytest.raises(ValueError, match=r"holds the ZeRO states of 1 of the 2 processes that saved it \(node-local "
+                                         r"storage\?\): resume on 2 processes"):
+        elastic.read_plan(node_copy, _Args(1, 2))
