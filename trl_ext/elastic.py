@@ -52,7 +52,8 @@ def read_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
         args: the resumed run's ``TrainingArguments``.
 
     Returns:
-        The plan; raises ``ValueError`` (one line, with the arithmetic) when the global batch cannot be kept.
+        The plan. Raises ``ValueError`` (one line) when the global batch cannot be kept (with the arithmetic), or
+        when the checkpoint lacks some ranks' states and the number of processes changed.
     """
     tag = deepspeed_tag(checkpoint)
     if tag is None:
