@@ -37,7 +37,7 @@ def deepspeed_config(stage: int, **overrides) -> dict:
 
 
 def write_accelerate_config(directory: Path, backend: str, num_processes: int = 2, **zero_overrides) -> Path:
-    """``backend``: "ddp", "zero2" or "zero3". Returns the accelerate config path."""
+    """``backend``: "ddp", "zero2", "zero3" or "fsdp2". Returns the accelerate config path."""
     directory.mkdir(parents=True, exist_ok=True)
     config = {
         "compute_environment": "LOCAL_MACHINE",
@@ -48,7 +48,10 @@ def write_accelerate_config(directory: Path, backend: str, num_processes: int = 
         "rdzv_backend": "static",
         "same_network": True,
     }
-    if backend == "ddp":
+    if backend == "fsdp2":  # the repository's own config, as users run it
+        config.update(yaml.safe_load((REPO / "accelerate_configs" / "fsdp2.yaml").read_text()),
+                      num_processes=num_processes)
+    elif backend == "ddp":
         # MULTI_GPU makes accelerate start one process per rank (torchrun); without a GPU trl_ext picks gloo.
         # (MULTI_CPU would need mpirun.)
         config.update(distributed_type="MULTI_GPU", use_cpu=False, mixed_precision="no")

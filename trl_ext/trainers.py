@@ -9,11 +9,12 @@ import inspect
 import os
 import sys
 
+import torch
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, set_seed
 
-from . import (checkpointing, configs, elastic, hub_format, input_checks, nodes, quantization, reward_head, saving,
-               vision, weight_sync)
+from . import (checkpointing, configs, elastic, fsdp, hub_format, input_checks, nodes, quantization, reward_head,
+               saving, vision, weight_sync)
 from .runtime import check_distributed_setup
 from .verify import CheckpointError
 
@@ -44,6 +45,7 @@ class TrlExtMixin:
         check_distributed_setup(training_args)
         self._check_input(bound)
         quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
+        fsdp_checkpoints = checkpointing.fsdp_checkpoints(training_args)  # one policy: FSDP's, or ours below
         user_reentrant = checkpointing.take_user_choice(training_args)
         with self._around_trl_init(bound):
             super().__init__(*bound.args, **bound.kwargs)
@@ -63,6 +65,8 @@ class TrlExtMixin:
             if not use_reentrant:
                 checkpointing.remove_input_require_grads_hooks(self.model)  # TRL registered it for PEFT
             self.add_callback(checkpointing.CheckpointingPolicy(use_reentrant))
+        elif fsdp_checkpoints:
+            self.add_callback(checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
             saving.guard_save_pretrained(self.model)
 
@@ -123,6 +127,8 @@ class TrlExtMixin:
         conversions (fused MoE experts, renamed prefixes), which would leave them untrained (transformers#48805).
         DeepSpeed resumes from its own states and adapters are not converted: both stay with Trainer."""
         model = model if model is not None else self.model
+        if fsdp.is_fsdp2(self.accelerator):  # our Hub-format files, read by each rank for its own shards
+            return fsdp.load_checkpoint_weights(model, resume_from_checkpoint)
         if (self.is_deepspeed_enabled or self.is_fsdp_enabled or saving.is_peft_model(model)
                 or not saving.supports(model) or not hub_format.is_converted(model)):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -141,10 +147,30 @@ class TrlExtMixin:
                 return super()._load_rng_state(found)
         set_seed(self.args.seed + self.state.global_step * plan.world_size + self.args.process_index)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Under FSDP2 the optimizer states stay sharded (DCP, one part per rank) and the weights are not written a
+        second time: ``save_model`` already wrote them in the Hub's layout. Otherwise, Trainer's own."""
+        if not fsdp.is_fsdp2(self.accelerator):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from accelerate.utils import save_fsdp_optimizer
+        from transformers.trainer import SCHEDULER_NAME
+
+        with fsdp.sharded_states(self.accelerator) as plugin:
+            save_fsdp_optimizer(plugin, self.accelerator, self.optimizer, self.model, output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Trainer's, reading the sharded optimizer states written above under FSDP2."""
+        if checkpoint is None or not fsdp.is_fsdp2(self.accelerator):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        with fsdp.sharded_states(self.accelerator):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save through trl_ext's one save path (gathered, streamed, verified, committed atomically)."""
-        if self.is_fsdp_enabled or not saving.supports(self.model):
-            return super().save_model(output_dir, _internal_call)
+        if (self.is_fsdp_enabled and not self.accelerator.is_fsdp2) or not saving.supports(self.model):
+            return super().save_model(output_dir, _internal_call)  # FSDP1's flat parameters: transformers' path
         try:
             saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
                         training_args=self.args,

@@ -64,6 +64,8 @@ class RecordCheckpointing(TrainerCallback):
 def gathered_trainable(model) -> dict:
     """Full (gathered) trainable weights, on every rank."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):  # FSDP2: collective per tensor
+        return {n: p.full_tensor().detach().cpu().clone().contiguous() for n, p in params.items()}
     try:
         import deepspeed
 
@@ -139,6 +141,8 @@ def optimizer_state(optimizer) -> dict:
     state = {}  # by position: ZeRO-3 swaps its flat partitions in and out of param_groups
     for i, param_state in enumerate(innermost_optimizer(optimizer).state.values()):
         for key, value in param_state.items():
+            if isinstance(value, torch.distributed.tensor.DTensor):  # FSDP2: this rank's shard
+                value = value.to_local()
             state[f"{i}.{key}"] = torch.as_tensor(value).detach().float().cpu().reshape(-1).clone().contiguous()
     return state
 
@@ -193,8 +197,9 @@ def quantized_init_kwargs(cli) -> dict:
 
 def quantization_report(model) -> dict:
     """The 4-bit weights' storage dtype and the dtypes of the trainable and frozen floating parameters."""
-    four_bit = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
-    others = [p for p in model.parameters() if type(p).__name__ != "Params4bit"]
+    # By module: FSDP2 turns every parameter into a DTensor, Params4bit included (the layer keeps its quant_state)
+    four_bit = [m.weight for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    others = [p for p in model.parameters() if all(p is not w for w in four_bit)]
     return {
         "num_4bit": len(four_bit),
         "storage": sorted({str(p.dtype) for p in four_bit}),
@@ -277,6 +282,12 @@ def main():
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
         report["partition"] = (recorder.seen or {}).get("partition") or partition_report(trainer.model_wrapped)
+    if trainer.is_fsdp_enabled:  # FSDP2: parameters that are DTensors, those this rank holds only a part of, all
+        params = list(trainer.model.parameters())
+        dtensors = [p for p in params if isinstance(p, torch.distributed.tensor.DTensor)]
+        report["fsdp_sharded"] = [len(dtensors), sum(p.to_local().numel() < p.numel() for p in dtensors), len(params)]
+        report["fsdp_whole"] = [n for n, p in trainer.model.named_parameters()
+                                if not isinstance(p, torch.distributed.tensor.DTensor)]
     report["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     report["train_loss"] = result.training_loss
     report["global_step"] = trainer.state.global_step
