@@ -172,9 +172,11 @@ class TrlExtMixin:
         if (self.is_fsdp_enabled and not self.accelerator.is_fsdp2) or not saving.supports(self.model):
             return super().save_model(output_dir, _internal_call)  # FSDP1's flat parameters: transformers' path
         try:
+            storage = getattr(self, "_storage", None)  # several nodes: one writer per copy of output_dir
             saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
                         training_args=self.args,
-                        max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE))
+                        max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE),
+                        is_writer=storage.checkpoint_writer(self.args) if storage else None)
         except CheckpointError as exc:
             diverged = self._diverged(exc)
             if diverged is None:

@@ -1,7 +1,8 @@
 """Two nodes, simulated on one machine: two ``accelerate launch`` on loopback (``--num_machines 2 --machine_rank
 {0,1} --main_process_ip 127.0.0.1``), one process each, 2-process ZeRO-3 with LoRA.
 
-Shared storage: both nodes see one ``output_dir``. Node-local storage: each node runs in its own mount namespace
+Shared storage: both nodes see one ``output_dir`` (with ``save_on_each_node``, which must not make two writers race
+on it). Node-local storage: each node runs in its own mount namespace
 (``unshare -m``) with a private directory bind-mounted over ``output_dir``, so each sees only what its own ranks
 wrote. In each case one node's process is SIGKILLed after checkpoint-2: every process must exit in bounded time, and
 the run must then resume from checkpoint-2 and finish. Node-local storage without ``save_on_each_node`` is refused
@@ -72,7 +73,7 @@ def disks(tmp: Path, node_local: bool) -> list[Path]:
 
 @pytest.mark.parametrize("node_local", [False, True], ids=["shared", "node-local"])
 def test_two_nodes_survive_a_lost_node_and_resume(tmp_path, node_local):
-    extra = ["--save_on_each_node"] if node_local else []
+    extra = ["--save_on_each_node"]  # on shared storage too: both nodes' writers must not race on one directory
     killed, seconds = two_nodes(tmp_path, *extra, *KILL, node_local=node_local)
     output = killed[0].output + killed[1].output
     assert all(r.returncode != 0 and not r.timed_out for r in killed), output[-6000:]
