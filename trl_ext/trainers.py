@@ -106,7 +106,9 @@ class TrlExtMixin:
         """Checks once TRL's constructor has built everything."""
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
-        """Audit the checkpoint to resume from first: a damaged one is refused in one line, before anything loads."""
+        """Before Trainer's loop: on several nodes, check output_dir's storage; audit the checkpoint to resume from (a
+        damaged one is refused in one line, before anything loads); under DeepSpeed, prepare its resume on another
+        number of processes."""
         self._storage = nodes.detect(self.args)  # several nodes: is output_dir shared? (refused here if that breaks)
         nodes.check(self._storage, self.args)
         if resume_from_checkpoint:
