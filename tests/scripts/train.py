@@ -147,6 +147,30 @@ def optimizer_state(optimizer) -> dict:
     return state
 
 
+def full_optimizer_state(model) -> dict:
+    """Each trainable parameter's whole Adam state under ZeRO, by name: comparable across numbers of processes."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    state = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).detach().cpu().clone().contiguous()
+    return state
+
+
+def record_samples(trainer) -> list:
+    """The samples each micro-batch trained on, as one id per row (a hash of its tokens): the data order seen."""
+    seen, step = [], trainer.training_step
+
+    def recording_step(model, inputs, *args, **kwargs):
+        seen.append([hash(tuple(row.tolist())) for row in inputs["input_ids"]])
+        return step(model, inputs, *args, **kwargs)
+
+    trainer.training_step = recording_step
+    return seen
+
+
 PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]  # as tests/scripts/reload.py
 
 
@@ -195,6 +219,8 @@ def main():
     parser.add_argument("--grad_accum", type=int, default=1)
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: no checkpoints)")
     parser.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True (the last checkpoint)")
+    parser.add_argument("--resume_from", default=None, help="resume_from_checkpoint=PATH")
+    parser.add_argument("--save_on_each_node", action="store_true")
     parser.add_argument("--kill_at_step", type=int, default=0, help="SIGKILL every rank (or --kill_rank) at this step")
     parser.add_argument("--kill_rank", type=int, default=None)
     parser.add_argument("--kill_during_save", type=int, default=0,
@@ -228,6 +254,7 @@ def main():
         eval_steps=cli.eval_steps or None,
         per_device_eval_batch_size=2,
         save_steps=cli.save_steps or 500,
+        save_on_each_node=cli.save_on_each_node,
         report_to="none",
         seed=0,
         dataloader_num_workers=0,
@@ -250,7 +277,8 @@ def main():
               "distributed_type": trainer.accelerator.distributed_type.value}
     if args.deepspeed_plugin is not None:
         report["zero_stage"] = args.deepspeed_plugin.zero_stage
-    result = trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    seen = record_samples(trainer)
+    result = trainer.train(resume_from_checkpoint=cli.resume_from or (True if cli.resume else None))
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
         report["partition"] = (recorder.seen or {}).get("partition") or partition_report(trainer.model_wrapped)
@@ -265,7 +293,14 @@ def main():
     report["global_step"] = trainer.state.global_step
     report["log_history"] = trainer.state.log_history
     report["steps_run_here"] = counter.steps
-    if cli.save_steps or cli.resume:  # what a resume must restore: the schedule and each rank's optimizer state
+    with open(os.path.join(cli.output_dir, f"seen_rank{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump(seen, f)
+    if (cli.save_steps or cli.resume or cli.resume_from) and trainer.is_deepspeed_enabled:
+        full = full_optimizer_state(trainer.model_wrapped)  # collective: every rank gathers
+        if trainer.accelerator.is_main_process:
+            save_file(full, os.path.join(cli.output_dir, "optimizer_full.safetensors"))
+    resumes = cli.save_steps or cli.resume or cli.resume_from
+    if resumes:  # what a resume must restore: the schedule and each rank's optimizer state
         scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # under accelerate's wrapper
         report["scheduler"] = {"last_epoch": scheduler.last_epoch, "last_lr": scheduler.get_last_lr()}
         optim = optimizer_state(trainer.optimizer)
