@@ -7,12 +7,16 @@ broadcast by accelerate at the first step) to the end of that step. Prints ``BEN
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 from datasets import Dataset
 
 import trl_ext
-from bench._save_worker import PeakRSS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _save_worker import PeakRSS  # noqa: E402 - a sibling script, not a package
 
 
 def main():
