@@ -104,7 +104,8 @@ def layer_settings(model) -> dict[str, object]:
 
 
 class CheckpointingPolicy(TrainerCallback):
-    """At train start, after transformers enabled checkpointing: drop the hook, and prove every layer got the setting."""
+    """At train start, after transformers enabled checkpointing: drop the hook, and prove every layer got the
+    setting."""
 
     def __init__(self, use_reentrant: bool):
         self.use_reentrant = use_reentrant

@@ -50,7 +50,8 @@ def read_config(path: str) -> dict:
     if not isinstance(data, dict) or not data:
         raise UsageError(
             f"config file '{path}' is neither a recipe config (a YAML mapping of training options, like "
-            "recipes/configs/dpo.yaml) nor an accelerate config (with distributed_type, like accelerate_configs/zero3.yaml)."
+            "recipes/configs/dpo.yaml) nor an accelerate config (with distributed_type, like "
+            "accelerate_configs/zero3.yaml)."
         )
     return data
 

@@ -100,7 +100,8 @@ def main():
     parser.add_argument("--kill_during_save", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--iter_merged", action="store_true",
-                        help="also write trl_ext.merge.iter_merged_weights (all ranks iterate) to iter_merged.safetensors")
+                        help="also write trl_ext.merge.iter_merged_weights (all ranks iterate) to "
+                        "iter_merged.safetensors")
     parser.add_argument("--gather_whole", action="store_true", help="use the GatheredParameters path for every param")
     cli = parser.parse_args()
     out = Path(cli.output_dir)
