@@ -26,8 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.harness import launch, write_accelerate_config
+from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
 
 WORKER = Path(__file__).with_name("_overhead_worker.py")
 SETUPS = {"1proc": "1 process", "zero3": "2-process ZeRO-3"}
