@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from tests.distributed.conftest import REWARD_ALL_LINEAR_ROUNDTRIP
 from tests.distributed.test_saving import assert_reload_identically, recorded, reloaded_outputs, run
 from trl_ext.verify import audit
 
@@ -20,8 +21,8 @@ def assert_head_initialised(head: dict) -> None:
     assert 0.5 * INITIALIZER_RANGE < head["std"] < 1.5 * INITIALIZER_RANGE, head
 
 
-def test_lora_all_linear_without_task_type(tmp_path):
-    out = run(tmp_path, "zero3", "reward", "--lora_all_linear", "--save_steps", "2")
+def test_lora_all_linear_without_task_type(roundtrip):
+    out = roundtrip("zero3", "reward", *REWARD_ALL_LINEAR_ROUNDTRIP)  # shared with test_merge
     report = json.loads((out / "report.json").read_text())
     assert report["partitioned"]
     assert report["head_at_init"]["name"].endswith("score.modules_to_save.default.weight")
