@@ -15,6 +15,8 @@ from trl_ext.verify import audit
 SHORT = ["--max_steps", "4", "--eval_steps", "2", "--logging_steps", "2", "--per_device_eval_batch_size", "64"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
+pytestmark = pytest.mark.slow  # every test starts recipe processes
+
 
 def run_recipe(name, *args, timeout=300):
     cmd = [sys.executable, f"recipes/{name}.py", "--config", f"recipes/configs/{name}.yaml", *args]
@@ -54,7 +56,6 @@ ZERO3_CASES = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sft", "reward", "dpo"])
 def test_recipe_as_written_under_zero3(name, tmp_path):
     out = tmp_path / name
@@ -70,7 +71,6 @@ def test_recipe_as_written_under_zero3(name, tmp_path):
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"], states
 
 
-@pytest.mark.slow
 def test_canonical_form(tmp_path):
     out = tmp_path / "dpo"
     cmd = [*ACCELERATE, "--config_file", "accelerate_configs/zero3.yaml", "recipes/dpo.py",
@@ -126,7 +126,6 @@ def test_recipe_refuses_to_train_over_another_run(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp", "zero2", "zero2_offload", "zero3_offload"])
 def test_every_accelerate_config_trains(config, tmp_path):
     out = tmp_path / config
@@ -158,7 +157,6 @@ def test_vlm_dpo_recipe_single_process(tmp_path):
     assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
 
 
-@pytest.mark.slow
 def test_vlm_sft_recipe_as_written_under_zero3_and_its_try_it_line(tmp_path):
     out = tmp_path / "sft_vlm"
     cmd = [*ACCELERATE, "recipes/sft.py", "--config", "accelerate_configs/zero3.yaml", "--config",

@@ -35,6 +35,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(files).hexdigest()
 
 
+@pytest.mark.slow  # builds the model again in a fresh process
 def test_build_is_deterministic_on_every_cpu_instruction_set(tmp_path, vlm_path):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}  # ATen's baseline kernels: torch's own init would differ
     subprocess.run([sys.executable, "-m", "trl_ext.assets.tiny_vlm", str(tmp_path / "baseline")], env=env, check=True,
