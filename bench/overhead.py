@@ -33,7 +33,7 @@ SETUPS = {"1proc": "1 process", "zero3": "2-process ZeRO-3"}
 
 
 def run(setup: str, config: Path, worker_args: list[str]) -> dict:
-    if setup == "1proc":  # one thread, as each rank of the launched runs gets (tests/harness.py)
+    if setup == "1proc":  # one thread, as each rank of the launched runs gets (bench/_harness.py)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, str(WORKER), *worker_args], capture_output=True, text=True,
                               timeout=900, check=False, env=env)
