@@ -19,12 +19,13 @@ class SharedRuns:
     """Launch a script once per distinct argument list in this session; later calls get the first result."""
 
     def __init__(self, root: Path):
-        self.root, self.done = root, {}
+        self.root, self.done, self.started = root, {}, 0
 
     def get(self, script: str, backend: str, args: list[str], timeout: float = 300, **zero) -> Path:
         key = (script, backend, tuple(args), tuple(sorted(zero.items())))
         if key not in self.done:
-            directory = self.root / f"run{len(self.done)}"
+            directory = self.root / f"run{self.started}"  # a fresh directory even after a failed launch
+            self.started += 1
             config = write_accelerate_config(directory / "configs", backend, **zero)
             out = directory / "out"
             result = launch(SCRIPTS / script, [*args, "--output_dir", str(out)], config, timeout)
