@@ -11,8 +11,13 @@ from tests.harness import SCRIPTS, launch, write_accelerate_config
 
 # The uninterrupted runs of tests/distributed/test_reliability.py: 4 steps, a checkpoint every 2, TRL's default
 # gradient checkpointing. They also serve test_zero_training (trains under ZeRO-3, partitions) and test_checkpointing
-# (non-reentrant by default).
+# (non-reentrant by default). All five are made in one launch.
 ZERO3_TRAIN = ["--max_steps", "4", "--save_steps", "2"]
+ZERO3_CASES = [("sft", False), ("sft", True), ("reward", True), ("dpo", True), ("dpo", False)]
+
+
+def train_args(trainer: str, lora: bool, *extra: str) -> list[str]:
+    return ["--trainer", trainer, *(["--lora"] if lora else []), *extra]
 
 
 class SharedRuns:
@@ -22,17 +27,36 @@ class SharedRuns:
         self.root, self.done, self.started = root, {}, 0
 
     def get(self, script: str, backend: str, args: list[str], timeout: float = 300, **zero) -> Path:
+        """The output directory of ``script ARGS --output_dir OUT`` under ``backend``, launched on first use."""
         key = (script, backend, tuple(args), tuple(sorted(zero.items())))
         if key not in self.done:
-            directory = self.root / f"run{self.started}"  # a fresh directory even after a failed launch
-            self.started += 1
-            config = write_accelerate_config(directory / "configs", backend, **zero)
+            directory = self._directory()
             out = directory / "out"
-            result = launch(SCRIPTS / script, [*args, "--output_dir", str(out)], config, timeout)
-            assert not result.timed_out, f"launch timed out after {timeout}s:\n{result.output[-4000:]}"
-            assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.output[-6000:]}"
+            self._launch(script, [*args, "--output_dir", str(out)], directory, backend, timeout, **zero)
             self.done[key] = out
         return self.done[key]
+
+    def train_many(self, backend: str, runs: list[list[str]], timeout: float = 600) -> None:
+        """Make the ``train.py`` runs not made yet in one launch (``train_many.py``); ``get`` then finds them."""
+        todo = [args for args in runs if ("train.py", backend, tuple(args), ()) not in self.done]
+        if not todo:
+            return
+        directory = self._directory()
+        outs = [directory / f"out{i}" for i in range(len(todo))]
+        argvs = [[*args, "--output_dir", str(out)] for args, out in zip(todo, outs)]
+        self._launch("train_many.py", [json.dumps(argvs)], directory, backend, timeout)
+        for args, out in zip(todo, outs):
+            self.done["train.py", backend, tuple(args), ()] = out
+
+    def _directory(self) -> Path:
+        self.started += 1  # a fresh directory even after a failed launch
+        return self.root / f"run{self.started}"
+
+    def _launch(self, script: str, args: list[str], directory: Path, backend: str, timeout: float, **zero) -> None:
+        config = write_accelerate_config(directory / "configs", backend, **zero)
+        result = launch(SCRIPTS / script, args, config, timeout)
+        assert not result.timed_out, f"launch timed out after {timeout}s:\n{result.output[-4000:]}"
+        assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.output[-6000:]}"
 
 
 @pytest.fixture(scope="session")
@@ -45,8 +69,8 @@ def zero3_run(shared_runs):
     """``zero3_run(trainer, lora)``: the output directory and rank 0's report of ``train.py`` under ZeRO-3."""
 
     def run(trainer: str, lora: bool) -> tuple[Path, dict]:
-        args = ["--trainer", trainer, *ZERO3_TRAIN, *(["--lora"] if lora else [])]
-        out = shared_runs.get("train.py", "zero3", args)
+        shared_runs.train_many("zero3", [train_args(*case, *ZERO3_TRAIN) for case in ZERO3_CASES])
+        out = shared_runs.get("train.py", "zero3", train_args(trainer, lora, *ZERO3_TRAIN))
         return out, json.loads((out / "report_rank0.json").read_text())
 
     return run

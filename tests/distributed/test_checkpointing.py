@@ -1,7 +1,7 @@
 """Non-reentrant gradient checkpointing under 2-process ZeRO-3 with LoRA (parameters partitioned).
 
 The default setting is read from the shared ZeRO-3 runs (``zero3_run``, tests/distributed/conftest.py); the three
-explicit settings are trained once per trainer and serve both the equivalence test and the reentrant one.
+explicit settings are trained in one launch and serve both the equivalence test and the reentrant one.
 """
 
 import json
@@ -23,11 +23,14 @@ def assert_partitioned(report: dict) -> None:
 def gc_runs(shared_runs):
     """``gc_runs(trainer)``: {mode: (report, trained weights)} for the explicit settings, 3 steps of 2 micro-batches."""
 
+    def args(trainer: str, gc: str) -> list[str]:
+        return ["--trainer", trainer, "--lora", "--gc", gc, "--grad_accum", "2", "--max_steps", "3"]
+
     def runs(trainer: str) -> dict:
+        shared_runs.train_many("zero3", [args(t, gc) for t in ("sft", "dpo") for gc in GC_MODES])
         found = {}
         for gc in GC_MODES:
-            args = ["--trainer", trainer, "--lora", "--gc", gc, "--grad_accum", "2", "--max_steps", "3"]
-            out = shared_runs.get("train.py", "zero3", args)
+            out = shared_runs.get("train.py", "zero3", args(trainer, gc))
             report = json.loads((out / "report_rank0.json").read_text())
             assert_partitioned(report)
             found[gc] = report, load_file(out / "trained.safetensors")

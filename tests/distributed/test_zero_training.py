@@ -1,7 +1,7 @@
 """Each trainer trains a few steps on 2 CPU processes under real DeepSpeed ZeRO-2 and ZeRO-3.
 
 The ZeRO-3 runs are the shared uninterrupted runs of test_reliability (``zero3_run``, tests/distributed/conftest.py);
-the ZeRO-2 runs are made once here and serve two tests.
+the ZeRO-2 runs are made here in one launch and serve two tests.
 """
 
 import json
@@ -9,20 +9,21 @@ import math
 
 import pytest
 
-from tests.distributed.conftest import ZERO3_TRAIN
+from tests.distributed.conftest import ZERO3_CASES, ZERO3_TRAIN, train_args
 from tests.harness import run_training
 
 pytestmark = pytest.mark.slow
 
 # (trainer, LoRA?) pairs: every trainer under both stages; LoRA and full fine-tuning both covered.
-CASES = [("sft", False), ("sft", True), ("reward", True), ("dpo", True), ("dpo", False)]
+CASES = ZERO3_CASES
 IDS = [f"{t}-{'lora' if lora else 'full'}" for t, lora in CASES]
 
 
 @pytest.fixture(scope="module")
 def zero2_run(shared_runs):
     def run(trainer: str, lora: bool) -> dict:
-        out = shared_runs.get("train.py", "zero2", ["--trainer", trainer, *(["--lora"] if lora else [])])
+        shared_runs.train_many("zero2", [train_args(*case) for case in CASES])
+        out = shared_runs.get("train.py", "zero2", train_args(trainer, lora))
         return json.loads((out / "report_rank0.json").read_text())
 
     return run
