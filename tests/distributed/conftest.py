@@ -36,17 +36,18 @@ class SharedRuns:
             self.done[key] = out
         return self.done[key]
 
-    def train_many(self, backend: str, runs: list[list[str]], timeout: float = 600) -> None:
-        """Make the ``train.py`` runs not made yet in one launch (``train_many.py``); ``get`` then finds them."""
-        todo = [args for args in runs if ("train.py", backend, tuple(args), ()) not in self.done]
+    def many(self, script: str, backend: str, runs: list[list[str]], timeout: float = 600) -> None:
+        """Make those of ``runs`` (argument lists of ``script``) not made yet in one launch (``run_many.py``);
+        ``get`` then finds them."""
+        todo = [args for args in runs if (script, backend, tuple(args), ()) not in self.done]
         if not todo:
             return
         directory = self._directory()
         outs = [directory / f"out{i}" for i in range(len(todo))]
         argvs = [[*args, "--output_dir", str(out)] for args, out in zip(todo, outs)]
-        self._launch("train_many.py", [json.dumps(argvs)], directory, backend, timeout)
+        self._launch("run_many.py", [script, json.dumps(argvs)], directory, backend, timeout)
         for args, out in zip(todo, outs):
-            self.done["train.py", backend, tuple(args), ()] = out
+            self.done[script, backend, tuple(args), ()] = out
 
     def _directory(self) -> Path:
         self.started += 1  # a fresh directory even after a failed launch
@@ -69,7 +70,7 @@ def zero3_run(shared_runs):
     """``zero3_run(trainer, lora)``: the output directory and rank 0's report of ``train.py`` under ZeRO-3."""
 
     def run(trainer: str, lora: bool) -> tuple[Path, dict]:
-        shared_runs.train_many("zero3", [train_args(*case, *ZERO3_TRAIN) for case in ZERO3_CASES])
+        shared_runs.many("train.py", "zero3", [train_args(*case, *ZERO3_TRAIN) for case in ZERO3_CASES])
         out = shared_runs.get("train.py", "zero3", train_args(trainer, lora, *ZERO3_TRAIN))
         return out, json.loads((out / "report_rank0.json").read_text())
 
@@ -81,6 +82,8 @@ def roundtrip(shared_runs):
     """``roundtrip(backend, trainer, *args, **zero)``: the output directory of ``save_roundtrip.py``."""
 
     def run(backend: str, trainer: str, *args: str, **zero) -> Path:
+        if backend == "zero3" and not zero:
+            shared_runs.many("save_roundtrip.py", "zero3", [["--trainer", t, *a] for t, a in ROUNDTRIP_ZERO3])
         return shared_runs.get("save_roundtrip.py", backend, ["--trainer", trainer, *args], **zero)
 
     return run
@@ -90,3 +93,7 @@ def roundtrip(shared_runs):
 # test_merge (a reward model with the report-F2 PEFT config: LoRA on all linear layers, no task_type).
 SFT_LORA_ROUNDTRIP = ["--lora", "--save_steps", "2", "--iter_merged"]
 REWARD_ALL_LINEAR_ROUNDTRIP = ["--lora_all_linear", "--save_steps", "2", "--iter_merged"]
+# The save_roundtrip.py runs under ZeRO-3 with the default DeepSpeed config, made in one launch: (trainer, args).
+ROUNDTRIP_ZERO3 = [("sft", SFT_LORA_ROUNDTRIP), ("dpo", ["--lora"]),
+                   ("sft", ["--save_steps", "2", "--max_shard_size", "100KB"]),
+                   ("reward", REWARD_ALL_LINEAR_ROUNDTRIP), ("reward", [])]

@@ -27,7 +27,7 @@ def gc_runs(shared_runs):
         return ["--trainer", trainer, "--lora", "--gc", gc, "--grad_accum", "2", "--max_steps", "3"]
 
     def runs(trainer: str) -> dict:
-        shared_runs.train_many("zero3", [args(t, gc) for t in ("sft", "dpo") for gc in GC_MODES])
+        shared_runs.many("train.py", "zero3", [args(t, gc) for t in ("sft", "dpo") for gc in GC_MODES])
         found = {}
         for gc in GC_MODES:
             out = shared_runs.get("train.py", "zero3", args(trainer, gc))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.distributed.conftest import REWARD_ALL_LINEAR_ROUNDTRIP
-from tests.distributed.test_saving import assert_reload_identically, recorded, reloaded_outputs, run
+from tests.distributed.test_saving import assert_reload_identically, recorded, reloaded_outputs
 from trl_ext.verify import audit
 
 pytestmark = pytest.mark.slow
@@ -36,8 +36,8 @@ def test_lora_all_linear_without_task_type(roundtrip):
     assert torch.allclose(auto, recorded(out, "final"), atol=1e-5, rtol=0)
 
 
-def test_full_fine_tune(tmp_path):
-    out = run(tmp_path, "zero3", "reward")
+def test_full_fine_tune(roundtrip):
+    out = roundtrip("zero3", "reward")
     report = json.loads((out / "report.json").read_text())
     assert report["head_at_init"]["partitioned"], "zero.Init did not partition the head: the test proves nothing"
     assert_head_initialised(report["head_at_init"])

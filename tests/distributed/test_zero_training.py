@@ -22,7 +22,7 @@ IDS = [f"{t}-{'lora' if lora else 'full'}" for t, lora in CASES]
 @pytest.fixture(scope="module")
 def zero2_run(shared_runs):
     def run(trainer: str, lora: bool) -> dict:
-        shared_runs.train_many("zero2", [train_args(*case) for case in CASES])
+        shared_runs.many("train.py", "zero2", [train_args(*case) for case in CASES])
         out = shared_runs.get("train.py", "zero2", train_args(trainer, lora))
         return json.loads((out / "report_rank0.json").read_text())
 
