@@ -2,8 +2,8 @@
 models.
 
 Usage (under ``accelerate launch``, see ``tests/harness.py``): ``run_many.py SCRIPT ARGS_JSON``, where SCRIPT is
-``train.py`` or ``save_roundtrip.py`` and ARGS_JSON a JSON list of its argument lists. For plain runs only: the
-scripts' fault options (kills, failing writes, the gather-whole switch) patch the process for good.
+``train.py``, ``save_roundtrip.py`` or ``vlm_train.py`` and ARGS_JSON a JSON list of its argument lists. For plain
+runs only: the scripts' fault options (kills, failing writes, the gather-whole switch) patch the process for good.
 """
 
 import importlib
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from accelerate.state import AcceleratorState, GradientState
 
-PATCHING = ("--kill_at_step", "--kill_during_save", "--fail_save", "--gather_whole")
+PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--fail_save", "--gather_whole")
 
 if __name__ == "__main__":
     script = importlib.import_module(Path(sys.argv[1]).stem)  # beside this file, on sys.path
