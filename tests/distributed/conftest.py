@@ -15,6 +15,15 @@ from tests.harness import SCRIPTS, launch, write_accelerate_config
 ZERO3_TRAIN = ["--max_steps", "4", "--save_steps", "2"]
 ZERO3_CASES = [("sft", False), ("sft", True), ("reward", True), ("dpo", True), ("dpo", False)]
 
+# save_roundtrip.py runs that serve two modules each: test_saving and test_merge (SFT, LoRA), test_reward_head and
+# test_merge (a reward model with the report-F2 PEFT config: LoRA on all linear layers, no task_type).
+SFT_LORA_ROUNDTRIP = ["--lora", "--save_steps", "2", "--iter_merged"]
+REWARD_ALL_LINEAR_ROUNDTRIP = ["--lora_all_linear", "--save_steps", "2", "--iter_merged"]
+# The save_roundtrip.py runs under ZeRO-3 with the default DeepSpeed config, made in one launch: (trainer, args).
+ROUNDTRIP_ZERO3 = [("sft", SFT_LORA_ROUNDTRIP), ("dpo", ["--lora"]),
+                   ("sft", ["--save_steps", "2", "--max_shard_size", "100KB"]),
+                   ("reward", REWARD_ALL_LINEAR_ROUNDTRIP), ("reward", [])]
+
 
 def train_args(trainer: str, lora: bool, *extra: str) -> list[str]:
     return ["--trainer", trainer, *(["--lora"] if lora else []), *extra]
@@ -88,12 +97,3 @@ def roundtrip(shared_runs):
 
     return run
 
-
-# save_roundtrip.py runs that serve two modules each: test_saving and test_merge (SFT, LoRA), test_reward_head and
-# test_merge (a reward model with the report-F2 PEFT config: LoRA on all linear layers, no task_type).
-SFT_LORA_ROUNDTRIP = ["--lora", "--save_steps", "2", "--iter_merged"]
-REWARD_ALL_LINEAR_ROUNDTRIP = ["--lora_all_linear", "--save_steps", "2", "--iter_merged"]
-# The save_roundtrip.py runs under ZeRO-3 with the default DeepSpeed config, made in one launch: (trainer, args).
-ROUNDTRIP_ZERO3 = [("sft", SFT_LORA_ROUNDTRIP), ("dpo", ["--lora"]),
-                   ("sft", ["--save_steps", "2", "--max_shard_size", "100KB"]),
-                   ("reward", REWARD_ALL_LINEAR_ROUNDTRIP), ("reward", [])]
