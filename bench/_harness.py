@@ -53,7 +53,7 @@ def write_accelerate_config(directory: Path, backend: str, num_processes: int = 
 
     Args:
         directory: where the files go (created if missing).
-        backend: "ddp", "zero2" or "zero3".
+        backend: "ddp", "zero2", "zero3" or "fsdp2" (the repository's accelerate_configs/fsdp2.yaml).
         num_processes: processes to start.
         **zero_overrides: extra ``zero_optimization`` settings for the DeepSpeed backends.
 
@@ -70,7 +70,10 @@ def write_accelerate_config(directory: Path, backend: str, num_processes: int = 
         "rdzv_backend": "static",
         "same_network": True,
     }
-    if backend == "ddp":
+    if backend == "fsdp2":  # the repository's own config, as users run it
+        config.update(yaml.safe_load((REPO / "accelerate_configs" / "fsdp2.yaml").read_text()),
+                      num_processes=num_processes)
+    elif backend == "ddp":
         # MULTI_GPU makes accelerate start one process per rank (torchrun); without a GPU trl_ext picks gloo.
         # (MULTI_CPU would need mpirun.)
         config.update(distributed_type="MULTI_GPU", use_cpu=False, mixed_precision="no")

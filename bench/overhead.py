@@ -1,6 +1,6 @@
 """trl_ext's trainers vs TRL's on the same LoRA workload: steady-state step time, in one run.
 
-    python bench/overhead.py [--repeats 2] [--steps 30] [--trainers sft reward dpo] [--setups 1proc zero3]
+    python bench/overhead.py [--repeats 2] [--steps 30] [--trainers sft reward dpo] [--setups 1proc zero3 fsdp2]
     python bench/overhead.py --count_calls    # the Python calls of two steps, TRL vs trl_ext, function by function
     python bench/overhead.py --control --setups 1proc    # A/A: TRL against TRL in the same pairing (its own bias)
 
@@ -10,10 +10,12 @@ per process. A step is a whole loop iteration (forward, backward, optimizer, cal
 - 1 process: each run holds a TRL trainer and a trl_ext trainer that take turns step by step (threads passing a
   baton; who starts alternates between repeats), so every trl_ext step has a TRL step beside it under the same
   machine load. Ratio: median over all steps of (trl_ext step / its paired TRL step), and the ratio of the medians.
-- 2-process ZeRO-3 on CPU (`stage3_param_persistence_threshold: 0`): two DeepSpeed engines in one process are not a
-  supported setup, so runs alternate TRL / trl_ext with the order flipped every repeat (TRL, trl_ext, trl_ext, TRL,
-  ...). Each run's step time is the median of its steps; ratio: median of the per-repeat ratios, and the ratio of
-  the medians. Whole runs see different load on a shared machine: this setup needs many repeats there.
+- 2-process ZeRO-3 on CPU (`stage3_param_persistence_threshold: 0`), and 2-process FSDP2 (accelerate_configs/
+  fsdp2.yaml; the worker builds TRL's trainer from trl_ext's config too, so both get FSDP on CPU): two engines in
+  one process are not a supported setup, so runs alternate TRL / trl_ext with the order flipped every repeat (TRL,
+  trl_ext, trl_ext, TRL, ...). Each run's step time is the median of its steps; ratio: median of the per-repeat
+  ratios, and the ratio of the medians. Whole runs see different load on a shared machine: this setup needs many
+  repeats there.
 The first 4 steps of every run are skipped.
 """
 
@@ -29,17 +31,17 @@ from pathlib import Path
 from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
 
 WORKER = Path(__file__).with_name("_overhead_worker.py")
-SETUPS = {"1proc": "1 process", "zero3": "2-process ZeRO-3"}
+SETUPS = {"1proc": "1 process", "zero3": "2-process ZeRO-3", "fsdp2": "2-process FSDP2"}
 
 
-def run(setup: str, config: Path, worker_args: list[str]) -> dict:
+def run(setup: str, configs: dict[str, Path], worker_args: list[str]) -> dict:
     if setup == "1proc":  # one thread, as each rank of the launched runs gets (bench/_harness.py)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, str(WORKER), *worker_args], capture_output=True, text=True,
                               timeout=900, check=False, env=env)
         code, output = done.returncode, done.stdout + done.stderr
     else:
-        result = launch(WORKER, worker_args, config, timeout=900)
+        result = launch(WORKER, worker_args, configs[setup], timeout=900)
         code, output = result.returncode, result.output
     lines = [line for line in output.splitlines() if line.startswith("BENCH ")]
     if code != 0 or not lines:
@@ -51,11 +53,11 @@ def load() -> str:
     return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def count_calls(cli, config: Path) -> None:
+def count_calls(cli, configs: dict[str, Path]) -> None:
     """The work of a step, function by function: every Python call in steps 5 and 6, TRL's trainer vs trl_ext's."""
     for setup in cli.setups:
         for trainer in cli.trainers:
-            calls = {impl: run(setup, config, ["--impl", impl, "--trainer", trainer, "--steps", "8", "--warmup", "0",
+            calls = {impl: run(setup, configs, ["--impl", impl, "--trainer", trainer, "--steps", "8", "--warmup", "0",
                                                "--count_calls"])["calls"] for impl in ("trl", "trl_ext")}
             differ = {name: calls["trl_ext"].get(name, 0) - calls["trl"].get(name, 0)
                       for name in set(calls["trl"]) | set(calls["trl_ext"])}
@@ -79,12 +81,13 @@ def main():
                         help="instead of timing: compare the Python calls of two steps, TRL vs trl_ext")
     cli = parser.parse_args()
 
-    config = write_accelerate_config(Path(tempfile.mkdtemp(prefix="bench-overhead-")), "zero3")
+    work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    configs = {setup: write_accelerate_config(work / setup, setup) for setup in ("zero3", "fsdp2")}
     print(f"start: {load()} on {os.cpu_count()} CPUs", flush=True)
     if cli.control:
         print("A/A control: the 'trl_ext' column runs TRL's trainer too; a ratio away from 1.00 is the harness's bias")
     if cli.count_calls:
-        return count_calls(cli, config)
+        return count_calls(cli, configs)
     rows = []
     for setup in cli.setups:
         for trainer in cli.trainers:
@@ -92,7 +95,7 @@ def main():
                 trl_steps, ours_steps = [], []
                 for repeat in range(cli.repeats):
                     first = "trl" if repeat % 2 == 0 else "trl_ext"
-                    times = run(setup, config, ["--impl", "both", "--trainer", trainer, "--steps", str(cli.steps),
+                    times = run(setup, configs, ["--impl", "both", "--trainer", trainer, "--steps", str(cli.steps),
                                                 "--first", first, *(["--control"] if cli.control else [])])
                     trl_steps += times["times"]["trl"]
                     ours_steps += times["times"]["trl_ext"]
@@ -103,7 +106,7 @@ def main():
                 for repeat in range(cli.repeats):
                     for impl in ["trl", "trl_ext"] if repeat % 2 == 0 else ["trl_ext", "trl"]:
                         args = ["--impl", impl, "--trainer", trainer, "--steps", str(max(cli.steps // 2, 8))]
-                        step = statistics.median(run(setup, config, args)["times"][impl])
+                        step = statistics.median(run(setup, configs, args)["times"][impl])
                         (trl_steps if impl == "trl" else ours_steps).append(step)
                 paired = [o / t for o, t in zip(ours_steps, trl_steps)]
                 runs = (f"runs: TRL {', '.join(f'{t:.3f}' for t in trl_steps)}; "

@@ -1,13 +1,15 @@
 """Saving a full model under 2-process ZeRO-3 on CPU: trl_ext's save path vs transformers' Trainer.save_model.
 
-    python bench/save.py [--repeats 2] [--layers 12] [--moe]
+    python bench/save.py [--repeats 2] [--layers 12] [--moe] [--fsdp2]
 
 The model is a random Llama with hidden 768, 12 layers and a 32k vocabulary (134M parameters, 537 MB in fp32), in
 the embedded model's format. Both sides train one step under ZeRO-3 (gather flag on, as transformers' path needs)
 and then save with shards of a quarter of the model. Runs alternate (transformers, trl_ext, ...); medians shown.
 Memory: rank 0's peak RSS growth during the save, over its level just before it. With ``--moe``, a Qwen3-MoE
 (hidden 512, 32 experts per layer, 581 MB for 4 layers) whose fused experts both sides convert back to the Hub's
-per-expert tensors: trl_ext one layer's experts at a time.
+per-expert tensors: trl_ext one layer's experts at a time. With ``--fsdp2``, under 2-process FSDP2
+(accelerate_configs/fsdp2.yaml with ``fsdp_state_dict_type: FULL_STATE_DICT``, what transformers needs to write
+loadable weights): trl_ext streams the DTensor shards, transformers gathers the full state dict on rank 0.
 """
 
 import argparse
@@ -56,6 +58,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE, whose experts are converted on save")
+    parser.add_argument("--fsdp2", action="store_true", help="under FSDP2 instead of DeepSpeed ZeRO-3")
     cli = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-save-"))
@@ -64,7 +67,9 @@ def main():
     print(f"model: {model_bytes / 1e6:.0f} MB; max_shard_size {shard}"
           + (f"; largest converted group (one layer's experts) {group_bytes / 2**20:.0f} MiB" if cli.moe else ""),
           flush=True)
-    config = write_accelerate_config(work / "configs", "zero3")
+    config = write_accelerate_config(work / "configs", "fsdp2" if cli.fsdp2 else "zero3")
+    if cli.fsdp2:  # transformers writes loadable weights under FSDP only from a full state dict
+        config.write_text(config.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
     worker = Path(__file__).with_name("_save_worker.py")
     results = {impl: [] for impl in IMPLS}
     for repeat in range(cli.repeats):

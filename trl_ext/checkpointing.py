@@ -8,6 +8,7 @@ parameters during the recompute ("CheckpointError: Recomputed values ... have di
 
 import functools
 import inspect
+import os
 
 from transformers import PreTrainedModel, TrainerCallback
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -32,6 +33,47 @@ def deepspeed_keeps_frozen_params_on_recompute() -> bool:
         from packaging.version import Version
 
         return Version(deepspeed.__version__) >= Version(DEEPSPEED_FIX_VERSION)
+
+
+def fsdp_checkpoints(args) -> bool:
+    """True when FSDP's own activation checkpointing is on (``fsdp_activation_checkpointing`` in the accelerate
+    config, or ``fsdp_config["activation_checkpointing"]``). It wraps each decoder layer non-reentrantly; ours is then
+    turned off, with a notice, so that no layer is checkpointed twice (Trainer would refuse the pair outright)."""
+    from accelerate.utils import str_to_bool
+
+    from_launcher = str_to_bool(os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false"))
+    from_args = bool((getattr(args, "fsdp_config", None) or {}).get("activation_checkpointing"))
+    if not (from_launcher or from_args) or not (args.fsdp or os.environ.get("ACCELERATE_USE_FSDP") == "true"):
+        return False
+    if args.activation_checkpointing:
+        args.activation_checkpointing = args.gradient_checkpointing = False
+        notice("FSDP's activation checkpointing is on (fsdp_activation_checkpointing): it checkpoints every decoder "
+               "layer, non-reentrant, so gradient_checkpointing is turned off to avoid checkpointing twice.")
+    return True
+
+
+def fsdp_checkpointed_layers(model) -> tuple[int, int]:
+    """``(decoder layers inside a non-reentrant CheckpointWrapper, decoder layers)``, as FSDP's checkpointing left
+    them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+
+    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules()
+               if isinstance(m, CheckpointWrapper) and m.checkpoint_impl == CheckpointImpl.NO_REENTRANT}
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return sum(id(m) in wrapped for m in layers), len(layers)
+
+
+class FsdpCheckpointingCheck(TrainerCallback):
+    """At train start: every decoder layer is checkpointed once, by FSDP, non-reentrant."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            return
+        wrapped, layers = fsdp_checkpointed_layers(model)
+        if not layers or wrapped != layers or layer_settings(model):
+            raise RuntimeError(
+                f"FSDP activation checkpointing should wrap every decoder layer non-reentrantly, once: {wrapped} of "
+                f"{layers} layers are wrapped, {len(layer_settings(model))} also use transformers' checkpointing.")
 
 
 def take_user_choice(args):

@@ -6,9 +6,16 @@ shape is ``param.ds_shape``. ``stream`` sends each parameter's parts to the writ
 so the writer never holds more than one chunk of a parameter, whatever its size. Parameters whose parts are not
 plain tensors in memory (NVMe offload, quantized weights, partition groups smaller than the world) are gathered
 whole with DeepSpeed's ``GatheredParameters``, one module at a time.
+
+Under FSDP2 each parameter is a ``DTensor``: with the usual ``Shard(0)`` placement on a one-dimensional mesh, rank
+``r`` holds the ``r``-th ``torch.chunk`` of its rows (``to_local()``), the full shape is ``tensor.shape``, and the
+local shards in rank order are the full tensor, so they are streamed the same way. Other placements (HSDP's 2-D
+meshes, say) are gathered whole with ``full_tensor()``, one tensor at a time.
 """
 
 import contextlib
+import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -23,23 +30,35 @@ class Sink(Protocol):
     def end(self) -> None: ...
 
 
-def is_partitioned(tensor: torch.Tensor) -> bool:
+def is_zero3(tensor: torch.Tensor) -> bool:
     """A ZeRO-3 parameter (whether or not it is currently gathered)."""
     return hasattr(tensor, "ds_id")
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """A DTensor: an FSDP2 parameter (sharded across ranks) or any other distributed tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def is_partitioned(tensor: torch.Tensor) -> bool:
+    """A tensor whose contents are spread over the ranks (ZeRO-3 or FSDP2): reading it takes every rank."""
+    return is_zero3(tensor) or is_dtensor(tensor)
+
+
 def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    return tuple(tensor.ds_shape) if is_partitioned(tensor) else tuple(tensor.shape)
+    return tuple(tensor.ds_shape) if is_zero3(tensor) else tuple(tensor.shape)  # a DTensor's shape is the global one
 
 
 def has_partitioned_params(model: torch.nn.Module) -> bool:
     """True if some parameter is currently a ZeRO-3 placeholder (saving it as-is would write empty tensors)."""
     first = next(model.parameters(), None)
-    if first is None or not is_partitioned(first):
+    if first is None or not is_zero3(first):
         # ZeRO-3 partitions the whole model (zero.Init, then deepspeed.initialize for parameters added later), so
         # a model whose first parameter is whole has none partitioned; this skips walking a large module tree.
         return False
-    return any(is_partitioned(p) and p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())
+    return any(is_zero3(p) and p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())
 
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -54,6 +73,12 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _streamable(param, world: int) -> bool:
+    if is_dtensor(param):
+        from torch.distributed.tensor import Shard
+
+        mesh = param.device_mesh  # one shard per global rank, in rank order
+        return (mesh.ndim == 1 and mesh.mesh.tolist() == list(range(world)) and param.ndim > 0
+                and tuple(param.placements) == (Shard(0),))
     part = getattr(param, "ds_tensor", None)
     return (
         part is not None
@@ -66,18 +91,28 @@ def _streamable(param, world: int) -> bool:
 def _comm_device() -> torch.device:
     if dist.get_backend() == "gloo":
         return torch.device("cpu")
-    from deepspeed.accelerator import get_accelerator
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
-    return torch.device(get_accelerator().current_device_name())
+
+def _local_part(param, world: int) -> tuple[torch.Tensor, Callable[[int], int]]:
+    """This rank's part of ``param``, flattened, and how many of its elements each rank holds (padding excluded)."""
+    if is_dtensor(param):
+        rows = param.shape[0]
+        per_row = math.prod(param.shape[1:])
+        chunk = -(-rows // world)  # torch.chunk's split, which FSDP2 shards by
+        return param.to_local().detach().reshape(-1), lambda r: max(0, min(chunk, rows - r * chunk)) * per_row
+    part = param.ds_tensor.data.reshape(-1)
+    size = part.numel()
+    return part, lambda r: max(0, min(size, param.ds_numel - r * size))  # the last parts carry padding
 
 
 def _stream_partitions(param, sink: Sink | None, writer: int, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    part = param.ds_tensor.data.reshape(-1)
-    size = part.numel()
+    part, owned_by = _local_part(param, world)
     chunk = max(1, CHUNK_BYTES // part.element_size())
     for r in range(world):
-        owned = max(0, min(size, param.ds_numel - r * size))  # the last parts carry padding, not weights
+        owned = owned_by(r)
         for start in range(0, owned, chunk):
             n = min(chunk, owned - start)
             if r == writer:
@@ -95,7 +130,7 @@ def _stream_partitions(param, sink: Sink | None, writer: int, device: torch.devi
 @contextlib.contextmanager
 def gathered(tensors: list[torch.Tensor]):
     """Whole ZeRO-3 parameters among ``tensors`` inside the block, on every rank (call it on every rank)."""
-    params = [t for t in tensors if is_partitioned(t)]
+    params = [t for t in tensors if is_zero3(t)]
     if not params:
         yield
         return
@@ -146,6 +181,11 @@ def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective:
 
 
 def _gather_and_write(group: list[tuple[str, torch.Tensor]], sink: Sink | None) -> None:
-    if group:
-        with gathered([t for _, t in group]):
-            _write_whole(group, sink)
+    if not group:
+        return
+    if any(is_dtensor(t) for _, t in group):  # a collective per tensor; only the writers keep the result
+        for name, tensor in group:
+            _write_whole([(name, tensor.full_tensor() if is_dtensor(tensor) else tensor)], sink)
+        return
+    with gathered([t for _, t in group]):
+        _write_whole(group, sink)

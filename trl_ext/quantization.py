@@ -20,6 +20,7 @@ import importlib.util
 
 import torch
 
+from . import fsdp
 from .runtime import notice
 
 MIN_BITSANDBYTES = "0.46"  # first release with a CPU backend; pyproject's ``qlora`` extra pins it
@@ -99,8 +100,23 @@ def _check_combination(args, *, eight_bit: bool, device_map, has_adapter: bool) 
         _refuse("a quantized model cannot be trained whole: pass peft_config=LoraConfig(...) to train an adapter.")
 
 
-def _storage_for(args, storage: torch.dtype) -> torch.dtype:
-    """The 4-bit storage dtype that works under the active DeepSpeed stage (``storage`` when it already does)."""
+def _fsdp_dtype(args, config) -> torch.dtype:
+    """The dtype of the model's other weights under FSDP: the model's load dtype, else the 4-bit compute dtype."""
+    init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
+    dtype = init_kwargs.get("dtype", init_kwargs.get("torch_dtype"))
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else (config.bnb_4bit_compute_dtype or torch.float32)
+
+
+def _storage_for(args, storage: torch.dtype, config=None) -> torch.dtype:
+    """The 4-bit storage dtype that works under the active DeepSpeed stage or FSDP (``storage`` when it already does).
+
+    FSDP all-gathers each layer's parameters as one flat buffer of one dtype, so the packed 4-bit weights are stored in
+    the dtype of the others (PEFT's FSDP-QLoRA recipe: ``bnb_4bit_quant_storage`` = the model's dtype).
+    """
+    if fsdp.requested(args):
+        return _fsdp_dtype(args, config)
     stage = zero_stage(args)
     if stage is None:
         return storage
@@ -132,11 +148,13 @@ def prepare(args, bound) -> None:
                        has_adapter=has_adapter)
 
     if config.load_in_4bit:
-        storage = _storage_for(args, config.bnb_4bit_quant_storage)
+        storage = _storage_for(args, config.bnb_4bit_quant_storage, config)
         if storage != config.bnb_4bit_quant_storage:
-            notice(f"QLoRA under DeepSpeed ZeRO-{zero_stage(args)}: storing the 4-bit weights as {_dtype_name(storage)}"
-                   f" (bnb_4bit_quant_storage, was {_dtype_name(config.bnb_4bit_quant_storage)}), the dtype DeepSpeed "
-                   "trains in, so it partitions and casts them like every other parameter.")
+            engine = "FSDP" if fsdp.requested(args) else f"DeepSpeed ZeRO-{zero_stage(args)}"
+            notice(f"QLoRA under {engine}: storing the 4-bit weights as {_dtype_name(storage)} "
+                   f"(bnb_4bit_quant_storage, was {_dtype_name(config.bnb_4bit_quant_storage)}), "
+                   f"the dtype {engine.split()[0]} trains the other weights in, so it shards and casts them like every "
+                   "other parameter.")
             config = copy.deepcopy(config)
             config.bnb_4bit_quant_storage = storage
     if config is not given:  # a dict became a BitsAndBytesConfig, or the storage changed

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
+from . import fsdp
+
 logger = logging.getLogger("trl_ext")
 
 
@@ -74,6 +76,8 @@ def adapt_to_hardware(args) -> None:
             # Without a GPU, accelerate sets up data parallelism only when told it runs on CPU (MULTI_CPU); otherwise
             # every rank trains alone on all the data. Under DeepSpeed this must stay unset: transformers would skip it.
             os.environ["ACCELERATE_USE_CPU"] = "true"
+        if fsdp.requested(args):
+            fsdp.allow_on_cpu()
 
 
 def _disable_in_launcher_configs(args, unsupported: set[str]) -> list[str]:

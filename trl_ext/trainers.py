@@ -9,10 +9,24 @@ import inspect
 import os
 import sys
 
+import torch
 import trl
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, set_seed
 
-from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving, vision, weight_sync
+from . import (
+    checkpointing,
+    configs,
+    elastic,
+    fsdp,
+    hub_format,
+    input_checks,
+    nodes,
+    quantization,
+    reward_head,
+    saving,
+    vision,
+    weight_sync,
+)
 from .runtime import check_distributed_setup
 from .verify import CheckpointError
 
@@ -43,6 +57,7 @@ class TrlExtMixin:
         check_distributed_setup(training_args)
         self._check_input(bound)
         quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
+        fsdp_checkpoints = checkpointing.fsdp_checkpoints(training_args)  # one policy: FSDP's, or ours below
         user_reentrant = checkpointing.take_user_choice(training_args)
         with self._around_trl_init(bound):
             super().__init__(*bound.args, **bound.kwargs)
@@ -62,6 +77,8 @@ class TrlExtMixin:
             if not use_reentrant:
                 checkpointing.remove_input_require_grads_hooks(self.model)  # TRL registered it for PEFT
             self.add_callback(checkpointing.CheckpointingPolicy(use_reentrant))
+        elif fsdp_checkpoints:
+            self.add_callback(checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
             saving.guard_save_pretrained(self.model)
 
@@ -101,13 +118,22 @@ class TrlExtMixin:
         """Checks once TRL's constructor has built everything."""
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
-        """Audit the checkpoint to resume from first: a damaged one is refused in one line, before anything loads."""
+        """Before Trainer's loop: on several nodes, check output_dir's storage; audit the checkpoint to resume from (a
+        damaged one is refused in one line, before anything loads); under DeepSpeed, prepare its resume on another
+        number of processes."""
+        self._storage = nodes.detect(self.args)  # several nodes: is output_dir shared? (refused here if that breaks)
+        nodes.check(self._storage, self.args)
         if resume_from_checkpoint:
-            path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
-                    else resume_from_checkpoint)
+            path = resume_from_checkpoint
+            if resume_from_checkpoint is True:
+                path = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            path = nodes.resume_path(self.args, path)  # rank 0's choice, on every rank
             if path is not None:  # None: Trainer says that no checkpoint was found
+                resume_from_checkpoint = path
                 config = getattr(self.model, "config", None)
                 input_checks.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
+                if self.is_deepspeed_enabled:  # another number of processes: universal checkpoint, same global batch
+                    self._elastic_plan = elastic.prepare(self, path)
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -115,6 +141,8 @@ class TrlExtMixin:
         conversions (fused MoE experts, renamed prefixes), which would leave them untrained (transformers#48805).
         DeepSpeed resumes from its own states and adapters are not converted: both stay with Trainer."""
         model = model if model is not None else self.model
+        if fsdp.is_fsdp2(self.accelerator):  # our Hub-format files, read by each rank for its own shards
+            return fsdp.load_checkpoint_weights(model, resume_from_checkpoint)
         if (self.is_deepspeed_enabled or self.is_fsdp_enabled or saving.is_peft_model(model)
                 or not saving.supports(model) or not hub_format.is_converted(model)):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -122,14 +150,47 @@ class TrlExtMixin:
         loaded = type(model).from_pretrained(resume_from_checkpoint, dtype=model.dtype, config=model.config)
         model.load_state_dict(loaded.state_dict(), strict=True)
 
+    def _load_rng_state(self, checkpoint):
+        """On another number of processes, rank r takes rank r's saved RNG state; a rank that did not exist is seeded
+        from (seed, step, rank) so that repeating the resume repeats the run."""
+        plan = getattr(self, "_elastic_plan", None)
+        if checkpoint is None or plan is None or not plan.changed:
+            return super()._load_rng_state(checkpoint)
+        with elastic.rng_checkpoint(checkpoint, plan, self.args.process_index) as found:
+            if found is not None:
+                return super()._load_rng_state(found)
+        set_seed(self.args.seed + self.state.global_step * plan.world_size + self.args.process_index)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Under FSDP2 the optimizer states stay sharded (DCP, one part per rank) and the weights are not written a
+        second time: ``save_model`` already wrote them in the Hub's layout. Otherwise, Trainer's own."""
+        if not fsdp.is_fsdp2(self.accelerator):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from accelerate.utils import save_fsdp_optimizer
+        from transformers.trainer import SCHEDULER_NAME
+
+        with fsdp.sharded_states(self.accelerator) as plugin:
+            save_fsdp_optimizer(plugin, self.accelerator, self.optimizer, self.model, output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Trainer's, reading the sharded optimizer states written above under FSDP2."""
+        if checkpoint is None or not fsdp.is_fsdp2(self.accelerator):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        with fsdp.sharded_states(self.accelerator):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save through trl_ext's one save path (gathered, streamed, verified, committed atomically)."""
-        if self.is_fsdp_enabled or not saving.supports(self.model):
-            return super().save_model(output_dir, _internal_call)
+        if (self.is_fsdp_enabled and not self.accelerator.is_fsdp2) or not saving.supports(self.model):
+            return super().save_model(output_dir, _internal_call)  # FSDP1's flat parameters: transformers' path
         try:
+            storage = getattr(self, "_storage", None)  # several nodes: one writer per copy of output_dir
             saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
                         training_args=self.args,
-                        max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE))
+                        max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE),
+                        is_writer=storage.checkpoint_writer(self.args) if storage else None)
         except CheckpointError as exc:
             diverged = self._diverged(exc)
             if diverged is None:
@@ -156,19 +217,23 @@ class TrlExtMixin:
         if trial is not None or self.hp_search_backend is not None:
             return super()._save_checkpoint(model, trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        with saving.StagedCheckpoint(self.args.output_dir, name, self.args.should_save,
-                                     self.accelerator.wait_for_everyone) as staged:
+        storage = getattr(self, "_storage", None)
+        writer = storage.checkpoint_writer(self.args) if storage else self.args.should_save
+        with saving.StagedCheckpoint(self.args.output_dir, name, writer, self.accelerator.wait_for_everyone) as staged:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the staging directory.
             self._get_output_dir = lambda trial=None: str(staged.staging_run_dir)
             try:
                 super()._save_checkpoint(model, trial)
             finally:
                 del self._get_output_dir
+            if storage and not storage.shared and writer and self.is_deepspeed_enabled:
+                # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's copy needs its own
+                (staged.staging_run_dir / name / "latest").write_text(f"global_step{self.state.global_step}")
             if staged.staged_path(self.state.best_model_checkpoint):  # this checkpoint is the best so far
                 self.state.best_model_checkpoint = str(staged.final)
                 if self.args.should_save:
                     self.state.save_to_json(str(staged.staging_run_dir / name / "trainer_state.json"))
-        if self.args.should_save:  # Trainer rotated inside the staging directory; rotate the real one
+        if writer:  # Trainer rotated inside the staging directory; rotate the real one
             rotate_checkpoints(output_dir=self.args.output_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 

@@ -213,8 +213,31 @@ def _check_adapter(root: Path, tensors: dict, report: Report, base: str | None, 
         unsaved = []
     for module in unsaved:
         report.problems.append(f"modules_to_save lists '{module}' but none of its weights were saved")
+    _check_lora_targets(config, tensors, base_shapes, report)
     if base_shapes is not None:
         _check_against_base(tensors, base_shapes, report, adapter=True)
+
+
+def _check_lora_targets(config: dict, tensors: dict, base_shapes: dict | None, report: Report) -> None:
+    """Every module the adapter config targets has its LoRA weights saved: PEFT would load a missing pair silently
+    as zeros, i.e. the untrained base (PEFT's own key mapping drops them under activation-checkpoint wrappers)."""
+    targets = config.get("target_modules")
+    if config.get("peft_type") != "LORA" or not (targets or config.get("target_parameters")):
+        return
+    lora_modules = {"." + _strip_peft_prefix(n).split(".lora_")[0] for n in tensors if ".lora_" in n}
+    if not lora_modules:
+        report.problems.append(f"adapter_config.json targets {targets or config.get('target_parameters')} but the "
+                               "file holds no LoRA weights: it would load as the untrained base model")
+        return
+    if (base_shapes is None or not isinstance(targets, list)
+            or any(config.get(k) for k in ("exclude_modules", "layers_to_transform", "layers_pattern"))):
+        return  # PEFT's own matching decides which modules are targeted; the shapes check covers the rest
+    expected = {"." + name.rsplit(".", 1)[0] for name in base_shapes
+                if name.endswith(".weight") and name.count(".") >= 1 and name.rsplit(".", 2)[-2] in targets}
+    missing = sorted(m for m in expected if not any(m.endswith(l) or l.endswith(m) for l in lora_modules))
+    if missing:
+        report.problems.append(f"{len(missing)} targeted modules have no LoRA weights saved (e.g. "
+                               f"{missing[0].lstrip('.')}): they would load untrained")
 
 
 def _check_against_base(tensors: dict, base_shapes: dict, report: Report, adapter: bool) -> None:

@@ -34,7 +34,8 @@ ADAPTER_EFFECT_RTOL = 0.25
 
 PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]  # as tests/scripts/train.py
 
-CASES = [(trainer, backend) for trainer in ("sft", "reward", "dpo") for backend in ("zero3", "zero2")]
+CASES = [(trainer, backend) for trainer in ("sft", "reward", "dpo") for backend in ("zero3", "zero2")] + [
+    ("sft", "fsdp2")]
 
 
 def run_reload(adapters: dict[Path, str], quant_type: str) -> subprocess.CompletedProcess:
@@ -106,12 +107,16 @@ def test_qlora_trains_saves_and_reloads(runs, trainer, backend):
     from trl_ext.verify import audit
 
     out, report, got = runs[trainer, backend]
-    stage = int(backend[-1])
+    stage = None if backend == "fsdp2" else int(backend[-1])
     assert report["zero_stage"] == stage and report["world_size"] == 2
     quant = report["quantization"]
     assert quant["num_4bit"] > 0, "the base was not loaded in 4-bit"
-    # ZeRO-3: storage follows DeepSpeed's dtype (fp32 on CPU); ZeRO-2 keeps bitsandbytes' uint8
-    assert quant["storage"] == (["torch.float32"] if stage == 3 else ["torch.uint8"])
+    # ZeRO-3 and FSDP2: storage follows the training dtype (fp32 on CPU); ZeRO-2 keeps bitsandbytes' uint8
+    assert quant["storage"] == (["torch.uint8"] if stage == 2 else ["torch.float32"])
+    if backend == "fsdp2":
+        # after an eval forward FSDP2 keeps the root module's own parameters (the final norm) unsharded
+        dtensors, _, total = report["fsdp_sharded"]
+        assert report["distributed_type"] == "FSDP" and dtensors >= total - 1, report["fsdp_whole"]
     assert quant["trainable"] == quant["frozen_float"] == ["torch.float32"], "adapter and base dtypes differ"
     if stage == 3:
         partition = report["partition"]

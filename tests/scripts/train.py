@@ -64,6 +64,8 @@ class RecordCheckpointing(TrainerCallback):
 def gathered_trainable(model) -> dict:
     """Full (gathered) trainable weights, on every rank."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):  # FSDP2: collective per tensor
+        return {n: p.full_tensor().detach().cpu().clone().contiguous() for n, p in params.items()}
     try:
         import deepspeed
 
@@ -139,8 +141,34 @@ def optimizer_state(optimizer) -> dict:
     state = {}  # by position: ZeRO-3 swaps its flat partitions in and out of param_groups
     for i, param_state in enumerate(innermost_optimizer(optimizer).state.values()):
         for key, value in param_state.items():
+            if isinstance(value, torch.distributed.tensor.DTensor):  # FSDP2: this rank's shard
+                value = value.to_local()
             state[f"{i}.{key}"] = torch.as_tensor(value).detach().float().cpu().reshape(-1).clone().contiguous()
     return state
+
+
+def full_optimizer_state(model) -> dict:
+    """Each trainable parameter's whole Adam state under ZeRO, by name: comparable across numbers of processes."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    state = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).detach().cpu().clone().contiguous()
+    return state
+
+
+def record_samples(trainer) -> list:
+    """The samples each micro-batch trained on, as one id per row (a hash of its tokens): the data order seen."""
+    seen, step = [], trainer.training_step
+
+    def recording_step(model, inputs, *args, **kwargs):
+        seen.append([hash(tuple(row.tolist())) for row in inputs["input_ids"]])
+        return step(model, inputs, *args, **kwargs)
+
+    trainer.training_step = recording_step
+    return seen
 
 
 PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]  # as tests/scripts/reload.py
@@ -169,8 +197,9 @@ def quantized_init_kwargs(cli) -> dict:
 
 def quantization_report(model) -> dict:
     """The 4-bit weights' storage dtype and the dtypes of the trainable and frozen floating parameters."""
-    four_bit = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
-    others = [p for p in model.parameters() if type(p).__name__ != "Params4bit"]
+    # By module: FSDP2 turns every parameter into a DTensor, Params4bit included (the layer keeps its quant_state)
+    four_bit = [m.weight for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    others = [p for p in model.parameters() if all(p is not w for w in four_bit)]
     return {
         "num_4bit": len(four_bit),
         "storage": sorted({str(p.dtype) for p in four_bit}),
@@ -190,6 +219,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--grad_accum", type=int, default=1)
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: no checkpoints)")
     parser.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True (the last checkpoint)")
+    parser.add_argument("--resume_from", default=None, help="resume_from_checkpoint=PATH")
+    parser.add_argument("--save_on_each_node", action="store_true")
     parser.add_argument("--kill_at_step", type=int, default=0, help="SIGKILL every rank (or --kill_rank) at this step")
     parser.add_argument("--kill_rank", type=int, default=None)
     parser.add_argument("--kill_during_save", type=int, default=0,
@@ -223,6 +254,7 @@ def main(argv: list[str] | None = None):
         eval_steps=cli.eval_steps or None,
         per_device_eval_batch_size=2,
         save_steps=cli.save_steps or 500,
+        save_on_each_node=cli.save_on_each_node,
         report_to="none",
         seed=0,
         dataloader_num_workers=0,
@@ -245,16 +277,30 @@ def main(argv: list[str] | None = None):
               "distributed_type": trainer.accelerator.distributed_type.value}
     if args.deepspeed_plugin is not None:
         report["zero_stage"] = args.deepspeed_plugin.zero_stage
-    result = trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    seen = record_samples(trainer)
+    result = trainer.train(resume_from_checkpoint=cli.resume_from or (True if cli.resume else None))
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
         report["partition"] = (recorder.seen or {}).get("partition") or partition_report(trainer.model_wrapped)
+    if trainer.is_fsdp_enabled:  # FSDP2: parameters that are DTensors, those this rank holds only a part of, all
+        params = list(trainer.model.parameters())
+        dtensors = [p for p in params if isinstance(p, torch.distributed.tensor.DTensor)]
+        report["fsdp_sharded"] = [len(dtensors), sum(p.to_local().numel() < p.numel() for p in dtensors), len(params)]
+        report["fsdp_whole"] = [n for n, p in trainer.model.named_parameters()
+                                if not isinstance(p, torch.distributed.tensor.DTensor)]
     report["losses"] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     report["train_loss"] = result.training_loss
     report["global_step"] = trainer.state.global_step
     report["log_history"] = trainer.state.log_history
     report["steps_run_here"] = counter.steps
-    if cli.save_steps or cli.resume:  # what a resume must restore: the schedule and each rank's optimizer state
+    with open(os.path.join(cli.output_dir, f"seen_rank{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump(seen, f)
+    if (cli.save_steps or cli.resume or cli.resume_from) and trainer.is_deepspeed_enabled:
+        full = full_optimizer_state(trainer.model_wrapped)  # collective: every rank gathers
+        if trainer.accelerator.is_main_process:
+            save_file(full, os.path.join(cli.output_dir, "optimizer_full.safetensors"))
+    resumes = cli.save_steps or cli.resume or cli.resume_from
+    if resumes:  # what a resume must restore: the schedule and each rank's optimizer state
         scheduler = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)  # under accelerate's wrapper
         report["scheduler"] = {"last_epoch": scheduler.last_epoch, "last_lr": scheduler.get_last_lr()}
         optim = optimizer_state(trainer.optimizer)

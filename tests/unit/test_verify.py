@@ -69,6 +69,19 @@ def test_adapter_name_in_keys(capsys, good_adapter, tmp_path):
     assert code == 1 and "carry the adapter name '.default'" in out
 
 
+def test_lora_weights_missing_for_targeted_modules(capsys, good_reward_adapter, good_adapter, tmp_path,
+                                                  tiny_model_path):
+    """PEFT's key mapping under activation-checkpoint wrappers keeps only the head: the adapter would load untrained."""
+    head_only = _rewrite(good_reward_adapter, tmp_path / "head_only",
+                         lambda w: {k: v for k, v in w.items() if "lora_" not in k})
+    code, out = run_cli(capsys, head_only)
+    assert code == 1 and "holds no LoRA weights" in out and "untrained base model" in out
+    one_layer = _rewrite(good_adapter, tmp_path / "one_layer",
+                         lambda w: {k: v for k, v in w.items() if "layers.1." not in k})
+    code, out = run_cli(capsys, one_layer, "--base", tiny_model_path)
+    assert code == 1 and "2 targeted modules have no LoRA weights saved (e.g. model.layers.1.self_attn" in out, out
+
+
 def test_lora_wrapped_reward_head(capsys, tmp_path, tiny_model_path):
     """TRL 1.16 with target_modules='all-linear' and no task_type: only score.lora_A/B are saved."""
     base = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)

@@ -1,0 +1,94 @@
+"""FSDP2 on CPU: when accelerate is told to choose FSDP, and that a GPU machine is left exactly as accelerate sets
+it."""
+
+import pytest
+from accelerate.state import AcceleratorState, DistributedType, PartialState
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
+
+from tests.unit.test_runtime import _fields, cpu_only, gpu  # noqa: F401 - fixtures
+from trl_ext import fsdp, quantization, runtime
+
+
+@pytest.fixture
+def fake_state(monkeypatch):
+    """AcceleratorState.__init__ replaced by one that sets ``distributed_type`` only, then wrapped by allow_on_cpu."""
+    saved = dict(PartialState._shared_state)
+
+    def fake_init(self, *args, fsdp_plugin=None, **kwargs):
+        self.__dict__ = AcceleratorState._shared_state
+        self.distributed_type, self._mixed_precision, self.fsdp_plugin = self.chosen, "no", None
+
+    monkeypatch.setattr(AcceleratorState, "__init__", fake_init)
+    fsdp.allow_on_cpu()
+    yield
+    AcceleratorState._shared_state.clear()
+    PartialState._shared_state.clear()
+    PartialState._shared_state.update(saved)
+
+
+def _state(chosen, plugin):
+    state = AcceleratorState.__new__(AcceleratorState)
+    AcceleratorState.chosen = chosen
+    try:
+        state.__init__(fsdp_plugin=plugin)
+    finally:
+        del AcceleratorState.chosen
+    return state
+
+
+def _plugin(**kwargs):
+    return FullyShardedDataParallelPlugin(fsdp_version=2, **kwargs)
+
+
+def test_cpu_processes_get_fsdp_with_unpinned_offload(fake_state):
+    plugin = _plugin(cpu_offload=True)
+    assert plugin.cpu_offload.pin_memory  # accelerate's default; pinning needs an accelerator
+    state = _state(DistributedType.MULTI_CPU, plugin)
+    assert state.distributed_type == DistributedType.FSDP and state.fsdp_plugin is plugin
+    assert PartialState._shared_state["distributed_type"] == DistributedType.FSDP  # later AcceleratorState() agree
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) and not plugin.cpu_offload.pin_memory
+
+
+def test_gpus_and_plain_cpu_ddp_are_left_alone(fake_state):
+    assert _state(DistributedType.MULTI_GPU, _plugin()).distributed_type == DistributedType.MULTI_GPU
+    assert _state(DistributedType.MULTI_CPU, None).distributed_type == DistributedType.MULTI_CPU  # no FSDP asked
+
+
+def test_installed_only_for_an_fsdp_launch_without_gpu(cpu_only, monkeypatch):  # noqa: F811
+    calls = []
+    monkeypatch.setattr(fsdp, "allow_on_cpu", lambda: calls.append(1))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    runtime.adapt_to_hardware(_fields(bf16=False, fsdp=""))
+    assert calls == []
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets for an FSDP config
+    runtime.adapt_to_hardware(_fields(bf16=False, fsdp=""))
+    assert calls == [1]
+
+
+def test_nothing_installed_on_a_gpu_machine(gpu, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(fsdp, "allow_on_cpu", lambda: pytest.fail("patched accelerate on a GPU machine"))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    runtime.adapt_to_hardware(_fields(bf16=True, fsdp=""))
+
+
+def test_optimizer_states_are_sharded_whatever_the_config_says():
+    plugin = _plugin(state_dict_type="FULL_STATE_DICT")
+    state = type("State", (), {"fsdp_plugin": plugin})()
+    accelerator = type("Accelerator", (), {"state": state})()
+    with fsdp.sharded_states(accelerator) as sharded:
+        assert state.fsdp_plugin is sharded and sharded.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    assert state.fsdp_plugin is plugin and plugin.state_dict_type == StateDictType.FULL_STATE_DICT
+
+
+@pytest.mark.parametrize(("init_kwargs", "expected"), [({"dtype": "bfloat16"}, "bfloat16"), ({}, "float32"),
+                                                        ({"dtype": "auto"}, "float32")])
+def test_qlora_storage_follows_the_model_dtype_under_fsdp(monkeypatch, init_kwargs, expected):
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    args = type("Args", (), {"model_init_kwargs": init_kwargs, "fsdp": "", "deepspeed_plugin": None})()
+    config = BitsAndBytesConfig(load_in_4bit=True)
+    assert quantization._storage_for(args, config.bnb_4bit_quant_storage, config) == getattr(torch, expected)

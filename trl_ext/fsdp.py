@@ -1,0 +1,145 @@
+"""FSDP2 on machines without a GPU: accelerate's FSDP path, run on CPU processes with gloo.
+
+accelerate selects FSDP only from a GPU-like distributed type (``AcceleratorState`` checks MULTI_GPU, MULTI_XPU, ...);
+on CPU it sets up plain data parallelism and ignores the FSDP config, so a run "works" without sharding anything.
+``fully_shard``, its reduce-scatter and DCP all run on CPU with gloo (torch >= 2.6), so trl_ext promotes the CPU
+state to FSDP, as it already lets DeepSpeed run on CPU.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+_PATCHED = "_trl_ext_fsdp_on_cpu"
+
+
+def requested(args) -> bool:
+    """True if FSDP is asked for, by the training arguments or by ``accelerate launch`` (an FSDP config)."""
+    return bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def allow_on_cpu() -> None:
+    """Let accelerate choose FSDP for a multi-process CPU launch (MULTI_CPU), as it does for GPUs. Idempotent."""
+    from accelerate.state import AcceleratorState, DistributedType, PartialState
+
+    if getattr(AcceleratorState.__init__, _PATCHED, False):
+        return
+    original = AcceleratorState.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate does at the end
+            self.fsdp_plugin = fsdp_plugin
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # pinned memory needs an accelerator
+                fsdp_plugin.cpu_offload = dataclasses.replace(fsdp_plugin.cpu_offload, pin_memory=False)
+
+    setattr(__init__, _PATCHED, True)
+    AcceleratorState.__init__ = __init__
+
+
+def is_fsdp2(accelerator) -> bool:
+    """True when ``accelerator`` shards the model with FSDP2 (``fully_shard``)."""
+    return bool(getattr(accelerator, "is_fsdp2", False))
+
+
+@contextlib.contextmanager
+def sharded_states(accelerator):
+    """accelerate's FSDP plugin set to ``SHARDED_STATE_DICT`` inside the block: optimizer states saved and loaded
+    per rank with DCP, whatever the config says (``FULL_STATE_DICT`` would assemble them on rank 0)."""
+    from torch.distributed.fsdp import StateDictType
+
+    state = accelerator.state
+    original = state.fsdp_plugin
+    if original.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+        yield original
+        return
+    sharded = copy.copy(original)
+    sharded.state_dict_config = sharded.optim_state_dict_config = None
+    sharded.set_state_dict_type("SHARDED_STATE_DICT")
+    state.fsdp_plugin = sharded
+    try:
+        yield sharded
+    finally:
+        state.fsdp_plugin = original
+
+
+def _local_rows(tensor, world: int) -> slice | None:
+    """The rows of ``tensor``'s full shape this rank holds, for FSDP2's ``Shard(0)`` on a 1-D mesh of every rank."""
+    from torch.distributed.tensor import Shard
+
+    mesh = tensor.device_mesh
+    if mesh.ndim != 1 or mesh.size() != world or tuple(tensor.placements) != (Shard(0),):
+        return None
+    chunk = -(-tensor.shape[0] // world)
+    start = min(tensor.shape[0], mesh.get_local_rank() * chunk)
+    return slice(start, start + tensor.to_local().shape[0])
+
+
+def load_checkpoint_weights(model, checkpoint: str) -> None:
+    """Load weights saved by trl_ext (adapters, or a full model in the Hub's layout) into an FSDP2-sharded model.
+
+    Each rank reads only its own rows of each tensor from the safetensors files (memory-mapped), so no rank ever
+    holds the whole model. A full model whose Hub layout differs from memory (fused MoE experts, say) is converted
+    by ``from_pretrained`` instead, on CPU in every rank.
+
+    Args:
+        model: the model being trained, sharded by FSDP2 (a PEFT model or a transformers model).
+        checkpoint: a ``checkpoint-N`` directory written by trl_ext.
+
+    Raises:
+        KeyError: a tensor the model needs is missing from the checkpoint.
+    """
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from . import gather, saving
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for weight_set in saving.plan_weight_sets(model):
+        directory = Path(checkpoint) / weight_set.subdir
+        if any(unit.converted for unit in weight_set.units):
+            _load_converted(model, directory)
+            continue
+        files = {name: directory / file for file, specs in weight_set.plan.items() for name in
+                 (s.name for s in specs)}
+        handles = {}
+        with torch.no_grad():
+            for unit in weight_set.units:
+                name, live = unit.outputs[0].name, unit.sources[0][1]
+                path = files[name]
+                if path not in handles:
+                    handles[path] = safe_open(str(path), framework="pt", device="cpu")
+                rows = _local_rows(live, world) if gather.is_dtensor(live) else slice(None)
+                if rows is None:  # another placement: distribute the whole tensor as the model places it
+                    from torch.distributed.tensor import distribute_tensor
+
+                    whole = handles[path].get_tensor(name).to(live.dtype)
+                    live.to_local().copy_(distribute_tensor(whole, live.device_mesh, live.placements).to_local())
+                    continue
+                target = live.to_local() if gather.is_dtensor(live) else live.data
+                target.copy_(handles[path].get_slice(name)[rows].to(target.dtype))
+
+
+def _load_converted(model, directory: Path) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    from . import gather
+
+    loaded = type(model).from_pretrained(str(directory), dtype=model.dtype, config=model.config).state_dict()
+    with torch.no_grad():
+        for name, live in gather.state_tensors(model).items():
+            whole = loaded[name].to(live.dtype)
+            if gather.is_dtensor(live):
+                live.to_local().copy_(distribute_tensor(whole, live.device_mesh, live.placements).to_local())
+            else:
+                live.data.copy_(whole)

@@ -1,0 +1,98 @@
+"""Several nodes: is ``output_dir`` shared between them, and which checkpoint to resume.
+
+Every answer here is decided once for all ranks (looked at, gathered, then the same verdict everywhere): ranks that
+look at the files on their own can disagree (NFS attribute caching, node-local disks) and then take different
+collective paths, which hangs the job (KempnerForge#49).
+"""
+
+import os
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Where checkpoints of this run live."""
+
+    multi_node: bool
+    shared: bool  # every node sees the same output_dir
+
+    def checkpoint_writer(self, args) -> bool:
+        """Whether this rank creates and renames the staged checkpoint directory: one rank per copy of output_dir."""
+        if self.shared:
+            return args.process_index == 0  # save_on_each_node on shared storage would race on the rename
+        return args.should_save
+
+
+def _local_world_size(args) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+
+
+def detect(args) -> Storage:
+    """Find out whether every node sees ``args.output_dir``: rank 0 writes a marker file, every rank looks for it.
+
+    Collective: every rank calls it. With one node, nothing is looked at.
+
+    Args:
+        args: the run's ``TrainingArguments``.
+
+    Returns:
+        The storage, the same on every rank.
+    """
+    from accelerate.utils import broadcast_object_list, gather_object
+    from torch import distributed
+
+    if args.world_size <= 1 or _local_world_size(args) >= args.world_size:
+        return Storage(multi_node=False, shared=True)
+    marker = [None]
+    if args.process_index == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+        marker = [os.path.join(args.output_dir, f".trl_ext-shared-{uuid.uuid4().hex}")]
+        with open(marker[0], "w"):
+            pass
+    broadcast_object_list(marker, from_process=0)
+    seen = gather_object([os.path.exists(marker[0])])
+    distributed.barrier()  # everyone has looked
+    if args.process_index == 0:
+        os.remove(marker[0])
+    return Storage(multi_node=True, shared=all(seen))
+
+
+def check(storage: Storage, args) -> None:
+    """Refuse, before training, a checkpoint layout that would leave no node with a whole checkpoint.
+
+    Args:
+        storage: from ``detect``.
+        args: the run's ``TrainingArguments``.
+    """
+    if storage.multi_node and not storage.shared and not args.save_on_each_node and args.save_strategy != "no":
+        raise ValueError(
+            f"output_dir {args.output_dir} is not shared between the nodes (each node sees its own): checkpoints "
+            f"would be split across nodes and none could resume; set save_on_each_node=True (--save_on_each_node "
+            f"true), or put output_dir on storage that every node shares.")
+
+
+def resume_path(args, wanted: str | None) -> str | None:
+    """The checkpoint every rank resumes from: chosen on rank 0 and broadcast; refused if a node lacks it.
+
+    Args:
+        args: the run's ``TrainingArguments``.
+        wanted: the path rank 0 resolved (``get_last_checkpoint`` for ``resume_from_checkpoint=True``).
+
+    Returns:
+        The same path on every rank (None: no checkpoint).
+    """
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    if args.world_size <= 1:
+        return wanted
+    chosen = [wanted]
+    broadcast_object_list(chosen, from_process=0)
+    path = chosen[0]
+    if path is None:
+        return None
+    missing = [rank for rank, seen in enumerate(gather_object([os.path.isdir(path)])) if not seen]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {path} (the one rank 0 resumes) is missing where rank {missing[0]} runs: "
+                                f"give every node a copy of it, or resume from a checkpoint all nodes have.")
+    return path
