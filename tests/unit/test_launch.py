@@ -86,7 +86,7 @@ def test_take_option():
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
 def test_shipped_accelerate_configs(path):
     assert {p.name for p in ACCELERATE_CONFIGS} == {"ddp.yaml", "zero2.yaml", "zero2_offload.yaml", "zero3.yaml",
-                                                    "zero3_offload.yaml"}
+                                                    "zero3_offload.yaml", "fsdp2.yaml", "fsdp2_offload.yaml"}
     config = load_config_from_file(str(path))  # accelerate's own reader accepts it
     text = path.read_text()
     assert "accelerate launch recipes/" in text and f"--config accelerate_configs/{path.name}" in text
@@ -94,6 +94,11 @@ def test_shipped_accelerate_configs(path):
     assert config.num_machines == 1 and config.mixed_precision == "no"  # precision: the training config decides
     if path.stem == "ddp":
         assert config.distributed_type == "MULTI_GPU"
+        return
+    if path.stem.startswith("fsdp"):
+        fsdp = config.fsdp_config
+        assert config.distributed_type == "FSDP" and fsdp["fsdp_version"] == 2
+        assert fsdp["fsdp_offload_params"] == ("offload" in path.stem)
         return
     ds = config.deepspeed_config
     assert config.distributed_type == "DEEPSPEED" and ds["zero_stage"] == int(path.stem[4])
