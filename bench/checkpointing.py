@@ -14,8 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.harness import launch, write_accelerate_config
+from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
 
 MODES = ["none", "reentrant", "non-reentrant"]
 

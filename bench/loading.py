@@ -16,9 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.save import build_model
-from tests.harness import launch, write_accelerate_config
+from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
+from save import build_model  # bench/save.py, beside this script
 
 
 def main():

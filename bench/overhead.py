@@ -12,9 +12,10 @@ per process. A step is a whole loop iteration (forward, backward, optimizer, cal
   machine load. Ratio: median over all steps of (trl_ext step / its paired TRL step), and the ratio of the medians.
 - 2-process ZeRO-3 on CPU (`stage3_param_persistence_threshold: 0`), and 2-process FSDP2 (accelerate_configs/
   fsdp2.yaml; the worker builds TRL's trainer from trl_ext's config too, so both get FSDP on CPU): two engines in
-  one process are not a supported setup, so runs alternate TRL / trl_ext with the order flipped every repeat (TRL, trl_ext, trl_ext, TRL,
-  ...). Each run's step time is the median of its steps; ratio: median of the per-repeat ratios, and the ratio of
-  the medians. Whole runs see different load on a shared machine: this setup needs many repeats there.
+  one process are not a supported setup, so runs alternate TRL / trl_ext with the order flipped every repeat (TRL,
+  trl_ext, trl_ext, TRL, ...). Each run's step time is the median of its steps; ratio: median of the per-repeat
+  ratios, and the ratio of the medians. Whole runs see different load on a shared machine: this setup needs many
+  repeats there.
 The first 4 steps of every run are skipped.
 """
 
@@ -27,15 +28,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.harness import launch, write_accelerate_config
+from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
 
 WORKER = Path(__file__).with_name("_overhead_worker.py")
 SETUPS = {"1proc": "1 process", "zero3": "2-process ZeRO-3", "fsdp2": "2-process FSDP2"}
 
 
 def run(setup: str, configs: dict[str, Path], worker_args: list[str]) -> dict:
-    if setup == "1proc":  # one thread, as each rank of the launched runs gets (tests/harness.py)
+    if setup == "1proc":  # one thread, as each rank of the launched runs gets (bench/_harness.py)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, str(WORKER), *worker_args], capture_output=True, text=True,
                               timeout=900, check=False, env=env)

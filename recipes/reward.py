@@ -22,7 +22,7 @@ accelerate launch recipes/reward.py --config accelerate_configs/zero3.yaml --con
 ```
 
 Continue a stopped run: add `--output_dir <its dir> --resume_from_checkpoint true` (its last complete checkpoint).
-"""
+"""  # noqa: E501 (the command above stays one copy-paste line)
 
 from trl import get_peft_config, get_quantization_config
 

@@ -55,6 +55,7 @@ def command(*argv: str, timeout: float = 300) -> Callable:
                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
         return proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1] + "\n" + proc.stdout
 
+    run.starts_a_process = True  # a slow case: the fast tier (-m "not slow") leaves it out
     return run
 
 
@@ -155,6 +156,7 @@ def with_setup(setup: Callable[[Path, Path], None], run: Callable) -> Callable:
         return run(ws, assets)
 
     both.setup = setup
+    both.starts_a_process = getattr(run, "starts_a_process", False)
     return both
 
 
@@ -387,7 +389,9 @@ def digest(*directories: Path) -> dict[str, str]:
             for d in directories for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c.id, marks=[pytest.mark.slow] if getattr(c.run, "starts_a_process", False) else [])
+    for c in CASES])
 def test_bad_input_is_refused_clearly_and_changes_nothing(case, assets, tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()

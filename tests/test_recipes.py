@@ -3,6 +3,7 @@ headline form `accelerate launch recipes/X.py --config accelerate_configs/zero3.
 
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -14,6 +15,8 @@ from trl_ext.verify import audit
 
 SHORT = ["--max_steps", "4", "--eval_steps", "2", "--logging_steps", "2", "--per_device_eval_batch_size", "64"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+
+pytestmark = pytest.mark.slow  # every test starts recipe processes
 
 
 def run_recipe(name, *args, timeout=300):
@@ -37,10 +40,27 @@ def assert_trained_and_saved(result, out, name):
         AutoModelForCausalLM.from_pretrained(out)
 
 
+# The one-process SFT run logs every step and checkpoints every 2: the resume test continues a copy of it.
+SFT_SAVES = ["--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """``single_process(name)``: the output directory and result of the recipe's one-process run, made once."""
+    made = {}
+
+    def run(name: str):
+        if name not in made:
+            out = tmp_path_factory.mktemp("single") / name
+            made[name] = out, run_recipe(name, "--output_dir", str(out), *SHORT, *(SFT_SAVES if name == "sft" else []))
+        return made[name]
+
+    return run
+
+
 @pytest.mark.parametrize("name", ["sft", "reward", "dpo"])
-def test_recipe_single_process(name, tmp_path):
-    out = tmp_path / name
-    result = run_recipe(name, "--output_dir", str(out), *SHORT)
+def test_recipe_single_process(name, single_process):
+    out, result = single_process(name)
     assert_trained_and_saved(result, out, name)
     assert "running under" not in result.output  # no accelerate config: no re-launch
 
@@ -54,7 +74,6 @@ ZERO3_CASES = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sft", "reward", "dpo"])
 def test_recipe_as_written_under_zero3(name, tmp_path):
     out = tmp_path / name
@@ -70,7 +89,6 @@ def test_recipe_as_written_under_zero3(name, tmp_path):
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"], states
 
 
-@pytest.mark.slow
 def test_canonical_form(tmp_path):
     out = tmp_path / "dpo"
     cmd = [*ACCELERATE, "--config_file", "accelerate_configs/zero3.yaml", "recipes/dpo.py",
@@ -81,14 +99,14 @@ def test_canonical_form(tmp_path):
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
 
 
-def test_resume_continues_where_it_stopped(tmp_path):
-    out = tmp_path / "sft"
-    args = ["--output_dir", str(out), "--eval_strategy", "no", "--logging_steps", "1", "--save_strategy", "steps",
-            "--save_steps", "2"]
-    first = run_recipe("sft", *args, "--max_steps", "4")
+def test_resume_continues_where_it_stopped(single_process, tmp_path):
+    first_out, first = single_process("sft")  # 4 steps, checkpoints at 2 and 4
     assert first.returncode == 0, first.output[-4000:]
+    out = tmp_path / "sft"
+    shutil.copytree(first_out, out)  # the shared run stays as it was
     first_log = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
 
+    args = ["--output_dir", str(out), "--eval_strategy", "no", *SFT_SAVES]
     second = run_recipe("sft", *args, "--max_steps", "6", "--resume_from_checkpoint", "true")
     assert second.returncode == 0, second.output[-4000:]
     assert f"resuming from {out / 'checkpoint-4'}" in second.output
@@ -126,7 +144,6 @@ def test_recipe_refuses_to_train_over_another_run(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp", "zero2", "zero2_offload", "zero3_offload"])
 def test_every_accelerate_config_trains(config, tmp_path):
     out = tmp_path / config
@@ -158,7 +175,6 @@ def test_vlm_dpo_recipe_single_process(tmp_path):
     assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
 
 
-@pytest.mark.slow
 def test_vlm_sft_recipe_as_written_under_zero3_and_its_try_it_line(tmp_path):
     out = tmp_path / "sft_vlm"
     cmd = [*ACCELERATE, "recipes/sft.py", "--config", "accelerate_configs/zero3.yaml", "--config",

@@ -53,7 +53,8 @@ def fsdp_checkpoints(args) -> bool:
 
 
 def fsdp_checkpointed_layers(model) -> tuple[int, int]:
-    """``(decoder layers inside a non-reentrant CheckpointWrapper, decoder layers)``, as FSDP's checkpointing left them."""
+    """``(decoder layers inside a non-reentrant CheckpointWrapper, decoder layers)``, as FSDP's checkpointing left
+    them."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
 
     wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules()
@@ -145,7 +146,8 @@ def layer_settings(model) -> dict[str, object]:
 
 
 class CheckpointingPolicy(TrainerCallback):
-    """At train start, after transformers enabled checkpointing: drop the hook, and prove every layer got the setting."""
+    """At train start, after transformers enabled checkpointing: drop the hook, and prove every layer got the
+    setting."""
 
     def __init__(self, use_reentrant: bool):
         self.use_reentrant = use_reentrant

@@ -8,12 +8,12 @@ config makes the recipe re-launch itself once as
 """
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import yaml
+from accelerate.utils.other import get_free_port
 
 RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
 ACCELERATE_KEYS = ("distributed_type", "compute_environment")
@@ -50,7 +50,8 @@ def read_config(path: str) -> dict:
     if not isinstance(data, dict) or not data:
         raise UsageError(
             f"config file '{path}' is neither a recipe config (a YAML mapping of training options, like "
-            "recipes/configs/dpo.yaml) nor an accelerate config (with distributed_type, like accelerate_configs/zero3.yaml)."
+            "recipes/configs/dpo.yaml) nor an accelerate config (with distributed_type, like "
+            "accelerate_configs/zero3.yaml)."
         )
     return data
 
@@ -104,18 +105,12 @@ def default_num_processes() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def relaunch_command(accelerate_config: str, script: str, script_args: list[str], num_processes: int) -> list[str]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config,
            "--num_processes", str(num_processes)]
     config = read_config(accelerate_config)
     if int(config.get("num_machines", 1)) <= 1 and "main_process_port" not in config:
-        cmd += ["--main_process_port", str(_free_port())]  # the default port may be held by an outer launch
+        cmd += ["--main_process_port", str(get_free_port())]  # the default port may be held by an outer launch
     return [*cmd, script, *script_args]
 
 

@@ -25,7 +25,6 @@ import functools
 import json
 import os
 import pickle
-import socket
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -74,13 +73,6 @@ def _deepspeed_config(zero_stage: int | None, deepspeed: dict | str | os.PathLik
         raise ValueError(f"zero_stage={zero_stage} but the deepspeed config sets stage "
                          f"{config['zero_optimization'].get('stage')}; give the stage once")
     return config
-
-
-def _free_port() -> str:
-    # A fresh port per launch: a second launch in the same kernel (or a neighbour's run) never collides.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -158,6 +150,7 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
     trains on CPU with gloo. Under ZeRO-3, call ``trainer.save_model()`` on every rank.
     """
     from accelerate import notebook_launcher
+    from accelerate.utils.other import get_free_port
 
     if not isinstance(num_processes, int) or num_processes < 2:
         raise ValueError(f"num_processes must be 2 or more, got {num_processes!r}; for one process call "
@@ -193,6 +186,6 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
         print(f"[trl_ext] launch: {num_processes} processes, {what}{where}", flush=True)
         with _environment(env), _accelerate_state_set_aside(), _no_import_heuristic():
             notebook_launcher(_run_and_report(function, scratch), args=args, num_processes=num_processes,
-                              use_port=_free_port())
+                              use_port=str(get_free_port()))  # a fresh port: a second launch never collides
         result_file = Path(scratch) / _RESULT_FILE
         return pickle.loads(result_file.read_bytes()) if result_file.exists() else None

@@ -151,9 +151,10 @@ def prepare(args, bound) -> None:
         storage = _storage_for(args, config.bnb_4bit_quant_storage, config)
         if storage != config.bnb_4bit_quant_storage:
             engine = "FSDP" if fsdp.requested(args) else f"DeepSpeed ZeRO-{zero_stage(args)}"
-            notice(f"QLoRA under {engine}: storing the 4-bit weights as {_dtype_name(storage)} (bnb_4bit_quant_storage, "
-                   f"was {_dtype_name(config.bnb_4bit_quant_storage)}), the dtype {engine.split()[0]} trains the other "
-                   "weights in, so it shards and casts them like every other parameter.")
+            notice(f"QLoRA under {engine}: storing the 4-bit weights as {_dtype_name(storage)} "
+                   f"(bnb_4bit_quant_storage, was {_dtype_name(config.bnb_4bit_quant_storage)}), "
+                   f"the dtype {engine.split()[0]} trains the other weights in, so it shards and casts them like every "
+                   "other parameter.")
             config = copy.deepcopy(config)
             config.bnb_4bit_quant_storage = storage
     if config is not given:  # a dict became a BitsAndBytesConfig, or the storage changed

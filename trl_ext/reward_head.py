@@ -30,7 +30,8 @@ def peft_config_for(model, peft_config):
     """A copy of ``peft_config`` that trains ``model``'s head whole, or the config itself if it already does."""
     heads = head_names(model)
     is_seq_cls = getattr(peft_config, "task_type", None) == "SEQ_CLS"
-    saved_whole = set(getattr(peft_config, "modules_to_save", None) or []) | set(PEFT_SEQ_CLS_HEADS if is_seq_cls else ())
+    saved_whole = set(getattr(peft_config, "modules_to_save", None) or [])
+    saved_whole |= set(PEFT_SEQ_CLS_HEADS if is_seq_cls else ())
     targets = getattr(peft_config, "target_modules", None)
     targeted = sorted(set(targets) & set(heads)) if isinstance(targets, (list, set, tuple)) else []
     missing = [h for h in heads if h not in saved_whole]

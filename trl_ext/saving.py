@@ -34,7 +34,8 @@ WRITE_FIX = ("nothing was committed and earlier saves are intact; free disk spac
              "save again (or resume from the last checkpoint)")
 # Files from_pretrained opens first: moved into place last, so an interrupted commit never looks complete.
 ENTRY_POINTS = ("model.safetensors.index.json", "model.safetensors", "adapter_model.safetensors")
-_WEIGHTS_FILE = re.compile(r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
+_WEIGHTS_FILE = re.compile(
+    r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
 
 
 @dataclass

@@ -52,7 +52,8 @@ def parse_size(size: float | str) -> int | float:
     return int(text)
 
 
-def plan_shards(specs: list[TensorSpec], max_shard_size: int | str, prefix: str = "model") -> dict[str, list[TensorSpec]]:
+def plan_shards(specs: list[TensorSpec], max_shard_size: int | str,
+                prefix: str = "model") -> dict[str, list[TensorSpec]]:
     """Split ``specs`` (kept in order) into files of at most ``max_shard_size`` bytes; a bigger tensor gets its own.
 
     File names follow transformers: ``model.safetensors`` for one file, ``model-00001-of-00003.safetensors`` else.

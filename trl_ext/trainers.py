@@ -13,8 +13,20 @@ import torch
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, set_seed
 
-from . import (checkpointing, configs, elastic, fsdp, hub_format, input_checks, nodes, quantization, reward_head,
-               saving, vision, weight_sync)
+from . import (
+    checkpointing,
+    configs,
+    elastic,
+    fsdp,
+    hub_format,
+    input_checks,
+    nodes,
+    quantization,
+    reward_head,
+    saving,
+    vision,
+    weight_sync,
+)
 from .runtime import check_distributed_setup
 from .verify import CheckpointError
 

@@ -1,38 +1,62 @@
-"""Non-reentrant gradient checkpointing under 2-process ZeRO-3 with LoRA (parameters partitioned)."""
+"""Non-reentrant gradient checkpointing under 2-process ZeRO-3 with LoRA (parameters partitioned).
+
+The default setting is read from the shared ZeRO-3 runs (``zero3_run``, tests/distributed/conftest.py); the three
+explicit settings are trained in one launch and serve both the equivalence test and the reentrant one.
+"""
+
+import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import run_training
-
 pytestmark = pytest.mark.slow
 
+GC_MODES = ("nonreentrant", "reentrant", "off")
 
-def _run(tmp_path, trainer, gc, *extra):
-    report = run_training(tmp_path / gc, "zero3", trainer, "--lora", "--gc", gc, *extra)
+
+def assert_partitioned(report: dict) -> None:
     assert report["partition"]["num_partitioned"] == report["partition"]["num_params"]
-    return report, load_file(tmp_path / gc / "out" / "trained.safetensors")
+
+
+@pytest.fixture(scope="module")
+def gc_runs(shared_runs):
+    """``gc_runs(trainer)``: {mode: (report, trained weights)} for the explicit settings, 3 steps of 2 micro-batches."""
+
+    def args(trainer: str, gc: str) -> list[str]:
+        return ["--trainer", trainer, "--lora", "--gc", gc, "--grad_accum", "2", "--max_steps", "3"]
+
+    def runs(trainer: str) -> dict:
+        shared_runs.many("train.py", "zero3", [args(t, gc) for t in ("sft", "dpo") for gc in GC_MODES])
+        found = {}
+        for gc in GC_MODES:
+            out = shared_runs.get("train.py", "zero3", args(trainer, gc))
+            report = json.loads((out / "report_rank0.json").read_text())
+            assert_partitioned(report)
+            found[gc] = report, load_file(out / "trained.safetensors")
+        return found
+
+    return runs
 
 
 @pytest.mark.parametrize("trainer", ["sft", "reward", "dpo"])
-def test_default_is_non_reentrant_in_every_layer(tmp_path, trainer):
-    report, _ = _run(tmp_path, trainer, "default")
+def test_default_is_non_reentrant_in_every_layer(zero3_run, trainer):
+    report = zero3_run(trainer, True)[1]
+    assert_partitioned(report)
     layers = report["checkpointing"]["layers"]
     assert len(layers) == 2 and set(layers.values()) == {False}  # both decoder layers, as actually called
     assert report["checkpointing"]["input_hooks"] == 0  # no input-require-grads hook with non-reentrant
 
 
-def test_explicit_reentrant_is_honoured(tmp_path):
-    report, _ = _run(tmp_path, "sft", "reentrant")
+def test_explicit_reentrant_is_honoured(gc_runs):
+    report, _ = gc_runs("sft")["reentrant"]
     assert set(report["checkpointing"]["layers"].values()) == {True}
     assert report["checkpointing"]["input_hooks"] > 0  # reentrant needs it
 
 
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
-def test_same_losses_and_weights_with_and_without_reentrant_or_checkpointing(tmp_path, trainer):
-    runs = {gc: _run(tmp_path, trainer, gc, "--grad_accum", "2", "--max_steps", "3") for gc in
-            ("nonreentrant", "reentrant", "off")}
+def test_same_losses_and_weights_with_and_without_reentrant_or_checkpointing(gc_runs, trainer):
+    runs = gc_runs(trainer)
     ref_report, ref_weights = runs["nonreentrant"]
     assert set(ref_report["checkpointing"]["layers"].values()) == {False}
     assert runs["off"][0]["checkpointing"]["layers"] == {}

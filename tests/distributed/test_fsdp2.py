@@ -17,7 +17,7 @@ import trl
 from safetensors.torch import load_file
 
 from tests.distributed.test_reliability import assert_fault_cost_nothing, digest, logged, max_diff
-from tests.harness import REPO, SCRIPTS, free_port, run_command
+from tests.harness import REPO, SCRIPTS, run_command
 from trl_ext.assets import default_model_path
 from trl_ext.verify import audit
 
@@ -30,7 +30,7 @@ OURS = REPO / "accelerate_configs"
 
 def train(out: Path, config: Path, *args: str):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
-           "--main_process_port", str(free_port()), str(SCRIPTS / "train.py"), "--output_dir", str(out), *args]
+           "--main_process_port", "0", str(SCRIPTS / "train.py"), "--output_dir", str(out), *args]
     return run_command(cmd, timeout=300)
 
 

@@ -1,4 +1,7 @@
-"""Merging adapters trained under 2-process ZeRO-3, and iter_merged_weights run inside such a run."""
+"""Merging adapters trained under 2-process ZeRO-3, and iter_merged_weights run inside such a run.
+
+The runs are shared with test_saving (SFT) and test_reward_head (reward): ``roundtrip``, tests/distributed/conftest.py.
+"""
 
 import json
 
@@ -7,16 +10,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from tests.distributed.test_saving import recorded, reloaded_outputs, run
+from tests.distributed.conftest import REWARD_ALL_LINEAR_ROUNDTRIP, SFT_LORA_ROUNDTRIP
+from tests.distributed.test_saving import recorded, reloaded_outputs
 from trl_ext.merge import merge
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("trainer", ["sft", "reward"])
-def test_merge_adapters_trained_under_zero3(tmp_path, trainer):
-    lora = "--lora_all_linear" if trainer == "reward" else "--lora"
-    out = run(tmp_path, "zero3", trainer, lora, "--iter_merged")
+def test_merge_adapters_trained_under_zero3(roundtrip, trainer):
+    out = roundtrip("zero3", trainer, *(REWARD_ALL_LINEAR_ROUNDTRIP if trainer == "reward" else SFT_LORA_ROUNDTRIP))
     report = json.loads((out / "report.json").read_text())
     assert report["partitioned"] and report["adapter_still_unmerged"]
 

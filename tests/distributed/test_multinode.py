@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from accelerate.utils.other import get_free_port
 from transformers.trainer_utils import get_last_checkpoint
 
-from tests.harness import SCRIPTS, Launch, free_port, run_command, write_accelerate_config
+from tests.harness import SCRIPTS, Launch, run_command, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.verify import audit
 
@@ -43,7 +44,7 @@ def node_config(tmp: Path, machine_rank: int) -> Path:
 
 def two_nodes(tmp: Path, *args: str, node_local: bool) -> tuple[list[Launch], float]:
     """Launch both nodes at once; returns their results and the seconds until both had exited."""
-    out, port = tmp / "out", free_port()
+    out, port = tmp / "out", get_free_port()  # one port for both nodes
     out.mkdir(exist_ok=True)
     results = [None, None]
 

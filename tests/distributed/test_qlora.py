@@ -2,8 +2,9 @@
 backend): trains, saves an adapter that passes the audit, and reloads in a fresh process with plain transformers +
 peft, on the 4-bit base and on the full-precision base, with outputs close to the trained model's.
 
-Run as ``python -m tests.distributed.test_qlora BASE KIND ADAPTER QUANT_TYPE`` this file is the reload script (it
-imports no trl_ext).
+The six runs are trained first, then every adapter is reloaded in one fresh process (start-up costs more than a
+reload). Run as ``python -m tests.distributed.test_qlora BASE QUANT_TYPE KIND:ADAPTER...`` this file is the reload
+script (it imports no trl_ext).
 """
 
 import json
@@ -37,57 +38,75 @@ CASES = [(trainer, backend) for trainer in ("sft", "reward", "dpo") for backend 
     ("sft", "fsdp2")]
 
 
-def run_reload(adapter: Path, kind: str, quant_type: str) -> subprocess.CompletedProcess:
+def run_reload(adapters: dict[Path, str], quant_type: str) -> subprocess.CompletedProcess:
+    """Reload each adapter (path -> "causal" or "reward") in one fresh process."""
     from trl_ext.assets import default_model_path
 
-    return subprocess.run([sys.executable, "-m", "tests.distributed.test_qlora", default_model_path(), kind,
-                           str(adapter), quant_type], cwd=REPO, capture_output=True, text=True, timeout=240,
-                          check=False)
+    pairs = [f"{kind}:{adapter}" for adapter, kind in adapters.items()]
+    return subprocess.run([sys.executable, "-m", "tests.distributed.test_qlora", default_model_path(), quant_type,
+                           *pairs], cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
 
 
-def reload(adapter: Path, kind: str, quant_type: str) -> dict[str, torch.Tensor]:
-    """Outputs of the adapter on the full-precision and on the 4-bit base, and of both bases alone (fresh process)."""
-    proc = run_reload(adapter, kind, quant_type)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {k: torch.tensor(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
-
-
-def assert_damaged_adapters_fail(adapter: Path, trained: torch.Tensor, tmp_path: Path) -> None:
-    """The 4-bit check is strong enough to catch a wrong adapter tensor, and the reload one a missing tensor."""
+def damage(adapter: Path, how: str, directory: Path) -> Path:
+    """A copy of ``adapter`` with one layer's lora_B back at its initial value (zeros, "wrong"), or without one
+    lora_B tensor ("missing")."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(adapter / "adapter_model.safetensors")
     lora_b = sorted(k for k in tensors if "lora_B" in k)
-    for damage in ("wrong", "missing"):
-        damaged = tmp_path / f"adapter_{damage}"
-        shutil.copytree(adapter, damaged)
-        changed = dict(tensors)
-        if damage == "wrong":  # one layer's lora_B back at its initial value (zeros), as if never trained
-            changed[lora_b[0]] = torch.zeros_like(tensors[lora_b[0]])
-        else:
-            del changed[lora_b[-1]]
-        save_file(changed, damaged / "adapter_model.safetensors", metadata={"format": "pt"})
-        proc = run_reload(damaged, "causal", "nf4")
-        if damage == "missing":
-            assert proc.returncode != 0 and "missing adapter keys" in proc.stderr, proc.stderr[-2000:]
-        else:
-            assert proc.returncode == 0, proc.stderr[-4000:]
-            got = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1])["4bit"])
-            off = (got - trained).abs().max().item()
-            print(f"one untrained lora_B tensor: 4-bit reload off by {off:.3g} (tolerance {ATOL_4BIT})")
-            assert off > 10 * ATOL_4BIT, "a wrong lora_B tensor passed the 4-bit reload check"
+    damaged = directory / f"adapter_{how}"
+    shutil.copytree(adapter, damaged)
+    if how == "wrong":  # as if never trained
+        tensors[lora_b[0]] = torch.zeros_like(tensors[lora_b[0]])
+    else:
+        del tensors[lora_b[-1]]
+    save_file(tensors, damaged / "adapter_model.safetensors", metadata={"format": "pt"})
+    return damaged
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Each case trained (one after another), then every adapter, and a damaged one, reloaded in one process.
+
+    Returns {(trainer, backend): (output dir, report, reloaded outputs)}, plus "damaged": the "wrong" adapter's
+    reloaded outputs and the "missing" one's reload process (which must fail).
+    """
+    found, adapters = {}, {}
+    for trainer, backend in CASES:
+        tmp = tmp_path_factory.mktemp(f"qlora-{trainer}-{backend}")
+        as_dict = trainer == "dpo"  # the YAML path: quantization_config given as a dict
+        report = run_training(tmp, backend, trainer, "--lora", "--load_in_4bit", "--save_model", "final",
+                              "--max_steps", "2", "--rows", "8", "--eval_steps", "1",
+                              "--quant_config_as", "dict" if as_dict else "object")
+        found[trainer, backend] = tmp / "out", report
+        adapters[tmp / "out" / "final"] = "reward" if trainer == "reward" else "causal"
+    # one training run serves the damaged-adapter checks
+    sft_adapter = found["sft", "zero3"][0] / "final"
+    wrong, missing = (damage(sft_adapter, how, tmp_path_factory.mktemp(how)) for how in ("wrong", "missing"))
+    proc = run_reload({**adapters, wrong: "causal"}, "nf4")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reloaded = {Path(a): {k: torch.tensor(v) for k, v in outs.items()}
+                for a, outs in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    result = {case: (out, report, reloaded[out / "final"]) for case, (out, report) in found.items()}
+    result["damaged"] = reloaded[wrong], run_reload({missing: "causal"}, "nf4")
+    return result
+
+
+def assert_damaged_adapters_fail(damaged: tuple, trained: torch.Tensor) -> None:
+    """The 4-bit check is strong enough to catch a wrong adapter tensor, and the reload one a missing tensor."""
+    wrong, missing = damaged
+    assert missing.returncode != 0 and "missing adapter keys" in missing.stderr, missing.stderr[-2000:]
+    off = (wrong["4bit"] - trained).abs().max().item()
+    print(f"one untrained lora_B tensor: 4-bit reload off by {off:.3g} (tolerance {ATOL_4BIT})")
+    assert off > 10 * ATOL_4BIT, "a wrong lora_B tensor passed the 4-bit reload check"
 
 
 @pytest.mark.parametrize(("trainer", "backend"), CASES)
-def test_qlora_trains_saves_and_reloads(tmp_path, trainer, backend):
+def test_qlora_trains_saves_and_reloads(runs, trainer, backend):
     from trl_ext.assets import default_model_path
     from trl_ext.verify import audit
 
-    as_dict = trainer == "dpo"  # the YAML path: quantization_config given as a dict
-    report = run_training(tmp_path, backend, trainer, "--lora", "--load_in_4bit", "--save_model", "final",
-                          "--max_steps", "2", "--rows", "8", "--eval_steps", "1",
-                          "--quant_config_as", "dict" if as_dict else "object")
-    out = tmp_path / "out"
+    out, report, got = runs[trainer, backend]
     stage = None if backend == "fsdp2" else int(backend[-1])
     assert report["zero_stage"] == stage and report["world_size"] == 2
     quant = report["quantization"]
@@ -107,7 +126,6 @@ def test_qlora_trains_saves_and_reloads(tmp_path, trainer, backend):
     result = audit(str(adapter), base=default_model_path())
     assert result.ok, result.format()
     trained = torch.tensor(json.loads((out / "probes_final.json").read_text()))
-    got = reload(adapter, "reward" if trainer == "reward" else "causal", "nf4")
     diff_4bit = (got["4bit"] - trained).abs().max().item()
     diff_full = (got["full"] - trained).abs().max().item()
     base_error = (got["base_4bit"] - got["base_full"]).abs().max().item()
@@ -122,8 +140,8 @@ def test_qlora_trains_saves_and_reloads(tmp_path, trainer, backend):
         f"reloaded on the full-precision base: max diff {diff_full}, base quantization error {base_error}")
     assert effect_error <= ADAPTER_EFFECT_RTOL * effect.abs().max(), (
         f"the adapter's effect on the full-precision base is off by {effect_error}")
-    if (trainer, backend) == ("sft", "zero3"):  # one training run serves the damaged-adapter checks
-        assert_damaged_adapters_fail(adapter, trained, tmp_path)
+    if (trainer, backend) == ("sft", "zero3"):  # the run the damaged adapters were made from
+        assert_damaged_adapters_fail(runs["damaged"], trained)
 
 
 def _probe(model) -> list:
@@ -142,7 +160,8 @@ def _training_kernel(model):
     return model
 
 
-def _reload_main(base: str, kind: str, adapter: str, quant_type: str) -> None:
+def _reload(base: str, kind: str, adapter: str, quant_type: str) -> dict:
+    """The adapter's outputs on the full-precision and on the 4-bit base, and both bases' alone."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 
@@ -157,7 +176,15 @@ def _reload_main(base: str, kind: str, adapter: str, quant_type: str) -> None:
         model = _training_kernel(auto.from_pretrained(base, dtype=torch.float32, **extra, **kwargs))
         outputs[f"base_{name}"] = _probe(model)
         outputs[name] = _probe(PeftModel.from_pretrained(model, adapter))
-    print(json.dumps(outputs))
+    return outputs
+
+
+def _reload_main(base: str, quant_type: str, *pairs: str) -> None:
+    found = {}
+    for pair in pairs:
+        kind, adapter = pair.split(":", 1)
+        found[adapter] = _reload(base, kind, adapter, quant_type)
+    print(json.dumps(found))
 
 
 if __name__ == "__main__":

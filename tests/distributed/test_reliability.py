@@ -1,7 +1,8 @@
 """A job that dies (preemption, OOM kill, a full disk, one rank lost) resumes as if it had never stopped.
 
 Each case trains 4 steps on 2 processes under ZeRO-3 with a checkpoint every 2 steps, three times with the same
-seed: uninterrupted; interrupted after checkpoint-2 by a fault; then resumed with ``resume_from_checkpoint=True``.
+seed: uninterrupted (the shared ``zero3_run``, tests/distributed/conftest.py); interrupted after checkpoint-2 by a
+fault; then resumed with ``resume_from_checkpoint=True``.
 The resumed run must end with the uninterrupted run's weights, optimizer state (every rank's), scheduler step and
 logged losses, and the fault must have cost nothing already saved. Driven through ``tests/scripts/train.py``.
 """
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers.trainer_utils import get_last_checkpoint
 
+from tests.distributed.conftest import ZERO3_TRAIN
 from tests.harness import SCRIPTS, launch, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.saving import PARTIAL_SUFFIX
@@ -23,7 +25,7 @@ from trl_ext.verify import audit
 pytestmark = pytest.mark.slow
 
 ATOL = 1e-5  # fp32 on CPU: the same computation, split across two launches
-TRAIN = ["--max_steps", "4", "--save_steps", "2"]
+TRAIN = ZERO3_TRAIN  # as the uninterrupted runs
 
 # name: trainer, training args, the fault that stops the second run after checkpoint-2
 CASES = {
@@ -70,10 +72,9 @@ def assert_fault_cost_nothing(out: Path, reference: Path, fault: list[str]) -> N
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_resume_after_a_fault_equals_the_uninterrupted_run(tmp_path, case):
+def test_resume_after_a_fault_equals_the_uninterrupted_run(tmp_path, zero3_run, case):
     trainer, args, fault = CASES[case]
-    reference = train(tmp_path, trainer, "reference", *args)
-    assert reference.returncode == 0, reference.output[-6000:]
+    reference, _ = zero3_run(trainer, "--lora" in args)
 
     faulty = train(tmp_path, trainer, "run", *args, *fault)
     out = tmp_path / "run"
@@ -84,7 +85,7 @@ def test_resume_after_a_fault_equals_the_uninterrupted_run(tmp_path, case):
         assert faulty.output.count(f"[Errno 28] {error}") >= 2, faulty.output[-6000:]
     if "--kill_rank" in fault:  # the survivor was stopped, and the launcher names the rank that died
         assert "Signal 9 (SIGKILL)" in faulty.output and "rank      : 1" in faulty.output, faulty.output[-6000:]
-    assert_fault_cost_nothing(out, tmp_path / "reference", fault)
+    assert_fault_cost_nothing(out, reference, fault)
     before = digest(out / "checkpoint-2")
 
     resumed = train(tmp_path, trainer, "run", *args, "--resume")
@@ -92,19 +93,19 @@ def test_resume_after_a_fault_equals_the_uninterrupted_run(tmp_path, case):
     assert digest(out / "checkpoint-2") == before, "resuming changed the checkpoint it resumed from"
     assert not list(out.glob(".*")), "a staging directory from the interrupted save was left behind"
 
-    ref, got = (json.loads((d / "report_rank0.json").read_text()) for d in (tmp_path / "reference", out))
+    ref, got = (json.loads((d / "report_rank0.json").read_text()) for d in (reference, out))
     assert got["global_step"] == ref["global_step"] == 4
     assert got["steps_run_here"] == 2, "the run did not resume from checkpoint-2: it trained from the start"
     assert got["scheduler"] == ref["scheduler"] and got["optimizer_steps"] == ref["optimizer_steps"] == [4.0]
-    ref_log, got_log = logged(tmp_path / "reference"), logged(out)
+    ref_log, got_log = logged(reference), logged(out)
     assert [h["step"] for h in got_log] == [1, 2, 3, 4] and [h["learning_rate"] for h in got_log] == [
         h["learning_rate"] for h in ref_log]
     diffs = {"loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_log, got_log)),
              "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(ref_log, got_log)),
-             "weights": max_diff(*(load_file(d / "trained.safetensors") for d in (tmp_path / "reference", out)))}
+             "weights": max_diff(*(load_file(d / "trained.safetensors") for d in (reference, out)))}
     for rank in (0, 1):
         diffs[f"adam_rank{rank}"] = max_diff(*(load_file(d / f"optimizer_rank{rank}.safetensors")
-                                              for d in (tmp_path / "reference", out)))
+                                              for d in (reference, out)))
     print(f"\n{case}: max abs diff resumed vs uninterrupted: {diffs}")
     assert all(d <= ATOL for d in diffs.values()), diffs
     for name in ("checkpoint-4",):  # the final checkpoint the resumed run wrote loads and passes the audit

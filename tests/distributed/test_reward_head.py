@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from tests.distributed.test_saving import assert_reload_identically, recorded, reloaded_outputs, run
+from tests.distributed.conftest import REWARD_ALL_LINEAR_ROUNDTRIP
+from tests.distributed.test_saving import assert_reload_identically, recorded, reloaded_outputs
 from trl_ext.verify import audit
 
 pytestmark = pytest.mark.slow
@@ -20,8 +21,8 @@ def assert_head_initialised(head: dict) -> None:
     assert 0.5 * INITIALIZER_RANGE < head["std"] < 1.5 * INITIALIZER_RANGE, head
 
 
-def test_lora_all_linear_without_task_type(tmp_path):
-    out = run(tmp_path, "zero3", "reward", "--lora_all_linear", "--save_steps", "2")
+def test_lora_all_linear_without_task_type(roundtrip):
+    out = roundtrip("zero3", "reward", *REWARD_ALL_LINEAR_ROUNDTRIP)  # shared with test_merge
     report = json.loads((out / "report.json").read_text())
     assert report["partitioned"]
     assert report["head_at_init"]["name"].endswith("score.modules_to_save.default.weight")
@@ -35,8 +36,8 @@ def test_lora_all_linear_without_task_type(tmp_path):
     assert torch.allclose(auto, recorded(out, "final"), atol=1e-5, rtol=0)
 
 
-def test_full_fine_tune(tmp_path):
-    out = run(tmp_path, "zero3", "reward")
+def test_full_fine_tune(roundtrip):
+    out = roundtrip("zero3", "reward")
     report = json.loads((out / "report.json").read_text())
     assert report["head_at_init"]["partitioned"], "zero.Init did not partition the head: the test proves nothing"
     assert_head_initialised(report["head_at_init"])

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers.trainer_utils import get_last_checkpoint
 
+from tests.distributed.conftest import SFT_LORA_ROUNDTRIP
 from tests.harness import SCRIPTS, launch, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.verify import audit
@@ -64,7 +65,7 @@ def assert_reload_identically(out: Path, names: list[str], trainer: str) -> None
 
 CASES = {
     # name: backend, trainer, script args, DeepSpeed zero_optimization overrides
-    "sft-lora-zero3": ("zero3", "sft", ["--lora", "--save_steps", "2"], {}),
+    "sft-lora-zero3": ("zero3", "sft", SFT_LORA_ROUNDTRIP, {}),  # shared with test_merge
     "reward-lora-zero3-gather-flag-off": (
         "zero3", "reward", ["--lora", "--save_steps", "2"], {"stage3_gather_16bit_weights_on_model_save": False}),
     "dpo-lora-zero3": ("zero3", "dpo", ["--lora"], {}),
@@ -75,9 +76,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_saved_checkpoints_reload_with_the_trained_outputs(tmp_path, case):
+def test_saved_checkpoints_reload_with_the_trained_outputs(roundtrip, case):
     backend, trainer, args, zero = CASES[case]
-    out = run(tmp_path, backend, trainer, *args, **zero)
+    out = roundtrip(backend, trainer, *args, **zero)
     report = json.loads((out / "report.json").read_text())
     assert report["zero_stage"] == int(backend[-1])
     if backend == "zero3":

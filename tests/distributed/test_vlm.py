@@ -1,7 +1,9 @@
 """The tiny VLM under 2-process ZeRO-3 on CPU, parameters partitioned (issue #19, the OmniLMM setting): LoRA on the
 language model with the vision tower frozen and non-reentrant checkpointing, DPO with LoRA, and a full fine-tune of
 the language model. Each save reloads in a fresh process, with plain transformers/peft, to the outputs the training
-processes computed on image+text probes; a run killed with SIGKILL and resumed equals the uninterrupted one."""
+processes computed on image+text probes; a run killed with SIGKILL and resumed equals the uninterrupted one.
+
+The four uninterrupted runs are made in one launch (``tests/scripts/run_many.py``): start-up costs more than a run."""
 
 import json
 import sys
@@ -35,11 +37,25 @@ def reload_diff(out) -> dict:
     return json.loads(result.output.strip().splitlines()[-1])
 
 
+# name: vlm_train.py arguments. "lora" (4 steps, checkpoints every 2) is also the resume test's uninterrupted run.
+RUNS = {"lora": ["--max_steps", "4", "--save_steps", "2"], "dpo": ["--trainer", "dpo", "--max_steps", "3"],
+        "full": ["--mode", "full", "--max_steps", "3"], "reentrant": ["--max_steps", "3", "--reentrant"]}
+
+
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-    """One uninterrupted LoRA SFT run (4 steps, checkpoints every 2), shared by the checks below."""
-    out, _ = train(tmp_path_factory.mktemp("vlm"), "lora", "--max_steps", "4", "--save_steps", "2")
-    return out
+def runs(tmp_path_factory) -> tuple[dict, str]:
+    """The uninterrupted runs, in one launch: their output directories by name, and the launch's output."""
+    root = tmp_path_factory.mktemp("vlm")
+    argvs = [[*args, "--output_dir", str(root / name)] for name, args in RUNS.items()]
+    result = launch(SCRIPTS / "run_many.py", ["vlm_train.py", json.dumps(argvs)],
+                    write_accelerate_config(root / "configs", "zero3"), timeout=600)
+    assert not result.timed_out and result.returncode == 0, result.output[-6000:]
+    return {name: root / name for name in RUNS}, result.output
+
+
+@pytest.fixture(scope="module")
+def lora_run(runs):
+    return runs[0]["lora"]
 
 
 def test_lora_sft_trains_with_frozen_vision_and_nonreentrant_checkpointing(lora_run):
@@ -66,16 +82,16 @@ def test_lora_sft_resume_after_sigkill_equals_uninterrupted(lora_run, tmp_path):
     assert losses == {int(k): v for k, v in report(lora_run)["losses"].items()}
 
 
-def test_dpo_lora(tmp_path):
-    out, _ = train(tmp_path, "dpo", "--trainer", "dpo", "--max_steps", "3")
+def test_dpo_lora(runs):
+    out = runs[0]["dpo"]
     seen = report(out)
     assert seen["num_partitioned"] > 0 and seen["vision_trainable"] == 0 and set(seen["layers"].values()) == {False}
     reloaded = reload_diff(out)
     assert reloaded["class"] == "PeftModel" and reloaded["max_diff"] <= 1e-5, reloaded
 
 
-def test_full_finetune_of_the_language_model(tmp_path):
-    out, _ = train(tmp_path, "full", "--mode", "full", "--max_steps", "3")
+def test_full_finetune_of_the_language_model(runs):
+    out = runs[0]["full"]
     seen = report(out)
     assert seen["num_partitioned"] > 0 and seen["vision_trainable"] == 0 and seen["lm_trainable"] > 0
     assert "model.vision_tower.encoder.layers.0" in seen["layers"] and set(seen["layers"].values()) == {False}
@@ -83,9 +99,9 @@ def test_full_finetune_of_the_language_model(tmp_path):
     assert reloaded["class"] == "LlavaForConditionalGeneration" and reloaded["max_diff"] <= 1e-5, reloaded
 
 
-def test_trl_default_reentrant_under_peft_zero3_trains_without_checkpoint_error(tmp_path):
+def test_trl_default_reentrant_under_peft_zero3_trains_without_checkpoint_error(runs):
     """The seed's CheckpointError comes from non-reentrant recompute on DeepSpeed < 0.19.3; reentrant (TRL's forced
     choice for PEFT + ZeRO-3) does not check metadata and trains the same steps on DeepSpeed 0.19.8."""
-    out, result = train(tmp_path, "reentrant", "--max_steps", "3", "--reentrant")
-    assert "CheckpointError" not in result.output
+    out, output = runs[0]["reentrant"], runs[1]
+    assert "CheckpointError" not in output  # nor in the other runs of the launch
     assert set(report(out)["layers"].values()) == {True}

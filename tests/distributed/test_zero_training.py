@@ -1,40 +1,62 @@
-"""Each trainer trains a few steps on 2 CPU processes under real DeepSpeed ZeRO-2 and ZeRO-3."""
+"""Each trainer trains a few steps on 2 CPU processes under real DeepSpeed ZeRO-2 and ZeRO-3.
 
+The ZeRO-3 runs are the shared uninterrupted runs of test_reliability (``zero3_run``, tests/distributed/conftest.py);
+the ZeRO-2 runs are made here in one launch and serve two tests.
+"""
+
+import json
 import math
 
 import pytest
 
+from tests.distributed.conftest import ZERO3_CASES, ZERO3_TRAIN, train_args
 from tests.harness import run_training
 
 pytestmark = pytest.mark.slow
 
 # (trainer, LoRA?) pairs: every trainer under both stages; LoRA and full fine-tuning both covered.
-CASES = [("sft", False), ("sft", True), ("reward", True), ("dpo", True), ("dpo", False)]
+CASES = ZERO3_CASES
+IDS = [f"{t}-{'lora' if lora else 'full'}" for t, lora in CASES]
 
 
-@pytest.mark.parametrize("backend", ["zero2", "zero3"])
-@pytest.mark.parametrize("trainer,lora", CASES, ids=[f"{t}-{'lora' if lora else 'full'}" for t, lora in CASES])
-def test_trains_under_zero(tmp_path, backend, trainer, lora):
-    report = run_training(tmp_path, backend, trainer, *(["--lora"] if lora else []))
+@pytest.fixture(scope="module")
+def zero2_run(shared_runs):
+    def run(trainer: str, lora: bool) -> dict:
+        shared_runs.many("train.py", "zero2", [train_args(*case) for case in CASES])
+        out = shared_runs.get("train.py", "zero2", train_args(trainer, lora))
+        return json.loads((out / "report_rank0.json").read_text())
+
+    return run
+
+
+def assert_trained(report: dict, stage: int, steps: int) -> None:
     assert report["world_size"] == 2
-    assert report["zero_stage"] == int(backend[-1])
-    assert report["global_step"] == 3 and len(report["losses"]) == 3
+    assert report["zero_stage"] == stage
+    assert report["global_step"] == steps and len(report["losses"]) == steps
     assert all(math.isfinite(loss) for loss in report["losses"])
 
 
-def test_zero3_really_partitions_the_tiny_model(tmp_path):
+@pytest.mark.parametrize("trainer,lora", CASES, ids=IDS)
+def test_trains_under_zero2(zero2_run, trainer, lora):
+    assert_trained(zero2_run(trainer, lora), 2, 3)  # train.py's default: 3 steps
+
+
+@pytest.mark.parametrize("trainer,lora", CASES, ids=IDS)
+def test_trains_under_zero3(zero3_run, trainer, lora):
+    assert_trained(zero3_run(trainer, lora)[1], 3, int(ZERO3_TRAIN[1]))
+
+
+def test_zero3_really_partitions_the_tiny_model(zero3_run):
     """With stage3_param_persistence_threshold=0 every parameter is a (0,) placeholder with its full ds_shape."""
-    report = run_training(tmp_path, "zero3", "sft", "--lora")
-    partition = report["partition"]
+    partition = zero3_run("sft", True)[1]["partition"]
     assert partition["num_params"] > 0
     assert partition["num_partitioned"] == partition["num_params"]
     local_shape, full_shape = partition["example"]
     assert local_shape == [0] and len(full_shape) >= 1 and all(d > 0 for d in full_shape)
 
 
-def test_zero2_does_not_partition_parameters(tmp_path):
-    report = run_training(tmp_path, "zero2", "sft", "--lora")
-    assert report["partition"]["num_partitioned"] == 0
+def test_zero2_does_not_partition_parameters(zero2_run):
+    assert zero2_run("sft", True)["partition"]["num_partitioned"] == 0
 
 
 def test_ddp_on_cpu(tmp_path):

@@ -87,7 +87,7 @@ def kill_during_save(save_number: int) -> None:
     shards.ShardStreamWriter.end = write_then_die
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=TRAINERS, required=True)
     parser.add_argument("--output_dir", required=True)
@@ -100,9 +100,10 @@ def main():
     parser.add_argument("--kill_during_save", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--iter_merged", action="store_true",
-                        help="also write trl_ext.merge.iter_merged_weights (all ranks iterate) to iter_merged.safetensors")
+                        help="also write trl_ext.merge.iter_merged_weights (all ranks iterate) to "
+                        "iter_merged.safetensors")
     parser.add_argument("--gather_whole", action="store_true", help="use the GatheredParameters path for every param")
-    cli = parser.parse_args()
+    cli = parser.parse_args(argv)
     out = Path(cli.output_dir)
     if cli.gather_whole:  # the path taken for NVMe-offloaded or quantized partitions, or several writers
         saving.gather._streamable = lambda param, world: False

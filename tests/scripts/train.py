@@ -208,7 +208,7 @@ def quantization_report(model) -> dict:
     }
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=TRAINERS, required=True)
     parser.add_argument("--output_dir", required=True)
@@ -234,7 +234,7 @@ def main():
     parser.add_argument("--eval_steps", type=int, default=0, help="evaluate on 4 test rows every N steps")
     parser.add_argument("--save_model", default=None, help="trainer.save_model(OUTPUT_DIR/NAME) after training, and "
                         "the trained model's probe outputs to OUTPUT_DIR/probes_NAME.json")
-    cli = parser.parse_args()
+    cli = parser.parse_args(argv)
     if cli.fail_save:
         fail_writes(cli.fail_save, cli.fail_errno)
 

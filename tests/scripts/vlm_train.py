@@ -46,7 +46,7 @@ class Record(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)  # every rank: no clean shutdown, as a node failure
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=["sft", "dpo"], default="sft")
     parser.add_argument("--mode", choices=["lora", "full"], default="lora")
@@ -56,7 +56,7 @@ def main():
     parser.add_argument("--kill_at", type=int, default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--reentrant", action="store_true", help="use_reentrant=True (TRL's PEFT + ZeRO-3 choice)")
-    a = parser.parse_args()
+    a = parser.parse_args(argv)
 
     trainer_class, config_class = {"sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig),
                                    "dpo": (trl_ext.DPOTrainer, trl_ext.DPOConfig)}[a.trainer]

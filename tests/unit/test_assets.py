@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trl_ext.assets import DEFAULT_MODEL_NAME, load_dataset_by_name, load_default_dataset, resolve_model
@@ -16,6 +17,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
+@pytest.mark.slow  # builds the model again in a fresh process
 def test_model_build_is_deterministic_on_every_cpu_instruction_set(tmp_path, tiny_model_path):
     """Built here and in a process restricted to ATen's baseline kernels (ATEN_CPU_CAPABILITY=default): the same bytes.
     torch's own random init differed between the two, so a cache built on another machine was another model."""

@@ -1,4 +1,5 @@
-"""FSDP2 on CPU: when accelerate is told to choose FSDP, and that a GPU machine is left exactly as accelerate sets it."""
+"""FSDP2 on CPU: when accelerate is told to choose FSDP, and that a GPU machine is left exactly as accelerate sets
+it."""
 
 import pytest
 from accelerate.state import AcceleratorState, DistributedType, PartialState

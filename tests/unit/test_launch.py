@@ -78,7 +78,8 @@ def test_relaunch_loop_is_refused(monkeypatch):
 
 
 def test_take_option():
-    assert launch.take_option(["--a", "1", "--num_processes", "4", "--b"], "num_processes") == ("4", ["--a", "1", "--b"])
+    assert launch.take_option(["--a", "1", "--num_processes", "4", "--b"], "num_processes") == (
+        "4", ["--a", "1", "--b"])
     assert launch.take_option(["--num_processes=3"], "num_processes") == ("3", [])
 
 

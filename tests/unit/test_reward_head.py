@@ -78,6 +78,7 @@ def test_a_base_with_a_head_of_another_size_gets_a_new_one_output_head(tmp_path,
     assert trainer.model.config.num_labels == 1 and trainer.model.score.weight.shape[0] == 1
 
 
+@pytest.mark.slow  # trains for tens of steps
 def test_training_improves_held_out_preference_accuracy(tmp_path, tiny_model_path):
     """The report-F2 config (all-linear LoRA, no task_type) now trains a real reward model."""
     data = load_default_dataset("reward")

@@ -50,7 +50,8 @@ def test_round_trip(tmp_path, max_shard_size):
         assert (tmp_path / filename).read_bytes().startswith(record.header)
         assert list(record.prefixes) == [s.name for s in plan[filename]]
         for name, prefix in record.prefixes.items():
-            assert prefix == tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()[:shards.PREFIX_BYTES]
+            raw = tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            assert prefix == raw[:shards.PREFIX_BYTES]
 
 
 def test_plan_keeps_order_limits_size_and_isolates_big_tensors():

@@ -14,8 +14,14 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from tests.harness import REPO
 from trl_ext import DPOConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
-from trl_ext.assets import (VLM_MODEL_NAME, answer_accuracy, load_dataset_by_name, load_shapes, resolve_model,
-                            vlm_model_path)
+from trl_ext.assets import (
+    VLM_MODEL_NAME,
+    answer_accuracy,
+    load_dataset_by_name,
+    load_shapes,
+    resolve_model,
+    vlm_model_path,
+)
 from trl_ext.vision import freeze_vision_tower, is_vision_model, vision_tower
 
 
@@ -25,9 +31,11 @@ def vlm_path():
 
 
 def _digest(path: Path) -> str:
-    return hashlib.sha256((path / "model.safetensors").read_bytes() + (path / "tokenizer.json").read_bytes()).hexdigest()
+    files = (path / "model.safetensors").read_bytes() + (path / "tokenizer.json").read_bytes()
+    return hashlib.sha256(files).hexdigest()
 
 
+@pytest.mark.slow  # builds the model again in a fresh process
 def test_build_is_deterministic_on_every_cpu_instruction_set(tmp_path, vlm_path):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}  # ATen's baseline kernels: torch's own init would differ
     subprocess.run([sys.executable, "-m", "trl_ext.assets.tiny_vlm", str(tmp_path / "baseline")], env=env, check=True,

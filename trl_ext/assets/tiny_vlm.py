@@ -1,7 +1,8 @@
 """Build the embedded tiny vision-language model: LLaVA-style (CLIP vision tower + projector + the tiny Llama).
 
 ``trl-ext/tiny-vlm`` is built deterministically from code on first use and cached like ``trl-ext/tiny-llama``, so it
-loads with the ordinary ``AutoModelForImageTextToText.from_pretrained(path)`` and ``AutoProcessor.from_pretrained(path)``.
+loads with the ordinary ``AutoModelForImageTextToText.from_pretrained(path)`` and
+``AutoProcessor.from_pretrained(path)``.
 Its processor is a ``LlavaProcessor`` with the PIL image processor (no torchvision needed), the embedded tokenizer plus
 an ``<image>`` token, and a chat template with ``{% generation %}`` markers (assistant-only loss works).
 """
@@ -24,7 +25,8 @@ CHAT_TEMPLATE = (
     "{%- macro render(content) -%}"
     "{%- if content is string -%}{{ content }}"
     "{%- else -%}{%- for part in content -%}"
-    "{%- if part['type'] == 'image' -%}{{ '<image>' }}{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<image>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
     "{% for message in messages %}"

@@ -1,0 +1,99 @@
+"""Training runs shared by several test modules: each 2-process launch costs tens of seconds on CPU, so a run that
+can answer several tests' questions is made once per session and read by all of them (read only: no test writes
+into a shared run's directory, except for new paths of its own)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.harness import SCRIPTS, launch, write_accelerate_config
+
+# The uninterrupted runs of tests/distributed/test_reliability.py: 4 steps, a checkpoint every 2, TRL's default
+# gradient checkpointing. They also serve test_zero_training (trains under ZeRO-3, partitions) and test_checkpointing
+# (non-reentrant by default). All five are made in one launch.
+ZERO3_TRAIN = ["--max_steps", "4", "--save_steps", "2"]
+ZERO3_CASES = [("sft", False), ("sft", True), ("reward", True), ("dpo", True), ("dpo", False)]
+
+# save_roundtrip.py runs that serve two modules each: test_saving and test_merge (SFT, LoRA), test_reward_head and
+# test_merge (a reward model with the report-F2 PEFT config: LoRA on all linear layers, no task_type).
+SFT_LORA_ROUNDTRIP = ["--lora", "--save_steps", "2", "--iter_merged"]
+REWARD_ALL_LINEAR_ROUNDTRIP = ["--lora_all_linear", "--save_steps", "2", "--iter_merged"]
+# The save_roundtrip.py runs under ZeRO-3 with the default DeepSpeed config, made in one launch: (trainer, args).
+ROUNDTRIP_ZERO3 = [("sft", SFT_LORA_ROUNDTRIP), ("dpo", ["--lora"]),
+                   ("sft", ["--save_steps", "2", "--max_shard_size", "100KB"]),
+                   ("reward", REWARD_ALL_LINEAR_ROUNDTRIP), ("reward", [])]
+
+
+def train_args(trainer: str, lora: bool, *extra: str) -> list[str]:
+    return ["--trainer", trainer, *(["--lora"] if lora else []), *extra]
+
+
+class SharedRuns:
+    """Launch a script once per distinct argument list in this session; later calls get the first result."""
+
+    def __init__(self, root: Path):
+        self.root, self.done, self.started = root, {}, 0
+
+    def get(self, script: str, backend: str, args: list[str], timeout: float = 300, **zero) -> Path:
+        """The output directory of ``script ARGS --output_dir OUT`` under ``backend``, launched on first use."""
+        key = (script, backend, tuple(args), tuple(sorted(zero.items())))
+        if key not in self.done:
+            directory = self._directory()
+            out = directory / "out"
+            self._launch(script, [*args, "--output_dir", str(out)], directory, backend, timeout, **zero)
+            self.done[key] = out
+        return self.done[key]
+
+    def many(self, script: str, backend: str, runs: list[list[str]], timeout: float = 600) -> None:
+        """Make those of ``runs`` (argument lists of ``script``) not made yet in one launch (``run_many.py``);
+        ``get`` then finds them."""
+        todo = [args for args in runs if (script, backend, tuple(args), ()) not in self.done]
+        if not todo:
+            return
+        directory = self._directory()
+        outs = [directory / f"out{i}" for i in range(len(todo))]
+        argvs = [[*args, "--output_dir", str(out)] for args, out in zip(todo, outs)]
+        self._launch("run_many.py", [script, json.dumps(argvs)], directory, backend, timeout)
+        for args, out in zip(todo, outs):
+            self.done[script, backend, tuple(args), ()] = out
+
+    def _directory(self) -> Path:
+        self.started += 1  # a fresh directory even after a failed launch
+        return self.root / f"run{self.started}"
+
+    def _launch(self, script: str, args: list[str], directory: Path, backend: str, timeout: float, **zero) -> None:
+        config = write_accelerate_config(directory / "configs", backend, **zero)
+        result = launch(SCRIPTS / script, args, config, timeout)
+        assert not result.timed_out, f"launch timed out after {timeout}s:\n{result.output[-4000:]}"
+        assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.output[-6000:]}"
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> SharedRuns:
+    return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+
+
+@pytest.fixture(scope="session")
+def zero3_run(shared_runs):
+    """``zero3_run(trainer, lora)``: the output directory and rank 0's report of ``train.py`` under ZeRO-3."""
+
+    def run(trainer: str, lora: bool) -> tuple[Path, dict]:
+        shared_runs.many("train.py", "zero3", [train_args(*case, *ZERO3_TRAIN) for case in ZERO3_CASES])
+        out = shared_runs.get("train.py", "zero3", train_args(trainer, lora, *ZERO3_TRAIN))
+        return out, json.loads((out / "report_rank0.json").read_text())
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def roundtrip(shared_runs):
+    """``roundtrip(backend, trainer, *args, **zero)``: the output directory of ``save_roundtrip.py``."""
+
+    def run(backend: str, trainer: str, *args: str, **zero) -> Path:
+        if backend == "zero3" and not zero:
+            shared_runs.many("save_roundtrip.py", "zero3", [["--trainer", t, *a] for t, a in ROUNDTRIP_ZERO3])
+        return shared_runs.get("save_roundtrip.py", backend, ["--trainer", trainer, *args], **zero)
+
+    return run
+

@@ -1,0 +1,24 @@
+"""Several runs of one test script, one after another, in one launch: start-up costs more than a run on the tiny
+models.
+
+Usage (under ``accelerate launch``, see ``tests/harness.py``): ``run_many.py SCRIPT ARGS_JSON``, where SCRIPT is
+``train.py``, ``save_roundtrip.py`` or ``vlm_train.py`` and ARGS_JSON a JSON list of its argument lists. For plain
+runs only: the scripts' fault options (kills, failing writes, the gather-whole switch) patch the process for good.
+"""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from accelerate.state import AcceleratorState, GradientState
+
+PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--fail_save", "--gather_whole")
+
+if __name__ == "__main__":
+    script = importlib.import_module(Path(sys.argv[1]).stem)  # beside this file, on sys.path
+    for argv in json.loads(sys.argv[2]):
+        assert not set(PATCHING) & set(argv), f"an option that patches the process: launch the script alone: {argv}"
+        script.main(argv)
+        for cls in (AcceleratorState, GradientState):  # the next trainer builds its own accelerator
+            cls._shared_state.clear()
