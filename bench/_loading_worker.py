@@ -7,16 +7,12 @@ broadcast by accelerate at the first step) to the end of that step. Prints ``BEN
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
+from _save_worker import PeakRSS  # bench/_save_worker.py, beside this script
 from datasets import Dataset
 
 import trl_ext
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _save_worker import PeakRSS  # noqa: E402 - a sibling script, not a package
 
 
 def main():
