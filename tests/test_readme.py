@@ -21,6 +21,8 @@ def readme_command(marker: str) -> str:
 def test_readme_commands_use_the_readme_venv():
     for marker in ("main-command", "test-command"):
         assert readme_command(marker).startswith("python3 -m venv .venv && . .venv/bin/activate && pip install ")
+    # CI tests the newest combination in full, then the oldest supported one (README, "Tested versions")
+    assert readme_command("test-command").endswith(" && python -m pytest && .ci/oldest.sh")
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ import sys
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from . import checkpointing, configs, hub_format, input_checks, quantization, reward_head, saving, vision, weight_sync
+from . import (checkpointing, compat, configs, hub_format, input_checks, quantization, reward_head, saving, vision,
+               weight_sync)
 from .runtime import check_distributed_setup
 from .verify import CheckpointError
 
@@ -24,6 +25,7 @@ class TrlExtMixin:
 
     _config_class: type  # the trl_ext config used when the caller passes no ``args``
     _default_run_suffix: str
+    _fused_lm_head = True  # TRL computes this trainer's loss through its fused LM head (trl >= 1.15)
 
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
@@ -41,9 +43,12 @@ class TrlExtMixin:
             bound.arguments["args"] = training_args = configs.from_training_arguments(
                 training_args, self._config_class, self._trl_class)
         check_distributed_setup(training_args)
+        if self._fused_lm_head:
+            compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
         quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
         user_reentrant = checkpointing.take_user_choice(training_args)
+        compat.seed_before_model(training_args, bound.arguments.get("peft_config"))
         with self._around_trl_init(bound):
             super().__init__(*bound.args, **bound.kwargs)
         quantization.match_adapter_dtype(self.args, self.model)
@@ -196,6 +201,7 @@ class RewardTrainer(TrlExtMixin, trl.RewardTrainer):
     __doc__ = trl.RewardTrainer.__doc__
     _config_class, _default_run_suffix = configs.RewardConfig, "Reward"
     _dataset_kind = "preference"
+    _fused_lm_head = False
 
     def _around_trl_init(self, bound):
         # One output, and a head trained and saved whole under PEFT (see reward_head).

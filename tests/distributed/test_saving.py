@@ -74,7 +74,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.compat) if c == "sft-lora-zero3" else c for c in CASES])
 def test_saved_checkpoints_reload_with_the_trained_outputs(tmp_path, case):
     backend, trainer, args, zero = CASES[case]
     out = run(tmp_path, backend, trainer, *args, **zero)
