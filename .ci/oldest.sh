@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-oldest
+# DeepSpeed compiles its CPU ops (shared-memory comm) on first use into torch's extension cache, one directory per op
+# name for every DeepSpeed version: keep this venv's builds apart from the newest's.
+export TORCH_EXTENSIONS_DIR="$PWD/.venv-oldest/torch_extensions"
 .venv-oldest/bin/pip install -q torch==2.13.0 -e ".[test]" \
     "trl==1.14.2" "transformers==5.23.0" "accelerate==1.15.0" "peft==0.21.0" "deepspeed==0.19.2"
 .venv-oldest/bin/python -m pytest -m compat "$@"
