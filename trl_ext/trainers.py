@@ -12,8 +12,18 @@ import sys
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from . import (checkpointing, compat, configs, hub_format, input_checks, quantization, reward_head, saving, vision,
-               weight_sync)
+from . import (
+    checkpointing,
+    compat,
+    configs,
+    hub_format,
+    input_checks,
+    quantization,
+    reward_head,
+    saving,
+    vision,
+    weight_sync,
+)
 from .runtime import check_distributed_setup
 from .verify import CheckpointError
 

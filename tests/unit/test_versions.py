@@ -1,7 +1,6 @@
 """The tested version range, declared in pyproject.toml, .ci/oldest.sh and the README, is one range."""
 
 import re
-import tomllib
 from importlib.metadata import version
 
 from packaging.requirements import Requirement
@@ -13,8 +12,9 @@ RANGED = ("trl", "transformers", "accelerate", "peft", "deepspeed")
 
 
 def _declared() -> dict[str, Requirement]:
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    requirements = (Requirement(r) for r in project["dependencies"])
+    # pyproject's quoted requirements (a regex: tomllib needs Python 3.11, and we support 3.10)
+    quoted = re.findall(r'"([a-z_-]+[<>=!][^"]*)"', (REPO / "pyproject.toml").read_text())
+    requirements = (Requirement(r) for r in quoted)
     return {r.name: r for r in requirements if r.name in RANGED}
 
 
