@@ -18,18 +18,20 @@ from .runtime import notice
 
 TRL_VERSION = Version(trl.__version__)
 SEEDS_BEFORE_MODEL = Version("1.15")  # first TRL that seeds before building the model (and the PEFT adapter)
+SEEDED_EARLIER = {"RewardTrainer"}  # already seeded before its model in trl 1.14 (its random head)
 TORCH_LOSS_PATH = Version("1.16")  # first TRL whose fused LM head runs without Triton and a GPU
 
 
-def seed_before_model(args, peft_config, trl_version: Version = TRL_VERSION) -> None:
+def seed_before_model(args, peft_config, trainer_name: str, trl_version: Version = TRL_VERSION) -> None:
     """Seed with ``args.seed`` before TRL builds the model, as TRL >= 1.15 does itself.
 
     Args:
         args: the training config TRL will get.
         peft_config: the trainer's ``peft_config`` argument (the notice is only for runs where the seed matters).
+        trainer_name: the TRL trainer's class name.
         trl_version: the installed TRL's version (a parameter for the tests).
     """
-    if trl_version >= SEEDS_BEFORE_MODEL:
+    if trl_version >= SEEDS_BEFORE_MODEL or trainer_name in SEEDED_EARLIER:
         return
     if peft_config is not None:
         notice(f"trl {trl_version} does not seed before creating the PEFT adapter (fixed in trl 1.15): seeding with "

@@ -58,7 +58,7 @@ class TrlExtMixin:
         self._check_input(bound)
         quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
         user_reentrant = checkpointing.take_user_choice(training_args)
-        compat.seed_before_model(training_args, bound.arguments.get("peft_config"))
+        compat.seed_before_model(training_args, bound.arguments.get("peft_config"), self._trl_class.__name__)
         with self._around_trl_init(bound):
             super().__init__(*bound.args, **bound.kwargs)
         quantization.match_adapter_dtype(self.args, self.model)

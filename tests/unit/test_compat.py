@@ -21,7 +21,7 @@ def _lora_init(trl_version: str, rng_before: int) -> torch.Tensor:
     torch.manual_seed(rng_before)  # whatever ran before the trainer
     args = trl_ext.SFTConfig(output_dir="unused", seed=7, report_to="none")
     config = LoraConfig(r=2, target_modules=["lin"])
-    compat.seed_before_model(args, config, Version(trl_version))
+    compat.seed_before_model(args, config, "SFTTrainer", Version(trl_version))
     model = get_peft_model(_Net(), config)
     return next(p for n, p in model.named_parameters() if "lora_A" in n).detach().clone()
 
@@ -37,6 +37,15 @@ def test_trl_1_15_and_later_seed_themselves(caplog):
     with caplog.at_level("WARNING", logger="trl_ext"):
         assert not torch.equal(_lora_init("1.15.0", 1), _lora_init("1.16.0", 2))  # untouched: TRL seeds, not us
     assert "seed" not in caplog.text
+
+
+def test_trl_1_14_reward_trainer_seeds_itself(caplog):
+    torch.manual_seed(1)
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        compat.seed_before_model(trl_ext.RewardConfig(output_dir="unused", seed=7, report_to="none"), object(),
+                                 "RewardTrainer", Version("1.14.2"))
+    assert "seed" not in caplog.text
+    assert torch.initial_seed() == 1  # the global generator was left alone
 
 
 @pytest.mark.parametrize("version", ["1.14.2", "1.16.0"])
