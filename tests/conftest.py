@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -12,3 +13,13 @@ def tiny_model_path():
     from trl_ext.assets import default_model_path
 
     return default_model_path()
+
+
+UNIT = Path(__file__).parent / "unit"
+
+
+def pytest_collection_modifyitems(items):
+    # The unit tests are all part of the oldest-versions run (.ci/oldest.sh); distributed tests opt in one by one.
+    for item in items:
+        if UNIT in Path(item.path).parents:
+            item.add_marker(pytest.mark.compat)

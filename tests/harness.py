@@ -13,10 +13,11 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 def run_training(tmp_path: Path, backend: str, trainer: str, *extra: str, timeout: float = 300) -> dict:
-    """Train ``trainer`` on 2 processes under ``backend`` and return rank 0's report (asserting success)."""
+    """Train ``trainer`` on 2 processes under ``backend`` and return rank 0's report (asserting success), with the
+    launch's combined output under ``"output"``."""
     config = write_accelerate_config(tmp_path / "configs", backend)
     out = tmp_path / "out"
     result = launch(SCRIPTS / "train.py", ["--trainer", trainer, "--output_dir", str(out), *extra], config, timeout)
     assert not result.timed_out, f"launch timed out after {timeout}s:\n{result.output[-4000:]}"
     assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.output[-6000:]}"
-    return json.loads((out / "report_rank0.json").read_text())
+    return {**json.loads((out / "report_rank0.json").read_text()), "output": result.output}

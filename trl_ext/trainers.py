@@ -15,6 +15,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from . import (
     checkpointing,
+    compat,
     configs,
     elastic,
     fsdp,
@@ -38,6 +39,7 @@ class TrlExtMixin:
 
     _config_class: type  # the trl_ext config used when the caller passes no ``args``
     _default_run_suffix: str
+    _fused_lm_head = True  # TRL computes this trainer's loss through its fused LM head (trl >= 1.15)
 
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
@@ -55,10 +57,13 @@ class TrlExtMixin:
             bound.arguments["args"] = training_args = configs.from_training_arguments(
                 training_args, self._config_class, self._trl_class)
         check_distributed_setup(training_args)
+        if self._fused_lm_head:
+            compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
         quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
         fsdp_checkpoints = checkpointing.fsdp_checkpoints(training_args)  # one policy: FSDP's, or ours below
         user_reentrant = checkpointing.take_user_choice(training_args)
+        compat.seed_before_model(training_args, bound.arguments.get("peft_config"), self._trl_class.__name__)
         with self._around_trl_init(bound):
             super().__init__(*bound.args, **bound.kwargs)
         quantization.match_adapter_dtype(self.args, self.model)
@@ -261,6 +266,7 @@ class RewardTrainer(TrlExtMixin, trl.RewardTrainer):
     __doc__ = trl.RewardTrainer.__doc__
     _config_class, _default_run_suffix = configs.RewardConfig, "Reward"
     _dataset_kind = "preference"
+    _fused_lm_head = False
 
     def _around_trl_init(self, bound):
         # One output, and a head trained and saved whole under PEFT (see reward_head).

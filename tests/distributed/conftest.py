@@ -34,6 +34,7 @@ class SharedRuns:
 
     def __init__(self, root: Path):
         self.root, self.done, self.started = root, {}, 0
+        self.outputs: dict[Path, str] = {}  # a run's output directory -> its launch's combined output
 
     def get(self, script: str, backend: str, args: list[str], timeout: float = 300, **zero) -> Path:
         """The output directory of ``script ARGS --output_dir OUT`` under ``backend``, launched on first use."""
@@ -41,7 +42,8 @@ class SharedRuns:
         if key not in self.done:
             directory = self._directory()
             out = directory / "out"
-            self._launch(script, [*args, "--output_dir", str(out)], directory, backend, timeout, **zero)
+            self.outputs[out] = self._launch(script, [*args, "--output_dir", str(out)], directory, backend, timeout,
+                                             **zero)
             self.done[key] = out
         return self.done[key]
 
@@ -54,19 +56,21 @@ class SharedRuns:
         directory = self._directory()
         outs = [directory / f"out{i}" for i in range(len(todo))]
         argvs = [[*args, "--output_dir", str(out)] for args, out in zip(todo, outs)]
-        self._launch("run_many.py", [script, json.dumps(argvs)], directory, backend, timeout)
+        output = self._launch("run_many.py", [script, json.dumps(argvs)], directory, backend, timeout)
         for args, out in zip(todo, outs):
             self.done[script, backend, tuple(args), ()] = out
+            self.outputs[out] = output
 
     def _directory(self) -> Path:
         self.started += 1  # a fresh directory even after a failed launch
         return self.root / f"run{self.started}"
 
-    def _launch(self, script: str, args: list[str], directory: Path, backend: str, timeout: float, **zero) -> None:
+    def _launch(self, script: str, args: list[str], directory: Path, backend: str, timeout: float, **zero) -> str:
         config = write_accelerate_config(directory / "configs", backend, **zero)
         result = launch(SCRIPTS / script, args, config, timeout)
         assert not result.timed_out, f"launch timed out after {timeout}s:\n{result.output[-4000:]}"
         assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.output[-6000:]}"
+        return result.output
 
 
 @pytest.fixture(scope="session")
@@ -76,12 +80,13 @@ def shared_runs(tmp_path_factory) -> SharedRuns:
 
 @pytest.fixture(scope="session")
 def zero3_run(shared_runs):
-    """``zero3_run(trainer, lora)``: the output directory and rank 0's report of ``train.py`` under ZeRO-3."""
+    """``zero3_run(trainer, lora)``: the output directory and rank 0's report of ``train.py`` under ZeRO-3, with the
+    launch's output under ``"output"`` (one launch makes every case)."""
 
     def run(trainer: str, lora: bool) -> tuple[Path, dict]:
         shared_runs.many("train.py", "zero3", [train_args(*case, *ZERO3_TRAIN) for case in ZERO3_CASES])
         out = shared_runs.get("train.py", "zero3", train_args(trainer, lora, *ZERO3_TRAIN))
-        return out, json.loads((out / "report_rank0.json").read_text())
+        return out, {**json.loads((out / "report_rank0.json").read_text()), "output": shared_runs.outputs[out]}
 
     return run
 

@@ -71,7 +71,11 @@ def assert_fault_cost_nothing(out: Path, reference: Path, fault: list[str]) -> N
         assert (out / f".checkpoint-4{PARTIAL_SUFFIX}").is_dir()
 
 
-@pytest.mark.parametrize("case", CASES)
+# LoRA: on trl 1.14 the same seed gives the same adapter init only through trl_ext.compat.seed_before_model
+COMPAT = "sft-lora-every-rank-killed-mid-training"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.compat) if c == COMPAT else c for c in CASES])
 def test_resume_after_a_fault_equals_the_uninterrupted_run(tmp_path, zero3_run, case):
     trainer, args, fault = CASES[case]
     reference, _ = zero3_run(trainer, "--lora" in args)

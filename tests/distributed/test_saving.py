@@ -75,7 +75,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.compat) if c == "sft-lora-zero3" else c
+                                  for c in CASES])
 def test_saved_checkpoints_reload_with_the_trained_outputs(roundtrip, case):
     backend, trainer, args, zero = CASES[case]
     out = roundtrip(backend, trainer, *args, **zero)

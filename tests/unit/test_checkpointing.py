@@ -6,8 +6,14 @@ from trl_ext import checkpointing
 from trl_ext.assets import default_model_path, load_default_dataset
 
 
-def test_installed_deepspeed_has_the_recompute_fix():
-    assert checkpointing.deepspeed_keeps_frozen_params_on_recompute()
+def test_recompute_fix_detected_from_the_installed_deepspeed():
+    # Read from DeepSpeed's source; it must agree with the release that shipped the fix (the oldest supported
+    # DeepSpeed, 0.19.2, lacks it: .ci/oldest.sh)
+    import deepspeed
+    from packaging.version import Version
+
+    expected = Version(deepspeed.__version__) >= Version(checkpointing.DEEPSPEED_FIX_VERSION)
+    assert checkpointing.deepspeed_keeps_frozen_params_on_recompute() is expected
 
 
 def _trainer(tmp_path, **config):
