@@ -58,7 +58,23 @@ def _refuse_quantized(base: str, dequantize: bool) -> None:
 
 def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
           max_shard_size: int | str = "5GB", dequantize_base: bool = False) -> Path:
-    """Merge ``adapter`` into its base and save a standalone model to ``out`` (which must not hold files)."""
+    """Merge ``adapter`` into its base and save a standalone model to ``out``, in memory (``trl-ext merge`` streams).
+
+    Args:
+        adapter: a PEFT adapter directory (LoRA, DoRA, ``modules_to_save`` heads included).
+        out: the directory for the merged model; it must not exist or be empty.
+        base: the base model id or path; default: the one the adapter records.
+        dtype: the merged model's dtype (``"auto"``: the base's).
+        max_shard_size: the largest safetensors file written.
+        dequantize_base: merge into a dequantized copy of a quantized base instead of refusing it.
+
+    Returns:
+        The output directory.
+
+    Raises:
+        MergeError: the output exists, the base is unknown or quantized, or the adapter is damaged or does not fit
+            the base; nothing was written.
+    """
     import transformers
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer

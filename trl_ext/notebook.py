@@ -148,6 +148,20 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
     section (so ``{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}`` keeps the stage).
     Inside ``function`` build the trainer as in a script; use ``trl_ext``'s configs so a machine without a GPU
     trains on CPU with gloo. Under ZeRO-3, call ``trainer.save_model()`` on every rank.
+
+    Args:
+        function: a picklable function that trains; it runs in every process.
+        *args: passed to ``function``.
+        num_processes: how many processes (2 or more; one per GPU on a GPU machine).
+        zero_stage: 0-3 for DeepSpeed ZeRO, None for DDP.
+        deepspeed: DeepSpeed settings (dict or JSON file) merged over the stage's defaults.
+
+    Returns:
+        What ``function`` returned on rank 0.
+
+    Raises:
+        ValueError: fewer than 2 processes, or more than the GPUs.
+        RuntimeError: CUDA is already initialized in this process, or it is itself a distributed process.
     """
     from accelerate import notebook_launcher
     from accelerate.utils.other import get_free_port

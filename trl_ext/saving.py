@@ -302,13 +302,26 @@ def replace_dir(staging: Path, target: Path) -> None:
 
 def save(model, output_dir: str, *, processing_class=None, training_args=None,
          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool | None = None) -> None:
-    """Save ``model`` (a transformers model or a PEFT model, possibly ZeRO-3 partitioned) to ``output_dir``.
+    """Save ``model`` (a transformers model or a PEFT model, possibly ZeRO-3 or FSDP2 sharded) to ``output_dir``.
 
     PEFT models are written as the adapter only (``adapter_model.safetensors`` + ``adapter_config.json``); other
-    models as sharded safetensors with an index. Under ZeRO-3 call it on every rank: the ranks send their partitions
-    to the writer, and every rank raises ``verify.CheckpointError`` if any of them failed. With whole parameters
+    models as sharded safetensors with an index, in the Hub's layout. Under ZeRO-3 and FSDP2 call it on every rank:
+    the ranks send their partitions to the writer, and every rank raises if any of them failed. With whole parameters
     (DDP, ZeRO-1/2, one process) only the writing rank does anything, with no collective call, so a save guarded by
     ``if trainer.is_world_process_zero()`` works as it does with transformers.
+
+    Args:
+        model: the model to save.
+        output_dir: the directory to create or replace; written beside it first and renamed into place once verified.
+        processing_class: a tokenizer or processor to save with the weights (optional).
+        training_args: the run's ``TrainingArguments``, saved as ``training_args.bin``; its ``should_save`` picks the
+            writing rank when ``is_writer`` is None.
+        max_shard_size: the largest safetensors file of a full model, as in ``save_pretrained``.
+        is_writer: whether this rank writes the files (default: ``training_args.should_save``, else rank 0).
+
+    Raises:
+        verify.CheckpointError: the save failed or its files failed verification; nothing was committed and the
+            previous contents of ``output_dir`` are untouched.
     """
     if is_writer is None:
         is_writer = training_args.should_save if training_args is not None else (

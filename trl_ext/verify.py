@@ -308,7 +308,16 @@ def _check_contents(root: Path, tensors: dict, prefixes: dict, report: Report, b
 
 
 def audit(path: str, base: str | None = None, num_labels: int = 1) -> Report:
-    """Audit the checkpoint at ``path``. ``base``: a model id/path to check shapes against."""
+    """Audit a saved checkpoint (adapter or full model): the files every loader needs, complete and consistent.
+
+    Args:
+        path: the checkpoint directory.
+        base: a model id or path to check the tensor names and shapes against (optional).
+        num_labels: the number of outputs a reward or classification head must have.
+
+    Returns:
+        A ``Report`` whose ``ok`` is True when nothing is wrong; ``format()`` lists the problems.
+    """
     root = Path(path)
     report = Report(str(path))
     if not root.is_dir():
@@ -398,6 +407,18 @@ def check_adapter_config(path: str, trained) -> list[str]:
 
 
 def verify_or_raise(path: str, **kwargs) -> Report:
+    """``audit``, raising on any problem.
+
+    Args:
+        path: the checkpoint directory.
+        **kwargs: ``base`` and ``num_labels``, as for ``audit``.
+
+    Returns:
+        The report of a checkpoint with no problem.
+
+    Raises:
+        CheckpointError: the report's problems, formatted.
+    """
     report = audit(path, **kwargs)
     if not report.ok:
         raise CheckpointError(report.format())
