@@ -1,7 +1,9 @@
 """One benchmark run (launched by bench/checkpointing.py): SFT + LoRA on a random Llama, one GC mode.
 
 Prints a JSON line with rank 0's median step time and peak memory growth during training: RSS on CPU,
-``torch.cuda.max_memory_allocated`` on a GPU.
+``torch.cuda.max_memory_allocated`` on a GPU. With ``--probe`` (CPU) it also reports rank 0's peak RSS per phase of a
+step (forward, backward, optimizer step) and, under ZeRO-3, what is gathered while each decoder layer is recomputed
+in the backward: how many parameters are AVAILABLE in total and in the layers after it (already backpropagated).
 """
 
 import argparse
@@ -10,6 +12,7 @@ import os
 import resource
 import statistics
 import tempfile
+import threading
 import time
 
 import psutil
@@ -17,6 +20,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from trl_ext import SFTConfig, SFTTrainer
 from trl_ext.assets import default_model_path
@@ -45,6 +49,101 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self.start)
 
 
+class Probe(TrainerCallback):
+    """Rank 0's peak RSS per phase (sampled every 5 ms and at every hook) and ZeRO-3 gathering during recompute."""
+
+    def __init__(self):
+        self.phase, self.base, self.peak = "idle", None, {}
+        self.recompute, self.gathers = [], {}  # per recompute of a layer: (layer, gathered numel after it, gathered numel in total)
+        self.layers, self.steps, self.stop, self.recomputing = [], 0, threading.Event(), None
+
+    def sample(self):
+        if self.steps < 2:  # skip warm-up steps (first allocations, DeepSpeed's trace)
+            return
+        rss = psutil.Process().memory_info().rss
+        self.peak[self.phase] = max(self.peak.get(self.phase, 0), rss)
+
+    def run(self):
+        while not self.stop.wait(0.005):
+            self.sample()
+
+    def set_phase(self, phase):
+        self.sample()
+        self.phase, self.recomputing = phase, None
+
+    def gathered(self, module):
+        return sum(p.ds_numel for p in module.parameters() if getattr(p, "ds_status", None) is not None
+                   and p.ds_status.name == "AVAILABLE")
+
+    def on_layer(self, index):
+        def hook(module, args):
+            if torch._C._current_graph_task_id() == -1 or index == self.recomputing:
+                return  # a plain forward, or a later submodule of the layer being recomputed
+            self.recomputing = index
+            self.sample()
+            if self.steps >= 2 and hasattr(next(module.parameters()), "ds_status"):
+                later = sum(self.gathered(layer) for layer in self.layers[index + 1:])
+                self.recompute.append((index, later, self.gathered(self.model)))
+        return hook
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.model = model
+        self.layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for i, layer in enumerate(self.layers):  # the recompute runs the layer's forward, not its hooks: hook inside
+            for sub in layer.modules():
+                if sub is not layer and list(sub.parameters(recurse=False)):
+                    sub.register_forward_pre_hook(self.on_layer(i))
+        model.register_forward_pre_hook(lambda m, a: self.set_phase("forward") if torch.is_grad_enabled()
+                                        and torch._C._current_graph_task_id() == -1 else None)
+        model.register_forward_hook(lambda m, a, o: self.set_phase("backward") if torch.is_grad_enabled()
+                                    and torch._C._current_graph_task_id() == -1 else None)
+        try:  # under DeepSpeed, accelerate runs the optimizer step inside its backward call
+            from deepspeed.runtime.engine import DeepSpeedEngine
+
+            step = DeepSpeedEngine.step
+
+            def timed_step(engine, *a, **k):
+                self.set_phase("optimizer")
+                return step(engine, *a, **k)
+
+            DeepSpeedEngine.step = timed_step
+            from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
+
+            gather = PPC._PartitionedParameterCoordinator__all_gather_params
+
+            def counted_gather(coordinator, params, forward):  # numel all-gathered per phase
+                if self.steps >= 2:
+                    fetched = sum(p.ds_numel for p in params if p.ds_status.name == "NOT_AVAILABLE")
+                    self.gathers[self.phase] = self.gathers.get(self.phase, 0) + fetched
+                return gather(coordinator, params, forward)
+
+            PPC._PartitionedParameterCoordinator__all_gather_params = counted_gather
+        except ImportError:
+            pass
+        self.base = psutil.Process().memory_info().rss
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.set_phase("optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.set_phase("idle")
+        self.steps += 1
+
+    def report(self):
+        self.stop.set()
+        total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.model.parameters())
+        per_layer = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.layers[0].parameters())
+        out = {"peak_mb": {k: (v - self.base) / 2**20 for k, v in self.peak.items()},
+               "params": total, "layer_params": per_layer,
+               "gathered_per_step": {k: v / max(self.steps - 2, 1) for k, v in self.gathers.items()}}
+        if self.recompute:
+            out["recompute_later_max"] = max(r[1] for r in self.recompute)
+            out["recompute_gathered_max"] = max(r[2] for r in self.recompute)
+            out["recompute_first_step"] = self.recompute[:len(self.layers)]
+        return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=MODES, required=True)
@@ -52,6 +151,8 @@ def main():
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    parser.add_argument("--probe", action="store_true", help="phase peaks and ZeRO-3 gathering during recompute")
     parser.add_argument("--gpu_0p5b", action="store_true", help="a ~0.5B Qwen2.5-shaped Llama in bf16, on a GPU")
     cli = parser.parse_args()
 
@@ -70,9 +171,10 @@ def main():
     args = SFTConfig(output_dir=out, max_steps=cli.steps, per_device_train_batch_size=2, max_length=cli.seq_len,
                      learning_rate=1e-4, logging_steps=1000, save_strategy="no", report_to="none", seed=0,
                      **MODES[cli.mode])
-    timer = StepTimer()
+    timer, probe = StepTimer(), Probe()
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                         peft_config=LoraConfig(r=8, target_modules="all-linear"), callbacks=[timer])
+                         peft_config=None if cli.full else LoraConfig(r=8, target_modules="all-linear"),
+                         callbacks=[timer] + ([probe] if cli.probe else []))
     trainer.train()
     if torch.cuda.is_available():
         growth = torch.cuda.max_memory_allocated() - timer.gpu_at_start
@@ -80,8 +182,11 @@ def main():
         growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - timer.rss_at_start  # bytes on Linux
     if trainer.accelerator.is_main_process:
         steady = timer.times[2:] or timer.times  # skip warm-up steps
-        print("BENCH " + json.dumps({"mode": cli.mode, "step_s": statistics.median(steady),
-                                     "peak_growth_mb": max(growth, 0) / 2**20, "pid": os.getpid()}), flush=True)
+        result = {"mode": cli.mode, "step_s": statistics.median(steady), "peak_growth_mb": max(growth, 0) / 2**20,
+                  "pid": os.getpid()}
+        if cli.probe:
+            result["probe"] = probe.report()
+        print("BENCH " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

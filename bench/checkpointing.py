@@ -1,6 +1,7 @@
 """Gradient checkpointing on CPU, 2-process ZeRO-3 + LoRA: none vs reentrant vs non-reentrant, in one run.
 
     python bench/checkpointing.py [--repeats 2] [--steps 8]
+    python bench/checkpointing.py --hidden 2048 --layers 4 --seq_len 32 --probe [--full] [--backend fsdp2]
     python bench/checkpointing.py --gpu_0p5b        # one GPU, single process, ~0.5B model in bf16
 
 Runs are interleaved (none, reentrant, non-reentrant, none, ...) and the median of the repeats is reported.
@@ -31,15 +32,23 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=512)
+    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    parser.add_argument("--probe", action="store_true", help="peak RSS per phase; ZeRO-3 gathering during recompute")
+    parser.add_argument("--backend", choices=["zero3", "fsdp2"], default="zero3")
     parser.add_argument("--gpu_0p5b", action="store_true", help="single-process GPU variant, ~0.5B parameters")
     cli = parser.parse_args()
 
-    config = write_accelerate_config(Path(tempfile.mkdtemp(prefix="bench-gc-")), "zero3")
+    config = write_accelerate_config(Path(tempfile.mkdtemp(prefix="bench-gc-")), cli.backend)
     worker = Path(__file__).with_name("_checkpointing_worker.py")
     results = {mode: [] for mode in MODES}
     for repeat in range(cli.repeats):
         for mode in MODES:
-            worker_args = ["--mode", mode, "--steps", str(cli.steps)] + (["--gpu_0p5b"] if cli.gpu_0p5b else [])
+            worker_args = ["--mode", mode, "--steps", str(cli.steps), "--hidden", str(cli.hidden), "--layers",
+                           str(cli.layers), "--seq_len", str(cli.seq_len)]
+            worker_args += [f"--{flag}" for flag in ("full", "probe", "gpu_0p5b") if getattr(cli, flag)]
             run = run_single(worker, worker_args) if cli.gpu_0p5b else launch(worker, worker_args, config, 900)
             lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
             if run.returncode != 0 or not lines:
@@ -47,6 +56,8 @@ def main():
             results[mode].append(json.loads(lines[-1][6:]))
             print(f"repeat {repeat + 1} {mode:<14} step {results[mode][-1]['step_s']:.3f}s  "
                   f"peak +{results[mode][-1]['peak_growth_mb']:.0f} MiB", flush=True)
+            if "probe" in results[mode][-1]:
+                print("  probe " + json.dumps(results[mode][-1]["probe"]), flush=True)
 
     med = {m: {k: statistics.median(r[k] for r in results[m]) for k in ("step_s", "peak_growth_mb")} for m in MODES}
     print("\nmode            step (s)   peak growth (MiB)   time vs reentrant   memory vs reentrant")
