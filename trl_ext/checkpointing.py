@@ -4,6 +4,10 @@ Why: non-reentrant checkpointing is PyTorch's recommendation (no input-require-g
 ``torch.compile``). TRL 1.16 forces reentrant for PEFT + ZeRO-3 because older DeepSpeed re-partitioned frozen
 parameters during the recompute ("CheckpointError: Recomputed values ... have different metadata"). DeepSpeed
 >= 0.19.3 (PR #8148) keeps them gathered, so we only fall back where that fix is missing.
+That fix hands each frozen parameter a recompute gathers to the backward submodule running at the time and frees it
+when that one finishes, so under PEFT + ZeRO-3 every frozen weight is all-gathered a second time (0.93x the model per
+step); on CPU that costs no step time and, with large buffers returned to the OS, 1.04x reentrant's peak memory
+(bench/README.md, "Why non-reentrant costs more"). Non-reentrant stays; the remedy belongs in DeepSpeed.
 """
 
 import functools
