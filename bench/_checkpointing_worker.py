@@ -54,7 +54,8 @@ class Probe(TrainerCallback):
 
     def __init__(self):
         self.phase, self.base, self.peak = "idle", None, {}
-        self.recompute, self.gathers = [], {}  # per recompute of a layer: (layer, gathered numel after it, gathered numel in total)
+        # per recompute of a layer: (layer, gathered numel after it, gathered numel in total)
+        self.recompute, self.gathers = [], {}
         self.layers, self.steps, self.stop, self.recomputing = [], 0, threading.Event(), None
 
     def sample(self):
