@@ -15,6 +15,8 @@ import torch
 import yaml
 from accelerate.utils.other import get_free_port
 
+from .runtime import env_rank, env_world_size
+
 RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
 ACCELERATE_KEYS = ("distributed_type", "compute_environment")
 # The launcher's own variables: the re-launched `accelerate launch` must start from a clean slate.
@@ -31,7 +33,7 @@ class UsageError(SystemExit):
 
     def __init__(self, message: str):
         self.message = message
-        super().__init__(f"error: {message}" if int(os.environ.get("RANK", "0")) == 0 else 1)
+        super().__init__(f"error: {message}" if env_rank() == 0 else 1)
 
     def __str__(self) -> str:
         return f"error: {self.message}"
@@ -99,7 +101,7 @@ def take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 def default_num_processes() -> int:
     """One process per visible GPU; 2 CPU processes (gloo) on a machine without one. Under an outer multi-process
     launch (``accelerate launch --num_processes N recipe.py --config ...``), the N the user asked for."""
-    outer = int(os.environ.get("WORLD_SIZE", "1"))
+    outer = env_world_size()
     if outer > 1:
         return outer
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
@@ -122,7 +124,7 @@ def relaunch(accelerate_config: str, script: str, script_args: list[str], num_pr
     if os.environ.get(RELAUNCHED):
         raise UsageError(f"already re-launched under {os.environ[RELAUNCHED]}, and an accelerate config is still on "
                          "the command line; pass it once.")
-    if int(os.environ.get("RANK", "0")) != 0:
+    if env_rank() != 0:
         sys.exit(0)
     n = num_processes or default_num_processes()
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIXES)}

@@ -31,6 +31,8 @@ from unittest import mock
 
 import torch
 
+from .runtime import env_rank
+
 ZERO_STAGES = (0, 1, 2, 3)
 _RESULT_FILE = "rank0_result.pkl"
 
@@ -115,7 +117,7 @@ def _run_and_report(function, result_dir: str):
     def run(*args):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # forked: the kernel's pool size is inherited
         result = function(*args)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if env_rank() == 0:
             try:
                 payload = pickle.dumps(result)
             except Exception as exc:  # any pickling failure gets the same advice

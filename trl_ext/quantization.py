@@ -19,6 +19,7 @@ import importlib.metadata
 import importlib.util
 
 import torch
+from accelerate.utils import is_peft_model
 
 from . import fsdp
 from .runtime import notice
@@ -133,7 +134,7 @@ def prepare(args, bound) -> None:
     ``args.model_init_kwargs`` is replaced by an adjusted copy, never modified in place.
     """
     model = bound.arguments.get("model")
-    has_adapter = bound.arguments.get("peft_config") is not None or _is_peft_model(model)
+    has_adapter = bound.arguments.get("peft_config") is not None or is_peft_model(model)
     if not isinstance(model, str):
         return _check_model_object(args, model, has_adapter)
 
@@ -164,13 +165,9 @@ def prepare(args, bound) -> None:
             args.model_init_kwargs = {**init_kwargs, "quantization_config": config}
 
 
-def _is_peft_model(model) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
 def _check_model_object(args, model, has_adapter: bool) -> None:
     """A model the user loaded quantized: refuse what its stored form cannot do under the active DeepSpeed stage."""
-    base = model.get_base_model() if _is_peft_model(model) else model
+    base = model.get_base_model() if is_peft_model(model) else model
     four_bit, eight_bit = getattr(base, "is_loaded_in_4bit", False), getattr(base, "is_loaded_in_8bit", False)
     if not (four_bit or eight_bit):
         return

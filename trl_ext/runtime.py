@@ -19,9 +19,19 @@ from . import fsdp
 logger = logging.getLogger("trl_ext")
 
 
+def env_rank() -> int:
+    """This process's global rank as the launcher set it (0 outside a launch); readable before any process group."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world_size() -> int:
+    """The number of processes the launcher started (1 outside a launch)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def notice(message: str) -> None:
     """One-line notice, printed once per process (rank 0 only when distributed)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if env_rank() == 0:
         logger.warning(f"[trl_ext] {message}")
 
 
@@ -33,7 +43,7 @@ def has_accelerator() -> bool:
 
 def is_distributed_launch() -> bool:
     """True under torchrun / accelerate launch with more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return env_world_size() > 1
 
 
 def adapt_to_hardware(args) -> None:
@@ -117,7 +127,7 @@ def check_distributed_setup(args) -> None:
     """Fail early, with the fix, when a launch with several processes ended up with one training process."""
     from transformers.training_args import ParallelMode
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_world_size()
     if world > 1 and (args.world_size == 1 or args.parallel_mode != ParallelMode.DISTRIBUTED):
         raise RuntimeError(
             f"This script was launched with {world} processes, but each one set up training alone (world size "

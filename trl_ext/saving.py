@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate.utils import is_peft_model  # noqa: F401 - trl_ext's modules ask saving.is_peft_model
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from . import gather, hub_format, verify
@@ -46,14 +47,6 @@ class _WeightSet:
     units: list[hub_format.Unit]
     plan: dict[str, list[TensorSpec]]
     peft_config: object = None
-
-
-def is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
 
 
 def _adapter_weight_sets(model) -> list[_WeightSet]:

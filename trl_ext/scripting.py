@@ -17,7 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from . import launch
 from .launch import UsageError
-from .runtime import notice
+from .runtime import env_world_size, notice
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
@@ -179,7 +179,7 @@ def _same_on_all_ranks(value: str) -> str:
 
 
 def _wait_for_everyone() -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if env_world_size() > 1:
         from accelerate import PartialState
 
         PartialState().wait_for_everyone()

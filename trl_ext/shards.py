@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.utils.hub import convert_file_size_to_int
 
 # Every dtype safetensors writes (its ``safetensors.torch._TYPES``; a unit test keeps the two equal).
 DTYPE_CODES = {
@@ -41,15 +42,11 @@ class TensorSpec:
 
 
 def parse_size(size: float | str) -> int | float:
-    """``5GB``, ``500MB``, ``2GiB`` or a number of bytes."""
+    """``5GB``, ``500MB``, ``2GiB`` (transformers' own parser, as ``save_pretrained`` reads ``max_shard_size``), a
+    number of bytes, or a number (``inf``: one file)."""
     if isinstance(size, (int, float)):
         return size
-    text = size.strip().upper()
-    for unit, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
-                         ("KB", 10**3), ("B", 1)):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+    return int(size) if size.strip().isdigit() else convert_file_size_to_int(size.strip())
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_size: int | str,
