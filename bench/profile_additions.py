@@ -187,7 +187,7 @@ def main():
     for name in ("take_user_choice", "decide", "apply", "remove_input_require_grads_hooks"):
         timers.wrap(checkpointing, name, f"checkpointing.{name}")
     timers.wrap(checkpointing.CheckpointingPolicy, "on_train_begin", "CheckpointingPolicy.on_train_begin")
-    timers.wrap(saving, "guard_save_pretrained", "saving.guard_save_pretrained")
+    timers.wrap(trainers, "guard_save_pretrained", "trainers.guard_save_pretrained")
     optional = [(trainers.TrlExtMixin, "_check_input", "input checks (model path, TRL on the first rows)")]
     for module, names in (("input_checks", ("check_rows_kept", "check_resume_checkpoint")),
                           ("quantization", ("prepare", "match_adapter_dtype"))):

@@ -8,7 +8,7 @@ import trl
 from peft import LoraConfig
 
 import trl_ext
-from trl_ext import saving
+from trl_ext import commit, saving
 from trl_ext.assets import load_default_dataset
 from trl_ext.weight_sync import BoundedVLLMGeneration
 
@@ -102,7 +102,7 @@ def test_rloo_saves_through_the_one_save_path_and_reloads_with_plain_peft(rloo_r
     _, saved, ids, trained, _ = rloo_run
     report = audit(str(saved), base=tiny_model_path)  # what trl_ext's save path verified after writing
     assert report.ok, report.format()
-    assert not list(saved.parent.glob(f"*{saving.PARTIAL_SUFFIX}")), "staged, then committed: nothing left over"
+    assert not list(saved.parent.glob(f"*{commit.PARTIAL_SUFFIX}")), "staged, then committed: nothing left over"
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), saved).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import saving, verify
+from . import commit, verify
 from .assets import resolve_model
 from .input_checks import check_model_path
 from .lora_deltas import Adapter, AdapterError, RowMerger, load_adapter, merge_bias
@@ -420,7 +420,7 @@ def merge_streamed(adapter: str, out: str, base: str | None = None, dtype: str =
         raise MergeError(f"{out_dir} already exists and is not empty; nothing was changed. Choose a new --out.")
     job = _gather_inputs(Path(adapter), base, dtype)
     target = out_dir.absolute()
-    staging = target.with_name(f".{target.name}{saving.PARTIAL_SUFFIX}")
+    staging = target.with_name(f".{target.name}{commit.PARTIAL_SUFFIX}")
     shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted merge
     keep_staging, probe_diff = False, None
     try:
@@ -440,7 +440,7 @@ def merge_streamed(adapter: str, out: str, base: str | None = None, dtype: str =
                     raise
                 raise MergeError(f"the end-to-end check could not run ({type(exc).__name__}: {exc}); nothing was "
                                  "written. merge_streamed(..., probe=False) skips it".splitlines()[0]) from exc
-        saving.commit(staging, target)
+        commit.commit(staging, target)
     except BaseException:
         if not keep_staging:
             shutil.rmtree(staging, ignore_errors=True)

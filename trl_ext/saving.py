@@ -1,19 +1,18 @@
-"""The one save path: gather under ZeRO, stream safetensors shards, verify, commit atomically.
+"""The one save path, as a sequence of steps: plan, stage, stream the weights, verify, agree, commit.
 
-Used by the trainers for the final save and for every intermediate checkpoint. It does not depend on
-``stage3_gather_16bit_weights_on_model_save`` nor on the transformers version: the ZeRO-3 partitions are sent to
-one writing rank in chunks (``gather.stream``) and written straight into planned files (``shards.ShardStreamWriter``),
-so the writer never holds the model, a shard or a whole large tensor. The files are written into a hidden directory
-beside the target, re-opened and checked (``verify``), and only then renamed into place; under ZeRO-3 every rank
-learns the outcome, so a failure never hangs the job.
+Used by the trainers for the final save and for every intermediate checkpoint. ``save`` reads top to bottom: the
+plan (``plan_weight_sets``: names, shapes and files, the same on every rank), the staging directory with the
+configuration files (``_stage``), the weights streamed from ZeRO-3 partitions or FSDP2 shards to one writing rank
+(``_write_weights``, through ``gather.stream`` into ``shards.ShardStreamWriter``, so the writer never holds the model,
+a shard or a whole large tensor), the written files re-opened and checked (``_check_staged``, ``verify``), every
+rank's outcome agreed (``_raise_if_any_failed``: a failure on one rank never hangs the others), and the rename into
+place (``commit.commit``). Each step returns its error rather than raising, so that every rank reaches the agreement.
 """
 
 import contextlib
 import copy
 import json
 import logging
-import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -24,19 +23,14 @@ from accelerate.utils import is_peft_model  # noqa: F401 - trl_ext's modules ask
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from . import gather, hub_format, verify
+from .commit import PARTIAL_SUFFIX, commit
 from .shards import DTYPE_CODES, ShardStreamWriter, TensorSpec, index_json, plan_shards
 
 logger = logging.getLogger("trl_ext")
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
-PARTIAL_SUFFIX = ".trl_ext-partial"  # staging directories; never matched by checkpoint-N detection
-PREVIOUS_SUFFIX = ".trl_ext-previous"  # a replaced checkpoint, removed once the new one is in place
 WRITE_FIX = ("nothing was committed and earlier saves are intact; free disk space or fix permissions there, then "
              "save again (or resume from the last checkpoint)")
-# Files from_pretrained opens first: moved into place last, so an interrupted commit never looks complete.
-ENTRY_POINTS = ("model.safetensors.index.json", "model.safetensors", "adapter_model.safetensors")
-_WEIGHTS_FILE = re.compile(
-    r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
 
 
 @dataclass
@@ -245,54 +239,6 @@ def _agree(error: str | None) -> list[str]:
     return [e for e in everyone if e]
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def commit(staging: Path, target: Path) -> None:
-    """Move a fully written and verified ``staging`` directory to ``target``.
-
-    A missing or empty target is replaced by one atomic rename. A directory that already holds other things (an
-    output_dir with checkpoint-N folders, say) receives the files one rename each: the previous model's files are
-    first moved aside into ``.trl_ext-previous``, and the entry point (index or weights file) comes last, so an
-    interruption never leaves a directory that looks complete but mixes two saves.
-    """
-    if target.is_dir() and not any(target.iterdir()):
-        target.rmdir()
-    if not target.exists():
-        staging.rename(target)
-        _fsync_dir(target.parent)
-        return
-    aside = target / PREVIOUS_SUFFIX
-    shutil.rmtree(aside, ignore_errors=True)
-    aside.mkdir()
-    new = sorted(os.listdir(staging))
-    for name in os.listdir(target):
-        if name != aside.name and (name in new or _WEIGHTS_FILE.match(name)):
-            (target / name).rename(aside / name)
-    for name in sorted(new, key=lambda n: n in ENTRY_POINTS):
-        (staging / name).rename(target / name)
-    _fsync_dir(target)
-    staging.rmdir()
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def replace_dir(staging: Path, target: Path) -> None:
-    """Put directory ``staging`` at ``target``, replacing an existing directory there (a re-saved checkpoint-N)."""
-    aside = target.with_name(f".{target.name}{PREVIOUS_SUFFIX}")
-    shutil.rmtree(aside, ignore_errors=True)
-    if target.exists():
-        target.rename(aside)
-    staging.rename(target)
-    _fsync_dir(target.parent)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def save(model, output_dir: str, *, processing_class=None, training_args=None,
          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool | None = None) -> None:
     """Save ``model`` (a transformers model or a PEFT model, possibly ZeRO-3 or FSDP2 sharded) to ``output_dir``.
@@ -327,61 +273,16 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     _check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
     target = Path(output_dir).absolute()
     staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
-    error, written, started = None, [], time.monotonic()
+    started = time.monotonic()
 
-    if is_writer:
-        try:
-            shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted save
-            for ws in weight_sets:
-                (staging / ws.subdir).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            error = f"cannot create {staging}: {exc}; {WRITE_FIX}"
-        if error is None:
-            try:  # first, so that the checks below run while the last weight file's fsync is still going on
-                _write_metadata(model, staging, weight_sets, processing_class, training_args)
-            except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
-                error = f"writing the configuration files: {type(exc).__name__}: {exc}"
-        total = sum(s.nbytes for ws in weight_sets for specs in ws.plan.values() for s in specs)
-        logger.info(f"[trl_ext] saving {total / 2**20:.1f} MiB to {target}")
-    writing_ranks, writers = _ranks_where(is_writer) if collective else [0], []
-    for ws in weight_sets:
-        writer = ShardStreamWriter(staging / ws.subdir, ws.plan) if is_writer else None
-        sink = _Guarded(writer, error) if writer is not None else None
-        _stream_units(model, ws.units, sink, collective, writing_ranks[0] if len(writing_ranks) == 1 else None)
-        if sink is not None:
-            writers.append(writer)
-            error = sink.error
-            if error is None:
-                try:
-                    writer.finish()  # the last file's fsync goes on during the checks below
-                except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
-                    error = str(exc)
-            else:
-                writer.abort()
-        written.append(writer.written if writer is not None else {})
-
-    keep_staging = False  # files that failed verification are kept for inspection
-    if is_writer and error is None:
-        try:
-            problems = _verify(model, staging, weight_sets, written)
-        except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
-            problems = [f"the checks themselves failed: {type(exc).__name__}: {exc}"]
-        if problems:
-            keep_staging = True
-            error = (f"the checkpoint for {target} failed verification; nothing was committed and the previous "
-                     f"contents are untouched. The files are kept in {staging} for inspection.\n  "
-                     + "\n  ".join(problems))
-    for writer in writers:  # every file on disk (or its fsync error) before anything is committed or removed
-        try:
-            writer.wait()
-        except OSError as exc:
-            error = error or f"syncing {staging} to disk: {exc}; {WRITE_FIX}"
-    if is_writer and error is not None and not keep_staging:
+    # Each step returns its error instead of raising: every rank must reach the agreement below, or others hang.
+    error = _stage(model, target, staging, weight_sets, processing_class, training_args) if is_writer else None
+    error, writers = _write_weights(model, staging, weight_sets, collective, is_writer, error)
+    unverified = _check_staged(model, target, staging, weight_sets, writers) if is_writer and not error else None
+    error = error or unverified or _synced(writers, staging)
+    if is_writer and error and not unverified:  # files that failed verification are kept for inspection
         shutil.rmtree(staging, ignore_errors=True)
-
-    failures = _agree(error) if collective else [error] if error else []
-    if failures:
-        raise verify.CheckpointError("saving failed: " + "\n".join(dict.fromkeys(failures)))
+    _raise_if_any_failed(error, collective)
     if is_writer:
         commit(staging, target)
         logger.info(f"[trl_ext] saved and verified {target} in {time.monotonic() - started:.1f}s")
@@ -389,65 +290,78 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
         torch.distributed.barrier()  # nobody reads the checkpoint before it is in place
 
 
+def _stage(model, target: Path, staging: Path, weight_sets, processing_class, training_args) -> str | None:
+    """Writer: an empty staging directory beside ``target``, with the configuration files. Returns the error."""
+    try:
+        shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted save
+        for ws in weight_sets:
+            (staging / ws.subdir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {staging}: {exc}; {WRITE_FIX}"
+    total = sum(s.nbytes for ws in weight_sets for specs in ws.plan.values() for s in specs)
+    logger.info(f"[trl_ext] saving {total / 2**20:.1f} MiB to {target}")
+    try:  # first, so that the checks run while the last weight file's fsync is still going on
+        _write_metadata(model, staging, weight_sets, processing_class, training_args)
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+        return f"writing the configuration files: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _write_weights(model, staging: Path, weight_sets, collective: bool, is_writer: bool,
+                   error: str | None) -> tuple[str | None, list[ShardStreamWriter]]:
+    """Every rank: each weight set's tensors streamed into its planned files on the writer (a writer that already
+    failed keeps taking part, writing nothing). Returns the error and the writer's file writers, still syncing."""
+    writing_ranks, writers = _ranks_where(is_writer) if collective else [0], []
+    for ws in weight_sets:
+        writer = ShardStreamWriter(staging / ws.subdir, ws.plan) if is_writer else None
+        sink = _Guarded(writer, error) if writer is not None else None
+        _stream_units(model, ws.units, sink, collective, writing_ranks[0] if len(writing_ranks) == 1 else None)
+        if sink is None:
+            continue
+        writers.append(writer)
+        error = sink.error
+        if error is None:
+            try:
+                writer.finish()  # the last file's fsync goes on during the checks
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+                error = str(exc)
+        else:
+            writer.abort()
+    return error, writers
+
+
+def _check_staged(model, target: Path, staging: Path, weight_sets, writers) -> str | None:
+    """Writer: the staged files re-opened and checked against the plan and the trained model. Returns the error."""
+    try:
+        problems = _verify(model, staging, weight_sets, [writer.written for writer in writers])
+    except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+        problems = [f"the checks themselves failed: {type(exc).__name__}: {exc}"]
+    if not problems:
+        return None
+    return (f"the checkpoint for {target} failed verification; nothing was committed and the previous contents are "
+            f"untouched. The files are kept in {staging} for inspection.\n  " + "\n  ".join(problems))
+
+
+def _synced(writers, staging: Path) -> str | None:
+    """Every file on disk (or its fsync error) before anything is committed or removed."""
+    error = None
+    for writer in writers:
+        try:
+            writer.wait()
+        except OSError as exc:
+            error = error or f"syncing {staging} to disk: {exc}; {WRITE_FIX}"
+    return error
+
+
+def _raise_if_any_failed(error: str | None, collective: bool) -> None:
+    """Raise on every rank if any rank failed (one collective call when the save was collective)."""
+    failures = _agree(error) if collective else [error] if error else []
+    if failures:
+        raise verify.CheckpointError("saving failed: " + "\n".join(dict.fromkeys(failures)))
+
+
 def supports(model) -> bool:
     """Models this save path writes: transformers models and PEFT models around them."""
     from transformers import PreTrainedModel
 
     return is_peft_model(model) or isinstance(model, PreTrainedModel)
-
-
-def guard_save_pretrained(model) -> None:
-    """Make ``model.save_pretrained(dir)`` refuse, with the fix, while its parameters are ZeRO-3 placeholders.
-
-    A plain ``save_pretrained`` would write the empty ``(0,)`` shards silently. Calls that pass their own
-    ``state_dict`` (what Trainer does internally) are left alone.
-    """
-    models = [model, model.get_base_model()] if is_peft_model(model) else [model]
-    for target in models:
-        original = target.save_pretrained
-
-        def guarded(save_directory, *args, _original=original, _model=target, **kwargs):
-            if kwargs.get("state_dict") is None and gather.has_partitioned_params(_model):
-                raise RuntimeError(
-                    f"{type(_model).__name__}.save_pretrained() cannot save a DeepSpeed ZeRO-3 model: each rank holds "
-                    "only a slice of every parameter, so the file would contain empty torch.Size([0]) tensors. Call "
-                    "trainer.save_model(output_dir) on every rank instead (it gathers the weights, writes them from "
-                    "one rank and verifies the result), or trl_ext.saving.save(model, output_dir) on every rank."
-                )
-            return _original(save_directory, *args, **kwargs)
-
-        target.save_pretrained = guarded
-
-
-class StagedCheckpoint:
-    """Runs a Trainer checkpoint save into a hidden directory and renames it to ``checkpoint-N`` only when complete.
-
-    Everything the Trainer writes (weights, optimizer and scheduler, RNG states of every rank, trainer state) lands in
-    ``<run_dir>/.checkpoint-N.trl_ext-partial/checkpoint-N`` first. A crash or kill mid-save leaves only that hidden
-    directory, which ``get_last_checkpoint`` and ``resume_from_checkpoint=True`` never pick.
-    """
-
-    def __init__(self, run_dir: str, name: str, is_writer: bool, barrier):
-        self.run_dir, self.name, self.is_writer, self.barrier = Path(run_dir), name, is_writer, barrier
-        self.staging_run_dir = self.run_dir / f".{name}{PARTIAL_SUFFIX}"
-        self.final = self.run_dir / name
-
-    def __enter__(self) -> "StagedCheckpoint":
-        if self.is_writer:
-            for stale in self.run_dir.glob(f".checkpoint-*{PARTIAL_SUFFIX}"):  # from interrupted saves
-                shutil.rmtree(stale, ignore_errors=True)
-            self.staging_run_dir.mkdir(parents=True)
-        self.barrier()
-        return self
-
-    def staged_path(self, path: str | None) -> bool:
-        return bool(path) and Path(path).absolute().is_relative_to(self.staging_run_dir.absolute())
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            return  # the staging directory stays hidden; the next save removes it
-        self.barrier()  # every rank has written its files (RNG state, optimizer shards)
-        if self.is_writer:
-            replace_dir(self.staging_run_dir / self.name, self.final)
-            self.staging_run_dir.rmdir()
-        self.barrier()

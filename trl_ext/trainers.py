@@ -15,10 +15,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from . import (
     checkpointing,
+    commit,
     compat,
     configs,
     elastic,
     fsdp,
+    gather,
     hub_format,
     input_checks,
     nodes,
@@ -85,7 +87,7 @@ class TrlExtMixin:
         elif fsdp_checkpoints:
             self.add_callback(checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
-            saving.guard_save_pretrained(self.model)
+            guard_save_pretrained(self.model)
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
         """Refuse a missing model path, or rows TRL cannot prepare, with one clear line before the model is loaded."""
@@ -224,7 +226,7 @@ class TrlExtMixin:
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         storage = getattr(self, "_storage", None)
         writer = storage.checkpoint_writer(self.args) if storage else self.args.should_save
-        with saving.StagedCheckpoint(self.args.output_dir, name, writer, self.accelerator.wait_for_everyone) as staged:
+        with commit.StagedCheckpoint(self.args.output_dir, name, writer, self.accelerator.wait_for_everyone) as staged:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the staging directory.
             self._get_output_dir = lambda trial=None: str(staged.staging_run_dir)
             try:
@@ -254,6 +256,29 @@ class TrlExtMixin:
         cls.__init__ = __init__
         cls._trl_class = trl_base
         cls._trl_config_class = next(c for c in cls._config_class.__mro__ if c.__module__.startswith("trl."))
+
+
+def guard_save_pretrained(model) -> None:
+    """Make ``model.save_pretrained(dir)`` refuse, with the fix, while its parameters are ZeRO-3 placeholders.
+
+    A plain ``save_pretrained`` would write the empty ``(0,)`` shards silently. Calls that pass their own
+    ``state_dict`` (what Trainer does internally) are left alone.
+    """
+    models = [model, model.get_base_model()] if saving.is_peft_model(model) else [model]
+    for target in models:
+        original = target.save_pretrained
+
+        def guarded(save_directory, *args, _original=original, _model=target, **kwargs):
+            if kwargs.get("state_dict") is None and gather.has_partitioned_params(_model):
+                raise RuntimeError(
+                    f"{type(_model).__name__}.save_pretrained() cannot save a DeepSpeed ZeRO-3 model: each rank holds "
+                    "only a slice of every parameter, so the file would contain empty torch.Size([0]) tensors. Call "
+                    "trainer.save_model(output_dir) on every rank instead (it gathers the weights, writes them from "
+                    "one rank and verifies the result), or trl_ext.saving.save(model, output_dir) on every rank."
+                )
+            return _original(save_directory, *args, **kwargs)
+
+        target.save_pretrained = guarded
 
 
 class SFTTrainer(TrlExtMixin, trl.SFTTrainer):

@@ -19,7 +19,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from tests.distributed.conftest import ZERO3_TRAIN
 from tests.harness import SCRIPTS, launch, write_accelerate_config
 from trl_ext.assets import default_model_path
-from trl_ext.saving import PARTIAL_SUFFIX
+from trl_ext.commit import PARTIAL_SUFFIX
 from trl_ext.verify import audit
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from peft import LoraConfig, TaskType
 from transformers import TrainerCallback
 
 import trl_ext
-from trl_ext import saving, shards
+from trl_ext import commit, saving, shards
 from trl_ext.assets import default_model_path, load_default_dataset
 
 TRAINERS = {
@@ -72,7 +72,7 @@ def head_stats(model) -> dict:
 def kill_during_save(save_number: int) -> None:
     """Simulate a crash: rank 0 SIGKILLs itself after writing the first tensor of the N-th checkpoint save."""
     saves = {"count": 0}
-    enter, end = saving.StagedCheckpoint.__enter__, shards.ShardStreamWriter.end
+    enter, end = commit.StagedCheckpoint.__enter__, shards.ShardStreamWriter.end
 
     def counting_enter(self):
         saves["count"] += 1
@@ -83,7 +83,7 @@ def kill_during_save(save_number: int) -> None:
         if saves["count"] == save_number and int(os.environ.get("RANK", "0")) == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    saving.StagedCheckpoint.__enter__ = counting_enter
+    commit.StagedCheckpoint.__enter__ = counting_enter
     shards.ShardStreamWriter.end = write_then_die
 
 
