@@ -134,7 +134,9 @@ def prepare(args, bound) -> None:
     ``args.model_init_kwargs`` is replaced by an adjusted copy, never modified in place.
     """
     model = bound.arguments.get("model")
-    has_adapter = bound.arguments.get("peft_config") is not None or is_peft_model(model)
+    # accelerate's is_peft_model unwraps its argument: a model id (str) cannot be asked
+    has_adapter = bound.arguments.get("peft_config") is not None or (
+        not isinstance(model, str) and is_peft_model(model))
     if not isinstance(model, str):
         return _check_model_object(args, model, has_adapter)
 
