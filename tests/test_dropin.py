@@ -32,7 +32,7 @@ def _train(trainer_cls, config_cls, kind, model_path, tmp_path, lora):
         save_strategy="no", report_to="none", seed=0, bf16=False,  # TRL's config needs bf16=False on CPU
     )
     # For the reward model, task_type="SEQ_CLS": without it TRL freezes the head at its random init and never saves
-    # it (report F2), which trl_ext deliberately does not reproduce (tests/unit/test_reward_head.py).
+    # it (never trained, never saved), which trl_ext deliberately does not reproduce (tests/unit/test_reward_head.py).
     task = "SEQ_CLS" if kind == "reward" else None
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type=task) if lora else None
     data = load_default_dataset(kind)["train"].select(range(32))

@@ -2,7 +2,7 @@
 
 TRL 1.16 loads reward models with ``num_labels=1`` and sets ``pad_token_id``, but a PEFT config without
 ``task_type="SEQ_CLS"`` (``target_modules="all-linear"``, say) LoRA-wraps the head: its own weights stay at their
-random initialisation, are never saved, and reload as different random values (report F2). Here the head is found
+random initialisation, are never saved, and reload as different random values. Here the head is found
 from the loaded model, right before TRL wraps it with PEFT, and a copy of the user's PEFT config trains it through
 ``modules_to_save``.
 """

@@ -1,4 +1,5 @@
-"""`trl-ext verify` on checkpoints from a real 2-process ZeRO-3 run (report F1 reproduced, not hand-made)."""
+"""`trl-ext verify` on checkpoints from a real 2-process ZeRO-3 run (empty ZeRO-3 placeholders reproduced, not
+hand-made)."""
 
 import pytest
 
@@ -21,7 +22,7 @@ def test_user_save_paths_after_zero3_are_refused_or_caught(tmp_path):
     assert not (tmp_path / "out" / "user_save_pretrained").exists()
     assert "trainer.save_model" in (tmp_path / "out" / "user_save_pretrained.error").read_text()
 
-    # Saving the rank's own state_dict writes the [0] placeholders (report F1); verify names them.
+    # Saving the rank's own state_dict writes the [0] placeholders; verify names them.
     broken = audit(str(tmp_path / "out" / "raw_state_dict"))
     assert not broken.ok
     assert "8 empty tensors" in broken.problems[0]

@@ -1,5 +1,5 @@
 """Train LoRA SFT briefly, then save the ways users do: trainer.save_model, model.save_pretrained, and the raw
-state_dict path that reproduces report F1 (empty ZeRO-3 placeholders written as weights)."""
+state_dict path that writes empty ZeRO-3 placeholders as weights (adapters full of torch.Size([0]) tensors)."""
 
 import sys
 from pathlib import Path

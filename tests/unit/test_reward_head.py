@@ -32,7 +32,8 @@ def test_head_is_found_from_the_model(tiny_model_path):
 
 
 def test_all_linear_lora_without_task_type_trains_and_saves_the_head_whole(tmp_path, tiny_model_path, caplog):
-    """Report F2, fixed: the user's config is copied, the head goes to modules_to_save, one notice says so."""
+    """A LoRA-wrapped head (never trained, never saved), fixed: the user's config is copied, the head goes to
+    modules_to_save, one notice says so."""
     user_config = LoraConfig(r=4, target_modules="all-linear")
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
         trainer = _trainer(tmp_path, tiny_model_path, user_config)
