@@ -47,9 +47,10 @@ def two_nodes(tmp: Path, *args: str, node_local: bool) -> tuple[list[Launch], fl
     out, port = tmp / "out", get_free_port()  # one port for both nodes
     out.mkdir(exist_ok=True)
     results = [None, None]
+    configs = [node_config(tmp, rank) for rank in (0, 1)]  # before the threads: they would write the same files
 
     def node(rank: int) -> None:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(node_config(tmp, rank)),
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(configs[rank]),
                "--main_process_port", str(port), str(SCRIPTS / "train.py"), *TRAIN, "--output_dir", str(out), *args]
         if node_local:
             private = tmp / f"node{rank}-disk"
