@@ -73,18 +73,6 @@ def sharded_states(accelerator):
         state.fsdp_plugin = original
 
 
-def _local_rows(tensor, world: int) -> slice | None:
-    """The rows of ``tensor``'s full shape this rank holds, for FSDP2's ``Shard(0)`` on a 1-D mesh of every rank."""
-    from torch.distributed.tensor import Shard
-
-    mesh = tensor.device_mesh
-    if mesh.ndim != 1 or mesh.size() != world or tuple(tensor.placements) != (Shard(0),):
-        return None
-    chunk = -(-tensor.shape[0] // world)
-    start = min(tensor.shape[0], mesh.get_local_rank() * chunk)
-    return slice(start, start + tensor.to_local().shape[0])
-
-
 def load_checkpoint_weights(model, checkpoint: str) -> None:
     """Load weights saved by trl_ext (adapters, or a full model in the Hub's layout) into an FSDP2-sharded model.
 
@@ -104,7 +92,7 @@ def load_checkpoint_weights(model, checkpoint: str) -> None:
 
     from . import gather, saving
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     for weight_set in saving.plan_weight_sets(model):
         directory = Path(checkpoint) / weight_set.subdir
         if any(unit.converted for unit in weight_set.units):
@@ -119,7 +107,7 @@ def load_checkpoint_weights(model, checkpoint: str) -> None:
                 path = files[name]
                 if path not in handles:
                     handles[path] = safe_open(str(path), framework="pt", device="cpu")
-                rows = _local_rows(live, world) if gather.is_dtensor(live) else slice(None)
+                rows = gather.dtensor_rows(live, world, rank) if gather.is_dtensor(live) else slice(None)
                 if rows is None:  # another placement: distribute the whole tensor as the model places it
                     from torch.distributed.tensor import distribute_tensor
 

@@ -72,13 +72,24 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def dtensor_rows(tensor, world: int, rank: int) -> slice | None:
+    """The rows of ``tensor``'s full shape that ``rank`` holds under FSDP2's ``Shard(0)`` on a 1-D mesh of every rank,
+    in rank order (``torch.chunk``'s split, which FSDP2 shards by); None for any other placement."""
+    from torch.distributed.tensor import Shard
+
+    mesh = tensor.device_mesh
+    if (mesh.ndim != 1 or mesh.mesh.tolist() != list(range(world)) or tensor.ndim == 0
+            or tuple(tensor.placements) != (Shard(0),)):
+        return None
+    rows = tensor.shape[0]
+    chunk = -(-rows // world)
+    start = min(rows, rank * chunk)
+    return slice(start, min(rows, start + chunk))
+
+
 def _streamable(param, world: int) -> bool:
     if is_dtensor(param):
-        from torch.distributed.tensor import Shard
-
-        mesh = param.device_mesh  # one shard per global rank, in rank order
-        return (mesh.ndim == 1 and mesh.mesh.tolist() == list(range(world)) and param.ndim > 0
-                and tuple(param.placements) == (Shard(0),))
+        return dtensor_rows(param, world, 0) is not None
     part = getattr(param, "ds_tensor", None)
     return (
         part is not None
@@ -98,10 +109,13 @@ def _comm_device() -> torch.device:
 def _local_part(param, world: int) -> tuple[torch.Tensor, Callable[[int], int]]:
     """This rank's part of ``param``, flattened, and how many of its elements each rank holds (padding excluded)."""
     if is_dtensor(param):
-        rows = param.shape[0]
         per_row = math.prod(param.shape[1:])
-        chunk = -(-rows // world)  # torch.chunk's split, which FSDP2 shards by
-        return param.to_local().detach().reshape(-1), lambda r: max(0, min(chunk, rows - r * chunk)) * per_row
+
+        def owned(r: int) -> int:
+            rows = dtensor_rows(param, world, r)
+            return (rows.stop - rows.start) * per_row
+
+        return param.to_local().detach().reshape(-1), owned
     part = param.ds_tensor.data.reshape(-1)
     size = part.numel()
     return part, lambda r: max(0, min(size, param.ds_numel - r * size))  # the last parts carry padding
