@@ -17,6 +17,7 @@ import os
 from transformers import PreTrainedModel, TrainerCallback
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from . import fsdp
 from .runtime import notice
 
 DEEPSPEED_FIX_VERSION = "0.19.3"
@@ -47,7 +48,7 @@ def fsdp_checkpoints(args) -> bool:
 
     from_launcher = str_to_bool(os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false"))
     from_args = bool((getattr(args, "fsdp_config", None) or {}).get("activation_checkpointing"))
-    if not (from_launcher or from_args) or not (args.fsdp or os.environ.get("ACCELERATE_USE_FSDP") == "true"):
+    if not (from_launcher or from_args) or not fsdp.requested(args):
         return False
     if args.activation_checkpointing:
         args.activation_checkpointing = args.gradient_checkpointing = False
