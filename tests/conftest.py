@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if UNIT in Path(item.path).parents:
             item.add_marker(pytest.mark.compat)
+
+
+@pytest.fixture(autouse=True)
+def _each_test_checks_its_datasets(monkeypatch):
+    """A dataset check that passed in one test is not remembered in the next (trl_ext remembers them for a run)."""
+    from trl_ext import input_checks
+
+    monkeypatch.setattr(input_checks, "_passed", set())
+    monkeypatch.delenv(input_checks.CHECKED_ENV, raising=False)

@@ -15,6 +15,10 @@ these checks add is the message and the timing:
 
 Rows that ``max_length`` leaves nothing to learn from, a mistyped model path and damaged checkpoints to resume from
 are checked here as well.
+
+Each dataset is checked once per run: a check that passed is remembered under the dataset's fingerprint (stable
+across processes) and what the check read, in this process and, through ``CHECKED_ENV``, in the processes a recipe
+launches, so the recipe's first process, every rank and every trainer do not scan the same rows again.
 """
 
 import copy
@@ -35,6 +39,10 @@ FORMATS = {
 }
 CONVERSATION_COLUMNS = ("messages", "conversations")  # always a list of messages, never plain text
 FIX = "fix those rows or filter them out (dataset.filter) before training"
+CHECKED_ENV = "TRL_EXT_CHECKED_DATASETS"  # checks passed in the launching process, handed to the launched ranks
+# Config fields that differ between a recipe's processes without changing how rows are prepared.
+_PER_PROCESS_FIELDS = ("local_rank", "output_dir", "logging_dir", "run_name", "resume_from_checkpoint")
+_passed: set[str] = set()
 
 
 class DatasetError(ValueError):
@@ -255,6 +263,50 @@ def _explain(dataset, name, kind, text_field, formatting_func, exc, locate) -> s
     return f"{name}: TRL cannot prepare {where} ({error}); {FIX}"
 
 
+# ---------------------------------------------------------------- each dataset checked once per run
+
+
+def check_key(check: str, dataset, *inputs) -> str | None:
+    """A key for one check of one dataset: its fingerprint and everything else the check reads, hashed.
+
+    Args:
+        check: the check's name.
+        dataset: a ``datasets.Dataset``.
+        inputs: what else decides the check's outcome (configs, tokenizer names, functions), hashable by datasets.
+
+    Returns:
+        The key, or None for data without a fingerprint (those are checked every time).
+    """
+    fingerprint = getattr(dataset, "_fingerprint", None)
+    if fingerprint is None:
+        return None
+    from datasets.fingerprint import Hasher
+
+    return f"{check}-{Hasher.hash((fingerprint, inputs))}"
+
+
+def already_passed(key: str | None) -> bool:
+    """Whether this check passed before in this run (this process or the one that launched it)."""
+    return key is not None and (key in _passed or key in os.environ.get(CHECKED_ENV, "").split(","))
+
+
+def record_passed(key: str | None) -> None:
+    """Remember a passed check, for this process and for the processes it launches (they inherit the environment)."""
+    if key is None:
+        return
+    _passed.add(key)
+    os.environ[CHECKED_ENV] = ",".join(sorted(_passed | set(filter(None, os.environ.get(CHECKED_ENV, "").split(",")))))
+
+
+def _config_fields(args) -> dict:
+    import dataclasses
+
+    if not dataclasses.is_dataclass(args):
+        return {"args": repr(args)}
+    return {f.name: repr(getattr(args, f.name, None)) for f in dataclasses.fields(args)
+            if f.name not in _PER_PROCESS_FIELDS}
+
+
 # ---------------------------------------------------------------- the check before the model is loaded
 
 
@@ -334,8 +386,13 @@ def probe_datasets(trl_cls, datasets: dict, args, model=None, processing_class=N
     prepare = _trl_preparation(trl_cls, tokenizer, args, formatting_func) if tokenizer is not None else None
     if prepare is None:
         return
+    inputs = (trl_cls.__name__, kind, tokenizer.name_or_path, tokenizer.chat_template, _config_fields(args),
+              formatting_func)
     with _QuietDatasets():
         for name, dataset in datasets.items():
+            key = check_key("probe", dataset, *inputs)
+            if already_passed(key):
+                continue
             try:
                 prepare_or_explain(prepare, dataset, name, kind, getattr(args, "dataset_text_field", "text"),
                                    formatting_func, rows=PROBE_ROWS)
@@ -343,6 +400,7 @@ def probe_datasets(trl_cls, datasets: dict, args, model=None, processing_class=N
                 raise
             except Exception:  # noqa: BLE001 - about the arguments, or this TRL needs more than the stand-in holds
                 return  # TRL's constructor raises it with its own message, or trains
+            record_passed(key)
 
 
 # ---------------------------------------------------------------- after TRL's preparation

@@ -9,7 +9,7 @@ only after the model has loaded. These checks refuse exactly what TRL would fail
 
 import os
 
-from .input_checks import FIX, DatasetError
+from .input_checks import FIX, DatasetError, already_passed, check_key, record_passed
 
 IMAGE_COLUMNS = ("images", "image")
 CONVERSATION_COLUMNS = ("messages", "prompt")  # where TRL looks for the image placeholders of a row
@@ -91,6 +91,9 @@ def check_image_dataset(dataset, name: str, vision_model: bool | None) -> None:
     if vision_model is False:
         raise DatasetError(f"{name} has an '{column}' column but the model is text-only: train a vision-language "
                            f"model (e.g. trl-ext/tiny-vlm), or drop the column (dataset.remove_columns('{column}'))")
+    key = check_key("images", dataset, vision_model)
+    if already_passed(key):
+        return
     conversation = next((c for c in CONVERSATION_COLUMNS if c in columns), None)
     wanted = [column, *([conversation] if conversation else [])]
     # Images stay undecoded here: a file that PIL cannot open is reported below, not raised from inside datasets.
@@ -109,6 +112,7 @@ def check_image_dataset(dataset, name: str, vision_model: bool | None) -> None:
                 first = first or f"row {start + offset}: {problem}"
     if bad:
         raise DatasetError(f"{name}: {bad} bad image row(s) in {len(dataset)} rows, first at {first}; {FIX}")
+    record_passed(key)
 
 
 def _without_decoding(feature):

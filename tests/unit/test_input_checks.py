@@ -83,3 +83,24 @@ def test_trls_own_argument_errors_pass_through_unchanged(tiny_model_path, tmp_pa
         trl_ext.SFTTrainer(model=tiny_model_path, args=sft_args(tmp_path, truncation_mode="middle", max_length=8),
                            train_dataset=Dataset.from_list([GOOD]))
     assert not isinstance(caught.value, DatasetError)
+
+
+def test_each_dataset_is_checked_once_per_run(tiny_model_path, tmp_path, monkeypatch):
+    """A recipe checks its dataset in the process the user starts; the ranks it launches (which inherit the
+    environment) and their trainers do not scan the same rows again. Other data or another config is checked."""
+    scans = []
+    prepare = input_checks.prepare_or_explain
+    monkeypatch.setattr(input_checks, "prepare_or_explain", lambda p, d, *a, **k: scans.append(len(d)) or
+                        prepare(p, d, *a, **k))
+    rows = Dataset.from_list([GOOD] * 40)
+    input_checks.probe_datasets(trl.SFTTrainer, {"train": rows}, sft_args(tmp_path / "a"), tiny_model_path)
+    assert scans == [40]
+    monkeypatch.setattr(input_checks, "_passed", set())  # a launched rank: a new process, the same environment
+    input_checks.probe_datasets(trl.SFTTrainer, {"train": rows}, sft_args(tmp_path / "b"), tiny_model_path)
+    trainer = trl_ext.SFTTrainer(model=tiny_model_path, args=sft_args(tmp_path / "b"), train_dataset=rows)
+    assert scans == [40, 40]  # only the trainer's preparation of the whole dataset, never the probe again
+    assert len(trainer.train_dataset) == 40
+    input_checks.probe_datasets(trl.SFTTrainer, {"train": rows}, sft_args(tmp_path, max_length=8), tiny_model_path)
+    input_checks.probe_datasets(trl.SFTTrainer, {"train": Dataset.from_list([GOOD] * 41)}, sft_args(tmp_path),
+                                tiny_model_path)
+    assert scans == [40, 40, 40, 41]

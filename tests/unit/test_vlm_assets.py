@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -126,6 +127,8 @@ def test_image_checks_accept_what_trl_trains_on(tmp_path):
     check_image_dataset(sft, "sft", True)
     check_image_dataset(pref, "pref", True)
     check_image_dataset(sft, "no model known", None)
+    with mock.patch("trl_ext.vision._row_problem", side_effect=AssertionError("scanned again")):
+        check_image_dataset(sft, "sft", True)  # checked once per run: not scanned again
     # text content with images: TRL's prepare_multimodal_messages inserts the placeholders itself
     sft[0]["images"][0].save(tmp_path / "a.png")
     text = [{"role": "user", "content": "Colour?"}, {"role": "assistant", "content": "red"}]
