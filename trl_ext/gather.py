@@ -3,7 +3,7 @@
 Under ZeRO-3 each rank holds a slice of every parameter (``param.ds_tensor``: the flattened parameter cut into equal,
 zero-padded parts, rank ``r`` holding part ``r``) and an empty ``(0,)`` placeholder in ``param.data``; the full
 shape is ``param.ds_shape``. ``stream`` sends each parameter's parts to the writing rank in chunks, in rank order,
-so the writer never holds more than one chunk of a parameter, whatever its size. Parameters whose parts are not
+so the writing rank never holds more than one chunk of a parameter, whatever its size. Parameters whose parts are not
 plain tensors in memory (NVMe offload, quantized weights, partition groups smaller than the world) are gathered
 whole with DeepSpeed's ``GatheredParameters``, one module at a time.
 
@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-CHUNK_BYTES = 16 * 2**20  # per message; the writer holds at most one of these per rank it receives from
+CHUNK_BYTES = 16 * 2**20  # per message; the writing rank holds at most one of these per rank it receives from
 
 
 class Sink(Protocol):
@@ -121,7 +121,7 @@ def _local_part(param, world: int) -> tuple[torch.Tensor, Callable[[int], int]]:
     return part, lambda r: max(0, min(size, param.ds_numel - r * size))  # the last parts carry padding
 
 
-def _stream_partitions(param, sink: Sink | None, writer: int, device: torch.device) -> None:
+def _stream_partitions(param, sink: Sink | None, writer_rank: int, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     part, owned_by = _local_part(param, world)
     chunk = max(1, CHUNK_BYTES // part.element_size())
@@ -129,12 +129,12 @@ def _stream_partitions(param, sink: Sink | None, writer: int, device: torch.devi
         owned = owned_by(r)
         for start in range(0, owned, chunk):
             n = min(chunk, owned - start)
-            if r == writer:
+            if r == writer_rank:
                 if sink is not None:
                     sink.append(part[start : start + n])
             elif rank == r:
-                dist.send(part[start : start + n].to(device), dst=writer)
-            elif rank == writer:
+                dist.send(part[start : start + n].to(device), dst=writer_rank)
+            elif rank == writer_rank:
                 received = torch.empty(n, dtype=part.dtype, device=device)
                 dist.recv(received, src=r)
                 if sink is not None:
@@ -162,11 +162,11 @@ def _write_whole(named, sink: Sink | None) -> None:
             sink.end()
 
 
-def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective: bool, writer: int | None) -> None:
+def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective: bool, writer_rank: int | None) -> None:
     """Feed each tensor's full contents to ``sink``, in order: ``begin(name)``, ``append(piece)``..., ``end()``.
 
     Call on every rank. ``sink``: None on ranks that do not write. ``collective``: the model is ZeRO-3 partitioned,
-    so every rank takes part. ``writer``: the one writing rank, or None when several ranks write (each then gathers
+    so every rank takes part. ``writer_rank``: the one writing rank, or None when several ranks write (each then gathers
     whole parameters, one module at a time).
     """
     if not collective:
@@ -177,13 +177,13 @@ def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective:
     with torch.no_grad():
         group: list[tuple[str, torch.Tensor]] = []  # consecutive tensors of one module to gather whole
         for item in [*named, None]:
-            if item is not None and is_partitioned(item[1]) and writer is not None and _streamable(item[1], world):
+            if item is not None and is_partitioned(item[1]) and writer_rank is not None and _streamable(item[1], world):
                 _gather_and_write(group, sink)
                 group = []
                 name, param = item
                 if sink is not None:
                     sink.begin(name)
-                _stream_partitions(param, sink, writer, device)
+                _stream_partitions(param, sink, writer_rank, device)
                 if sink is not None:
                     sink.end()
                 continue

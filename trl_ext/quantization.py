@@ -20,6 +20,7 @@ import importlib.util
 
 import torch
 from accelerate.utils import is_peft_model
+from peft.utils.integrations import get_bnb_param_type
 
 from . import fsdp
 from .runtime import notice
@@ -187,19 +188,15 @@ def _quant_storage(model) -> torch.dtype | None:
     """The dtype the packed 4-bit weights are stored in, read from the weights themselves."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if type(weight).__name__ == "Params4bit":
+        if weight is not None and get_bnb_param_type(weight) == "4bit":
             return weight.dtype
     return None
-
-
-def _is_quantized_weight(param) -> bool:
-    return type(param).__name__ in ("Params4bit", "Int8Params")
 
 
 def base_compute_dtype(model) -> torch.dtype | None:
     """The dtype of the model's frozen floating (not quantized) parameters: norms, embeddings."""
     for param in model.parameters():
-        if not param.requires_grad and param.is_floating_point() and not _is_quantized_weight(param):
+        if not param.requires_grad and param.is_floating_point() and not get_bnb_param_type(param):
             return param.dtype
     return None
 

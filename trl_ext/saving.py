@@ -123,7 +123,7 @@ class _Collect:
         return self.tensors
 
 
-def _stream_units(model, units, sink, collective: bool, writer: int | None) -> None:
+def _stream_units(model, units, sink, collective: bool, writer_rank: int | None) -> None:
     """Feed the units' outputs to ``sink`` in plan order: renamed tensors streamed in chunks, converted groups gathered
     whole (one at a time) and converted on the writing rank. Every rank calls it, as ``gather.stream``."""
     run: list[tuple[str, torch.Tensor]] = []  # consecutive streamed tensors, under their Hub names
@@ -132,12 +132,12 @@ def _stream_units(model, units, sink, collective: bool, writer: int | None) -> N
             run.append((unit.outputs[0].name, unit.sources[0][1]))
             continue
         if run:
-            gather.stream(run, sink, collective, writer)
+            gather.stream(run, sink, collective, writer_rank)
             run = []
         if unit is None:
             continue
         whole = _Collect(unit.sources, copy=collective) if sink is not None else None
-        gather.stream(unit.sources, whole, collective, writer)
+        gather.stream(unit.sources, whole, collective, writer_rank)
         if sink is not None:
             sink.convert_and_write(lambda: hub_format.to_hub(model, whole.result()), unit.outputs)
 
@@ -232,7 +232,7 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _agree(error: str | None) -> list[str]:
+def _errors_on_all_ranks(error: str | None) -> list[str]:
     """Every rank's error (None if fine), on every rank."""
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, error)
@@ -355,7 +355,7 @@ def _synced(writers, staging: Path) -> str | None:
 
 def _raise_if_any_failed(error: str | None, collective: bool) -> None:
     """Raise on every rank if any rank failed (one collective call when the save was collective)."""
-    failures = _agree(error) if collective else [error] if error else []
+    failures = _errors_on_all_ranks(error) if collective else [error] if error else []
     if failures:
         raise verify.CheckpointError("saving failed: " + "\n".join(dict.fromkeys(failures)))
 
