@@ -44,6 +44,7 @@ class TrlExtMixin:
     _fused_lm_head = True  # TRL computes this trainer's loss through its fused LM head (trl >= 1.15)
 
     def __init__(self, *args, **kwargs):
+        self._storage: nodes.Storage | None = None  # output_dir's storage across nodes, known once train() starts
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         training_args = bound.arguments.get("args")
         if training_args is None:
@@ -176,6 +177,9 @@ class TrlExtMixin:
         from accelerate.utils import save_fsdp_optimizer
         from transformers.trainer import SCHEDULER_NAME
 
+        # Not super(): Trainer's FSDP branch would also write the weights again (save_fsdp_model); the scheduler line
+        # below is the rest of that branch.
+
         with fsdp.sharded_states(self.accelerator) as plugin:
             save_fsdp_optimizer(plugin, self.accelerator, self.optimizer, self.model, output_dir)
         if self.args.should_save:
@@ -193,11 +197,10 @@ class TrlExtMixin:
         if (self.is_fsdp_enabled and not self.accelerator.is_fsdp2) or not saving.supports(self.model):
             return super().save_model(output_dir, _internal_call)  # FSDP1's flat parameters: transformers' path
         try:
-            storage = getattr(self, "_storage", None)  # several nodes: one writer per copy of output_dir
             saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
                         training_args=self.args,
                         max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE),
-                        is_writer=storage.checkpoint_writer(self.args) if storage else None)
+                        is_writer=self._writes_files())
         except CheckpointError as exc:
             diverged = self._diverged(exc)
             if diverged is None:
@@ -205,6 +208,11 @@ class TrlExtMixin:
             raise diverged from exc
         if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _writes_files(self) -> bool:
+        """Whether this rank writes saved files: the main process, or on several nodes without shared storage, each
+        node's first process (every copy of output_dir needs its own files)."""
+        return self._storage.checkpoint_writer(self.args) if self._storage else self.args.should_save
 
     def _diverged(self, exc: CheckpointError) -> CheckpointError | None:
         """A save refused because the weights hold NaN or inf means training diverged: say when, and what to resume."""
@@ -224,8 +232,7 @@ class TrlExtMixin:
         if trial is not None or self.hp_search_backend is not None:
             return super()._save_checkpoint(model, trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        storage = getattr(self, "_storage", None)
-        writer = storage.checkpoint_writer(self.args) if storage else self.args.should_save
+        writer = self._writes_files()
         with commit.StagedCheckpoint(self.args.output_dir, name, writer, self.accelerator.wait_for_everyone) as staged:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the staging directory.
             self._get_output_dir = lambda trial=None: str(staged.staging_run_dir)
@@ -233,7 +240,7 @@ class TrlExtMixin:
                 super()._save_checkpoint(model, trial)
             finally:
                 del self._get_output_dir
-            if storage and not storage.shared and writer and self.is_deepspeed_enabled:
+            if self._storage and not self._storage.shared and writer and self.is_deepspeed_enabled:
                 # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's copy needs its own
                 (staged.staging_run_dir / name / "latest").write_text(f"global_step{self.state.global_step}")
             if staged.staged_path(self.state.best_model_checkpoint):  # this checkpoint is the best so far
