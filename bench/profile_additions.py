@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl  # noqa: E402
 
 import trl_ext  # noqa: E402
-from trl_ext import checkpointing, configs, gather, reward_head, saving, shards, trainers, verify  # noqa: E402
+from trl_ext import checkpointing, configs, gather, reward_head, save_plan, saving, shards, trainers, verify  # noqa: E402
 
 TRL_EXT_DIR = str(Path(trl_ext.__file__).parent)
 WAIT = "wait for fsync, after the checks"
@@ -158,8 +158,7 @@ def profile_saves(cli, timers: Timers) -> list[dict]:
         # The checks run while the last file's fsync is in flight: when the save still had to wait for that fsync
         # after them, they added nothing to its wall time; otherwise at most their own duration.
         added = [0.0 if r.get(WAIT, 0.0) > 1e-4 else r.get("verification", 0.0) for r in runs]
-        tensors = len(saving._adapter_weight_sets(model)[0].tensors) if saving.is_peft_model(model) else len(
-            saving._full_weight_set(model, saving.DEFAULT_MAX_SHARD_SIZE).tensors)
+        tensors = sum(len(specs) for ws in save_plan.plan_weight_sets(model) for specs in ws.plan.values())
         results.append({"label": label, "bytes": size, "tensors": tensors, "phases": med, "guard": guard,
                         "plain": statistics.median(plain), "added": statistics.median(added),
                         "hidden": sum(a == 0.0 for a in added), "runs": len(runs)})
@@ -204,8 +203,8 @@ def main():
     timers.wrap(reward_head, "peft_config_for", "reward_head.peft_config_for")
     # Saving: the phases of trl_ext.saving.save.
     timers.wrap(saving, "save", "save (total)", group="save")
-    timers.wrap(saving, "_adapter_weight_sets", "names and shard plan", group="phase")
-    timers.wrap(saving, "_full_weight_set", "names and shard plan", group="phase")
+    timers.wrap(save_plan, "_adapter_weight_sets", "names and shard plan", group="phase")
+    timers.wrap(save_plan, "_full_weight_set", "names and shard plan", group="phase")
     timers.wrap(gather, "stream", "stream + write", group="phase")
     timers.wrap(shards.ShardStreamWriter, "finish", "close the last file", group="phase")
     timers.wrap(shards.ShardStreamWriter, "wait", WAIT, group="phase")

@@ -90,10 +90,10 @@ def load_checkpoint_weights(model, checkpoint: str) -> None:
     import torch.distributed as dist
     from safetensors import safe_open
 
-    from . import gather, saving
+    from . import gather, save_plan
 
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    for weight_set in saving.plan_weight_sets(model):
+    for weight_set in save_plan.plan_weight_sets(model):
         directory = Path(checkpoint) / weight_set.subdir
         if any(unit.converted for unit in weight_set.units):
             _load_converted(model, directory)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from accelerate.utils import is_peft_model
 
 from . import gather, hub_format, saving, verify
 from .assets import resolve_model
@@ -155,7 +156,7 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
-    base = model.get_base_model() if saving.is_peft_model(model) else model
+    base = model.get_base_model() if is_peft_model(model) else model
     done: list[str] = []  # prefixes of modules already yielded whole
     seen: set[int] = set()  # tied parameters: the first name only, as save_pretrained keeps
     with torch.no_grad():

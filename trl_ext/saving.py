@@ -15,84 +15,20 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate.utils import is_peft_model  # noqa: F401 - trl_ext's modules ask saving.is_peft_model
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from accelerate.utils import is_peft_model
 
 from . import gather, hub_format, verify
 from .commit import PARTIAL_SUFFIX, commit
-from .shards import DTYPE_CODES, ShardStreamWriter, TensorSpec, index_json, plan_shards
+from .save_plan import DEFAULT_MAX_SHARD_SIZE, check_dtypes, plan_weight_sets
+from .shards import ShardStreamWriter, TensorSpec, index_json
 
 logger = logging.getLogger("trl_ext")
 
-DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
 WRITE_FIX = ("nothing was committed and earlier saves are intact; free disk space or fix permissions there, then "
              "save again (or resume from the last checkpoint)")
-
-
-@dataclass
-class _WeightSet:
-    """One directory's weights: the adapter (PEFT) or the full model (Hub layout), in writing order."""
-
-    subdir: str
-    units: list[hub_format.Unit]
-    plan: dict[str, list[TensorSpec]]
-    peft_config: object = None
-
-
-def _adapter_weight_sets(model) -> list[_WeightSet]:
-    """PEFT's own key mapping (``get_peft_model_state_dict``) applied to the live tensors: canonical keys, no adapter
-    name, ``modules_to_save`` under the plain module name. One set per adapter, laid out as PEFT does."""
-    from peft import get_peft_model_state_dict
-
-    live, wrapper = model.state_dict(keep_vars=True), _CHECKPOINT_PREFIX
-    if any(wrapper in name for name, _ in model.named_modules()):
-        # Activation-checkpoint wrappers (FSDP's fsdp_activation_checkpointing) strip their prefix from state_dict
-        # keys but not from module names, and PEFT finds adapter weights by module name: it would drop every LoRA
-        # weight. Map with the module names, write without the wrapper's prefix.
-        live = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    sets = []
-    for adapter, config in model.peft_config.items():
-        mapped = {name.replace(wrapper, ""): tensor for name, tensor in
-                  get_peft_model_state_dict(model, state_dict=live, adapter_name=adapter).items()}
-        # PEFT's keys are what PeftModel.from_pretrained takes: no conversion (PEFT's own save reverts none either)
-        units = [hub_format.Unit([(n, t)], [TensorSpec(n, gather.full_shape(t), t.dtype)]) for n, t in mapped.items()]
-        plan = plan_shards([u.outputs[0] for u in units], float("inf"), prefix="adapter_model")  # PEFT reads one file
-        sets.append(_WeightSet("" if adapter == "default" else adapter, units, plan, config))
-    return sets
-
-
-def _full_weight_set(model, max_shard_size) -> _WeightSet:
-    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
-    tensors = [(n, t) for n, t in gather.state_tensors(model).items() if n not in ignored]
-    units = hub_format.plan(model, tensors)  # the names, shapes and layout save_pretrained writes
-    return _WeightSet("", units, plan_shards([s for u in units for s in u.outputs], max_shard_size))
-
-
-def plan_weight_sets(model, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[_WeightSet]:
-    """What a save of ``model`` writes: its adapters (PEFT), or the full model in the Hub's layout.
-
-    Args:
-        model: a transformers model or a PEFT model around one, possibly ZeRO-3 or FSDP2 sharded.
-        max_shard_size: the largest safetensors file of a full model (adapters are one file, as PEFT reads them).
-
-    Returns:
-        One ``_WeightSet`` per directory written, each with its units (live tensors -> Hub names) and file plan.
-    """
-    return _adapter_weight_sets(model) if is_peft_model(model) else [_full_weight_set(model, max_shard_size)]
-
-
-def _check_dtypes(weight_sets) -> None:
-    """Refuse, on every rank and before anything is written, a dtype the safetensors format cannot hold."""
-    unknown = sorted({str(s.dtype) for ws in weight_sets for specs in ws.plan.values() for s in specs
-                      if s.dtype not in DTYPE_CODES})
-    if unknown:
-        raise verify.CheckpointError(f"saving failed: safetensors cannot store {', '.join(unknown)}; nothing was "
-                                     "written. Cast those tensors to a supported dtype (e.g. model.to(torch.float32)) "
-                                     "before saving.")
 
 
 class _Collect:
@@ -270,7 +206,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     if not collective and not is_writer:
         return
     weight_sets = plan_weight_sets(model, max_shard_size)
-    _check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
+    check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
     target = Path(output_dir).absolute()
     staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
     started = time.monotonic()

@@ -11,6 +11,7 @@ import sys
 
 import torch
 import trl
+from accelerate.utils import is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, set_seed
 
 from . import (
@@ -151,7 +152,7 @@ class TrlExtMixin:
         model = model if model is not None else self.model
         if fsdp.is_fsdp2(self.accelerator):  # our Hub-format files, read by each rank for its own shards
             return fsdp.load_checkpoint_weights(model, resume_from_checkpoint)
-        if (self.is_deepspeed_enabled or self.is_fsdp_enabled or saving.is_peft_model(model)
+        if (self.is_deepspeed_enabled or self.is_fsdp_enabled or is_peft_model(model)
                 or not saving.supports(model) or not hub_format.is_converted(model)):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         # from_pretrained applies the conversions; the copy is on CPU, as Trainer's own state dict would be
@@ -271,7 +272,7 @@ def guard_save_pretrained(model) -> None:
     A plain ``save_pretrained`` would write the empty ``(0,)`` shards silently. Calls that pass their own
     ``state_dict`` (what Trainer does internally) are left alone.
     """
-    models = [model, model.get_base_model()] if saving.is_peft_model(model) else [model]
+    models = [model, model.get_base_model()] if is_peft_model(model) else [model]
     for target in models:
         original = target.save_pretrained
 
