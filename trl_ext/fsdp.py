@@ -131,3 +131,35 @@ def _load_converted(model, directory: Path) -> None:
                 live.to_local().copy_(distribute_tensor(whole, live.device_mesh, live.placements).to_local())
             else:
                 live.data.copy_(whole)
+
+
+def wrap_layers_the_model_has(accelerator, model) -> None:
+    """Under FSDP2's transformer-based wrapping, wrap the ``_no_split_modules`` classes that ``model`` contains.
+
+    accelerate wraps every class the model lists in ``_no_split_modules`` and stops at the first one it cannot find
+    ("Could not find the transformer layer class ... in the model"). Since transformers 5.5 a vision-language model
+    lists its vision tower's whole family (LLaVA with a CLIP vision tower lists ``CLIPTextEmbeddings``), so TRL's own
+    ``fsdp2.yaml`` cannot train it. An explicit ``fsdp_transformer_layer_cls_to_wrap`` is left as the user wrote it.
+
+    Args:
+        accelerator: the trainer's accelerator, before it prepares the model.
+        model: the model it will prepare (a PEFT model or a transformers model).
+    """
+    from accelerate.utils.dataclasses import get_module_class_from_name
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from .runtime import notice  # runtime imports this module
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "auto_wrap_policy", None)
+    if (not is_fsdp2(accelerator) or plugin.transformer_cls_names_to_wrap is not None
+            or getattr(policy, "func", policy) is not transformer_auto_wrap_policy):
+        return
+    listed = list(getattr(model, "_no_split_modules", None) or [])
+    present = [name for name in listed if get_module_class_from_name(model, name) is not None]
+    if len(present) < len(listed):
+        plugin.transformer_cls_names_to_wrap = present
+        missing = ", ".join(sorted(set(listed) - set(present)))
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        notice(f"FSDP2 wraps {', '.join(sorted(present)) or 'no layer class'}: {type(base).__name__} also lists {missing} "
+               "in _no_split_modules, which it does not contain (accelerate would stop there).")

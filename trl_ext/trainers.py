@@ -70,6 +70,7 @@ class TrlExtMixin:
         compat.seed_before_model(training_args, bound.arguments.get("peft_config"), self._trl_class.__name__)
         with self._around_trl_init(bound):
             super().__init__(*bound.args, **bound.kwargs)
+        fsdp.wrap_layers_the_model_has(self.accelerator, self.model)
         quantization.match_adapter_dtype(self.args, self.model)
         for model in (self.model, getattr(self, "ref_model", None)):
             if model is not None:
