@@ -161,5 +161,5 @@ def wrap_layers_the_model_has(accelerator, model) -> None:
         plugin.transformer_cls_names_to_wrap = present
         missing = ", ".join(sorted(set(listed) - set(present)))
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        notice(f"FSDP2 wraps {', '.join(sorted(present)) or 'no layer class'}: {type(base).__name__} also lists {missing} "
-               "in _no_split_modules, which it does not contain (accelerate would stop there).")
+        notice(f"FSDP2 wraps {', '.join(sorted(present)) or 'no layer class'}: {type(base).__name__} also lists "
+               f"{missing} in _no_split_modules, which it does not contain (accelerate would stop there).")

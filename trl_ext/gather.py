@@ -72,6 +72,18 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What ``module.state_dict(keep_vars=True)`` holds (parameters and persistent buffers, by name), read without the
+    state-dict hooks: FSDP2's reshard the unit, so inside ``FsdpUnits.unsharded`` they would return its shards."""
+    tensors = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        tensors.update({dot + k: p for k, p in owner._parameters.items() if p is not None})
+        tensors.update({dot + k: b for k, b in owner._buffers.items()
+                        if b is not None and k not in owner._non_persistent_buffers_set})
+    return tensors
+
+
 def dtensor_rows(tensor, world: int, rank: int) -> slice | None:
     """The rows of ``tensor``'s full shape that ``rank`` holds under FSDP2's ``Shard(0)`` on a 1-D mesh of every rank,
     in rank order (``torch.chunk``'s split, which FSDP2 shards by); None for any other placement."""
@@ -152,6 +164,48 @@ def gathered(tensors: list[torch.Tensor]):
 
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         yield
+
+
+class FsdpUnits:
+    """FSDP2's units of a model (the modules ``fully_shard`` was applied to) and the modules each one owns.
+
+    ``unsharded(module)`` makes the parameters of the unit that owns ``module`` whole, as FSDP2 does for a forward
+    pass (``FSDPModule.unshard``), so code that reads a module's parameters (PEFT's ``get_delta_weight``,
+    ``state_dict``) sees plain tensors. Memory: one unit (a decoder layer; the root's own embeddings, norm and head).
+    Call it on every rank, in the same order: unsharding is a collective.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self._owner: dict[int, torch.nn.Module] = {}
+        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+            stack = [unit]
+            while stack:  # the unit's modules, down to (not into) the units nested in it
+                module = stack.pop()
+                self._owner[id(module)] = unit
+                stack.extend(c for c in module.children() if not isinstance(c, FSDPModule))
+
+    @contextlib.contextmanager
+    def unsharded(self, module: torch.nn.Module, subtree: bool = False):
+        """Inside the block, ``module``'s own parameters (with ``subtree``, all of its parameters, including those of
+        units nested in it) are whole, plain tensors. Read them with ``module_tensors``, not ``state_dict``."""
+        from torch.distributed.fsdp import FSDPModule
+
+        tensors = module.parameters() if subtree else module.parameters(recurse=False)
+        if not any(is_dtensor(p) for p in tensors):
+            yield
+            return
+        units = [self._owner[id(module)]] if id(module) in self._owner else []
+        if subtree:
+            units += [m for m in module.modules() if isinstance(m, FSDPModule) and all(m is not u for u in units)]
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in reversed(units):
+                unit.reshard()
 
 
 def _write_whole(named, sink: Sink | None) -> None:

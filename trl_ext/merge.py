@@ -157,8 +157,10 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     from peft.utils import ModulesToSaveWrapper
 
     base = model.get_base_model() if is_peft_model(model) else model
+    units = gather.FsdpUnits(model)  # FSDP2: each module is read with its unit's parameters unsharded
     done: list[str] = []  # prefixes of modules already yielded whole
-    seen: set[int] = set()  # tied parameters: the first name only, as save_pretrained keeps
+    # Tied parameters under their first name only, as save_pretrained keeps (listed before FSDP2 swaps any in).
+    first_names = {n for n, _ in base.named_parameters()} | {n for n, _ in base.named_buffers()}
     with torch.no_grad():
         for name, module in base.named_modules(remove_duplicate=False):
             if any(name.startswith(prefix) for prefix in done):
@@ -166,19 +168,21 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
             prefix = f"{name}." if name else ""
             if isinstance(module, LoraLayer):
                 done.append(prefix)
-                tensors = dict(_merged_lora(module, prefix))
+                with units.unsharded(module, subtree=True):
+                    tensors = dict(_merged_lora(module, prefix))
             elif isinstance(module, ModulesToSaveWrapper):
                 done.append(prefix)
                 trained = module.modules_to_save[module.active_adapters[0]]
-                with gather.gathered(list(trained.parameters())):
-                    tensors = {prefix + k: t.detach().clone() for k, t in trained.state_dict(keep_vars=True).items()}
+                with units.unsharded(trained, subtree=True), gather.gathered(list(trained.parameters())):
+                    tensors = {prefix + k: t.detach().clone() for k, t in gather.module_tensors(trained).items()}
             else:
-                own = [(k, p) for k, p in module._parameters.items() if p is not None and id(p) not in seen]
-                own += [(k, b) for k, b in module._buffers.items()
-                        if b is not None and k not in module._non_persistent_buffers_set]
-                seen.update(id(t) for _, t in own)
-                with gather.gathered([t for _, t in own]):
-                    tensors = {prefix + k: t.detach().clone() for k, t in own}
+                with units.unsharded(module):  # unsharding swaps in other parameter objects: read them inside
+                    own = [(k, p) for k, p in module._parameters.items() if p is not None]
+                    own += [(k, b) for k, b in module._buffers.items()
+                            if b is not None and k not in module._non_persistent_buffers_set]
+                    own = [(k, t) for k, t in own if prefix + k in first_names]
+                    with gather.gathered([t for _, t in own]):
+                        tensors = {prefix + k: t.detach().clone() for k, t in own}
             if tensors:  # a module's tensors hold whole conversion groups (one module's experts, say)
                 yield from hub_format.to_hub(base, tensors).items()
 
@@ -197,7 +201,7 @@ def _merged_lora(module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
                 if adapter in layer.lora_A:
                     deltas[name] = deltas.get(name, 0) + layer.get_delta_weight(adapter)
             layer = layer.base_layer
-        for key, tensor in layer.state_dict(keep_vars=True).items():
+        for key, tensor in gather.module_tensors(layer).items():
             merged = tensor.detach().clone()
             if key in deltas:
                 merged += deltas[key].to(merged.dtype)

@@ -1,6 +1,6 @@
 """Train several model families in turn, in one set of processes, and record what the checks need.
 
-Run under ``accelerate launch`` (2-process ZeRO-3, see ``tests/harness.py``) or alone. For each run
+Run under ``accelerate launch`` (2-process ZeRO-3 or FSDP2, see ``tests/harness.py``) or alone. For each run
 ``FAMILY:TRAINER:MODE`` (trainer sft|reward|dpo, mode lora|full|experts) it writes to ``OUT/FAMILY-TRAINER-MODE/``:
 ``final/`` (``trainer.save_model``), ``probes_loaded.json`` (outputs of the model as loaded, before any step),
 ``probes_final.json`` (after training), ``iter.safetensors`` (``iter_merged_weights``, from rank 0) and
@@ -23,6 +23,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 import trl_ext
 from tests.families import FAMILIES, family_path
 from trl_ext.assets import load_default_dataset
+from trl_ext.gather import is_dtensor
 from trl_ext.merge import iter_merged_weights
 
 PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]
@@ -57,8 +58,9 @@ class SeePartitioning(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.seen is None:
             params = list(model.parameters())
-            self.seen = {"num_params": len(params),
-                         "num_partitioned": sum(hasattr(p, "ds_id") and p.numel() == 0 for p in params)}
+            self.seen = {"num_params": len(params),  # ZeRO-3 placeholders, or FSDP2's DTensor shards
+                         "num_partitioned": sum((hasattr(p, "ds_id") and p.numel() == 0) or is_dtensor(p)
+                                                for p in params)}
 
 
 def load(family: str, trainer: str):
