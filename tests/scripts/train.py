@@ -9,10 +9,11 @@ import errno
 import json
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import torch
-import weight_reads  # beside this script
 from peft import LoraConfig
 from safetensors.torch import save_file
 from transformers import TrainerCallback
@@ -21,6 +22,9 @@ import trl_ext
 from trl_ext import shards
 from trl_ext.assets import default_model_path, load_default_dataset
 from trl_ext.checkpointing import layer_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shared with bench/_loading_worker.py
+import _weight_reads as weight_reads  # noqa: E402
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
