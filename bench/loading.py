@@ -43,7 +43,8 @@ def main():
                          ["--model", str(work / "model"), "--trainer", cli.trainer,
                           "--output_dir", str(work / f"out-{efficient}-{repeat}")],
                          config, timeout=900)
-            lines = [json.loads(line[6:]) for line in run.output.splitlines() if line.startswith("BENCH ")]
+            # both ranks print to one stream: a report may share its line with the other rank's
+            lines = [json.JSONDecoder().raw_decode(part)[0] for part in run.output.split("BENCH ")[1:]]
             if run.returncode != 0 or len(lines) != 2:
                 sys.exit(f"run failed ({run.returncode}):\n{run.output[-3000:]}")
             for line in lines:

@@ -60,7 +60,7 @@ def _reads_weights() -> bool:
 
 
 @contextlib.contextmanager
-def rank0_loading(trl_module):
+def rank0_loading(trl_module, args):
     """While TRL's constructor runs: with ``fsdp_cpu_ram_efficient_loading`` under FSDP2, only the first process of
     each machine reads the weights of the models it loads; the others build them on the meta device.
 
@@ -73,10 +73,13 @@ def rank0_loading(trl_module):
 
     Args:
         trl_module: the module of the TRL trainer being built (its ``prepare_fsdp`` prepares the reference model).
+        args: the trainer's config.
     """
     from transformers import PreTrainedModel
 
-    if os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() != "true":
+    # precompute_ref_log_probs: TRL hashes the reference model's values before it is sharded, so every rank reads
+    if (os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() != "true"
+            or getattr(args, "precompute_ref_log_probs", False)):
         yield
         return
     original = PreTrainedModel.__dict__["_load_pretrained_model"]
