@@ -68,8 +68,10 @@ class TrlExtMixin:
         fsdp_checkpoints = checkpointing.fsdp_checkpoints(training_args)  # one policy: FSDP's, or ours below
         user_reentrant = checkpointing.take_user_choice(training_args)
         compat.seed_before_model(training_args, bound.arguments.get("peft_config"), self._trl_class.__name__)
-        with self._around_trl_init(bound):
+        trl_module = sys.modules[self._trl_class.__module__]
+        with self._around_trl_init(bound), fsdp.rank0_loading(trl_module, training_args):
             super().__init__(*bound.args, **bound.kwargs)
+        fsdp.give_meta_parameters_storage(self.model)  # left on meta by rank0_loading on the ranks that do not read
         fsdp.wrap_layers_the_model_has(self.accelerator, self.model)
         quantization.match_adapter_dtype(self.args, self.model)
         for model in (self.model, getattr(self, "ref_model", None)):

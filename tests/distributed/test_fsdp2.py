@@ -3,7 +3,8 @@
 Every save (final and checkpoint-N, adapters, full models, the reward head) is streamed from the DTensor shards to
 one writer, reloads with plain transformers/peft to the trained model's outputs, and keeps the optimizer states
 sharded (DCP). A kill during a save costs nothing already saved, and the resumed run equals the uninterrupted one.
-TRL's own ``fsdp2.yaml`` runs unchanged (only ``--num_processes``), and so do ours, through the recipes.
+TRL's own ``fsdp2.yaml`` runs unchanged (only ``--num_processes``), and so do ours, through the recipes. With
+``fsdp_cpu_ram_efficient_loading`` only rank 0 reads the weights, and training is exactly what it is without it.
 """
 
 import json
@@ -17,7 +18,7 @@ import trl
 from safetensors.torch import load_file
 
 from tests.distributed.test_reliability import assert_fault_cost_nothing, digest, logged, max_diff
-from tests.harness import REPO, SCRIPTS, run_command
+from tests.harness import REPO, SCRIPTS, launch, run_command
 from trl_ext.assets import default_model_path
 from trl_ext.verify import audit
 
@@ -130,3 +131,41 @@ def test_dpo_recipe_as_written_under_fsdp2(tmp_path):
     assert "running under accelerate_configs/fsdp2.yaml with 2 processes" in result.output
     assert sorted(p.name for p in (out / "checkpoint-4" / "optimizer_0").glob("*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]
+
+
+# name -> train.py arguments: each trainer, full and LoRA; "dpo" is the full fine-tune with TRL's reference model
+LOADING_RUNS = {f"{trainer}{'-lora' * lora}": ["--trainer", trainer, *(["--lora"] * lora), "--max_steps", "2",
+                                               "--rows", "8", "--record_loading"]
+                for trainer in ("sft", "reward", "dpo") for lora in (False, True)}
+TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def test_cpu_ram_efficient_loading_rank1_reads_no_weights_and_trains_the_same(tmp_path):
+    """fsdp2.yaml's ``fsdp_cpu_ram_efficient_loading: true``: rank 1 reads not one byte of the weight files (it
+    receives rank 0's), and every run ends exactly as with the flag off: same logs, same trained weights, and DPO's
+    reference model holds exactly the checkpoint's weights. One launch per setting runs the six cases."""
+    for flag in ("true", "false"):
+        config = tmp_path / f"fsdp2-{flag}.yaml"
+        config.write_text((OURS / "fsdp2.yaml").read_text().replace("fsdp_cpu_ram_efficient_loading: true",
+                                                                    f"fsdp_cpu_ram_efficient_loading: {flag}"))
+        argvs = [[*args, "--output_dir", str(tmp_path / flag / name)] for name, args in LOADING_RUNS.items()]
+        result = launch(SCRIPTS / "run_many.py", ["train.py", json.dumps(argvs)], config, timeout=600)
+        assert not result.timed_out and result.returncode == 0, result.output[-6000:]
+
+    for name in LOADING_RUNS:
+        on, off = tmp_path / "true" / name, tmp_path / "false" / name
+        reads = {d: [sum(json.loads((d / f"weight_reads_rank{r}.json").read_text()).values()) for r in (0, 1)]
+                 for d in (on, off)}
+        assert reads[on][0] == reads[off][0] == reads[off][1] > 0 and reads[on][1] == 0, (name, reads)
+        logs_on, logs_off = ([{k: v for k, v in h.items() if k not in TIMING} for h in
+                              json.loads((d / "report_rank0.json").read_text())["log_history"]] for d in (on, off))
+        assert logs_on == logs_off, name  # losses, grad norms and, for DPO, rewards against the reference model
+        trained_on, trained_off = (load_file(d / "trained.safetensors") for d in (on, off))
+        assert trained_on.keys() == trained_off.keys() and all(
+            torch.equal(trained_on[k], trained_off[k]) for k in trained_on), name
+    checkpoint = load_file(Path(default_model_path()) / "model.safetensors")
+    reference = load_file(tmp_path / "true" / "dpo" / "ref.safetensors")
+    assert reference.keys() == checkpoint.keys() and all(torch.equal(reference[k], checkpoint[k]) for k in reference)
+    dpo_reads = [sum(json.loads((tmp_path / "true" / n / "weight_reads_rank0.json").read_text()).values())
+                 for n in ("dpo", "dpo-lora")]
+    assert dpo_reads[0] == 2 * dpo_reads[1]  # rank 0 read the policy and the reference model

@@ -9,7 +9,9 @@ import errno
 import json
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import torch
 from peft import LoraConfig
@@ -20,6 +22,9 @@ import trl_ext
 from trl_ext import shards
 from trl_ext.assets import default_model_path, load_default_dataset
 from trl_ext.checkpointing import layer_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shared with bench/_loading_worker.py
+import _weight_reads as weight_reads  # noqa: E402
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -232,12 +237,17 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--bnb_4bit_quant_storage", default=None, help="default: bitsandbytes' (uint8)")
     parser.add_argument("--quant_config_as", default="object", choices=["object", "dict"], help="as YAML would give it")
     parser.add_argument("--eval_steps", type=int, default=0, help="evaluate on 4 test rows every N steps")
+    parser.add_argument("--record_loading", action="store_true", help="write each rank's bytes read from model files "
+                        "to weight_reads_rankR.json, and the reference model's gathered weights to ref.safetensors")
     parser.add_argument("--save_model", default=None, help="trainer.save_model(OUTPUT_DIR/NAME) after training, and "
                         "the trained model's probe outputs to OUTPUT_DIR/probes_NAME.json")
     cli = parser.parse_args(argv)
     if cli.fail_save:
         fail_writes(cli.fail_save, cli.fail_errno)
 
+    if cli.record_loading:
+        weight_reads.install()
+        weight_reads.READS.clear()
     trainer_cls, config_cls, data_kind = TRAINERS[cli.trainer]
     splits = load_default_dataset(data_kind)
     dataset = splits["train"].select(range(cli.rows))
@@ -267,6 +277,10 @@ def main(argv: list[str] | None = None):
     callbacks = [recorder, counter] + ([KillAtStep(cli.kill_at_step, cli.kill_rank)] if cli.kill_at_step else [])
     trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                           peft_config=peft_config, callbacks=callbacks)
+    if cli.record_loading:
+        os.makedirs(cli.output_dir, exist_ok=True)
+        with open(os.path.join(cli.output_dir, f"weight_reads_rank{args.process_index}.json"), "w") as f:
+            json.dump(dict(weight_reads.READS), f)
     if cli.kill_during_save:
         peers = [os.getpid()]
         if torch.distributed.is_initialized():
@@ -317,6 +331,10 @@ def main(argv: list[str] | None = None):
             with open(os.path.join(cli.output_dir, f"probes_{cli.save_model}.json"), "w") as f:
                 json.dump(probes, f)
     weights = gathered_trainable(trainer.model)
+    if cli.record_loading and getattr(trainer, "ref_model", None) is not None:  # FSDP2: collective per tensor
+        ref = {n: p.full_tensor().detach().clone().contiguous() for n, p in trainer.ref_model.state_dict().items()}
+        if trainer.accelerator.is_main_process:
+            save_file(ref, os.path.join(cli.output_dir, "ref.safetensors"))
     if trainer.accelerator.is_main_process:
         save_file(weights, os.path.join(cli.output_dir, "trained.safetensors"))
     if trainer.accelerator.is_main_process:

@@ -92,3 +92,46 @@ def test_qlora_storage_follows_the_model_dtype_under_fsdp(monkeypatch, init_kwar
     args = type("Args", (), {"model_init_kwargs": init_kwargs, "fsdp": "", "deepspeed_plugin": None})()
     config = BitsAndBytesConfig(load_in_4bit=True)
     assert quantization._storage_for(args, config.bnb_4bit_quant_storage, config) == getattr(torch, expected)
+
+
+def test_ranks_that_do_not_read_load_headers_only_then_get_storage_of_their_own(monkeypatch):
+    """rank0_loading on a rank that does not read: every weight stays on meta with the checkpoint's shapes, not one
+    byte is read; give_meta_parameters_storage then gives each parameter its own CPU storage (accelerate maps the
+    optimizer by address) and keeps tied parameters tied. The reading rank loads as usual."""
+    import types
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, modeling_utils
+
+    from trl_ext.assets import default_model_path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import _weight_reads
+
+    monkeypatch.setattr(modeling_utils, "safe_open", modeling_utils.safe_open)  # the counter is removed afterwards
+    _weight_reads.install()
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    trl_module = types.SimpleNamespace()  # no reference model to prepare
+    loaded = {}
+    for reads in (True, False):
+        monkeypatch.setattr(fsdp, "_reads_weights", lambda reads=reads: reads)
+        _weight_reads.READS.clear()
+        with fsdp.rank0_loading(trl_module, None):
+            loaded[reads] = AutoModelForCausalLM.from_pretrained(default_model_path())
+        assert {p.is_meta for p in loaded[reads].parameters()} == {not reads}
+        assert (sum(_weight_reads.READS.values()) > 0) == reads
+    assert "_load_pretrained_model" not in type(loaded[True]).__dict__  # transformers' loader restored on the way out
+    model = loaded[False]
+    expected = {n: (p.shape, p.dtype, p.requires_grad) for n, p in loaded[True].named_parameters()}
+    fsdp.give_meta_parameters_storage(model)
+    params = dict(model.named_parameters())
+    assert not any(p.is_meta for p in params.values())
+    assert {n: (p.shape, p.dtype, p.requires_grad) for n, p in params.items()} == expected
+    assert len({p.data_ptr() for p in params.values()}) == len(params)
+
+    with torch.device("meta"):
+        tied = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(default_model_path(),
+                                                                           tie_word_embeddings=True))
+    fsdp.give_meta_parameters_storage(tied)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight and not tied.lm_head.weight.is_meta
