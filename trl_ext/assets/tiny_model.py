@@ -41,12 +41,15 @@ def default_model_path() -> str:
 
 
 def resolve_model(name_or_path: str | None) -> str:
-    """Map ``None`` or an embedded model's name (``trl-ext/tiny-llama``, ``trl-ext/tiny-vlm``) to its local path; pass
-    any other hub id or path through."""
+    """Map ``None`` or an embedded model's name (``trl-ext/tiny-llama``, ``trl-ext/tiny-llama-arith``,
+    ``trl-ext/tiny-vlm``) to its local path; pass any other hub id or path through."""
+    from .tiny_arith import ARITH_MODEL_NAME, arith_model_path
     from .tiny_vlm import VLM_MODEL_NAME, vlm_model_path
 
     if name_or_path == VLM_MODEL_NAME:
         return vlm_model_path()
+    if name_or_path == ARITH_MODEL_NAME:
+        return arith_model_path()
     return default_model_path() if name_or_path in (None, DEFAULT_MODEL_NAME) else name_or_path
 
 
