@@ -48,12 +48,13 @@ def _is_quantized(model) -> bool:
 class BoundedVLLMGeneration(VLLMGeneration):
     """TRL's ``VLLMGeneration`` with the bounded, Hub-named parameter walk (see the module docstring).
 
-    FSDP (TRL walks it module by module already) and quantized bases (4-bit weights merge in TRL's
-    ``merge_adapter``) keep TRL's walk.
+    FSDP1 (TRL walks its flat parameters module by module) and quantized bases (4-bit weights merge in TRL's
+    ``merge_adapter``) keep TRL's walk. Under FSDP2 the bounded walk unshards one FSDP unit at a time.
     """
 
     def _iter_named_params(self):
-        if self._dist.is_fsdp or _is_quantized(self.model):
+        fsdp1 = self._dist.is_fsdp and getattr(self._dist, "fsdp_version", 1) != 2
+        if fsdp1 or _is_quantized(self.model):
             yield from super()._iter_named_params()
         else:
             yield from bounded_named_params(self)

@@ -1,5 +1,5 @@
-"""trl_ext.GRPOTrainer with LoRA and transformers generation, on 2 processes under ZeRO-3 (parameters partitioned)
-and on one process: it trains, the saved adapter reloads with plain transformers + peft to the trained policy's
+"""trl_ext.GRPOTrainer with LoRA and transformers generation, on 2 processes under ZeRO-3 and under FSDP2 (parameters
+partitioned or DTensor shards) and on one process: it trains, the saved adapter reloads with plain transformers + peft to the trained policy's
 outputs, the weights the vLLM sync sends are ``merge_and_unload().save_pretrained()``'s, and a run SIGKILLed after
 checkpoint-2 resumes to the uninterrupted run's weights and logs. Driven through ``tests/scripts/grpo_train.py``.
 """
@@ -18,7 +18,7 @@ from trl_ext.assets import default_model_path
 pytestmark = pytest.mark.slow
 
 TRAIN = ["--max_steps", "4", "--save_steps", "2"]
-BACKENDS = ["zero3", "single"]
+BACKENDS = ["zero3", "fsdp2", "single"]
 
 
 def grpo(tmp: Path, backend: str, out: str, *args: str) -> tuple[Path, object]:
@@ -50,6 +50,8 @@ def test_trains_saves_and_reloads_to_the_trained_policy(reference):
     if backend == "zero3":
         assert report["world_size"] == 2 and report["zero_stage"] == 3
         assert report["partition"]["num_partitioned"] == report["partition"]["num_params"]
+    elif backend == "fsdp2":
+        assert report["world_size"] == 2 and report["partition"]["num_dtensors"] == report["partition"]["num_params"]
     steps = logged(out)
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["grad_norm"] > 0 for s in steps)
 

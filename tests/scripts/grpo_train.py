@@ -16,6 +16,7 @@ from train import CountSteps, KillAtStep, gathered_trainable, partition_report, 
 
 import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
+from trl_ext.gather import is_dtensor
 from trl_ext.weight_sync import BoundedVLLMGeneration, bounded_named_params
 
 
@@ -54,6 +55,9 @@ def main():
               "steps_run_here": callbacks[0].steps, "log_history": trainer.state.log_history,
               "zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None,
               "partition": partition_report(trainer.model_wrapped) if trainer.is_deepspeed_enabled else None}
+    if trainer.is_fsdp_enabled:  # FSDP2: every parameter a DTensor shard
+        params = list(trainer.model.parameters())
+        report["partition"] = {"num_params": len(params), "num_dtensors": sum(map(is_dtensor, params))}
     main_process = trainer.accelerator.is_main_process
     if cli.save_model:
         probes = probe_outputs(trainer.model)  # collective under ZeRO-3: every rank runs it
