@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -158,3 +159,22 @@ def kill_tree(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     psutil.wait_procs(family, timeout=10)
+
+
+def print_ratio_table(results: dict[str, list[dict]], metrics: dict[str, str], anchor: str) -> None:
+    """Print each variant's median per metric, and its ratio to the anchor's (the library we compare against).
+
+    Args:
+        results: variant -> one dict per repeat, holding every key of ``metrics``.
+        metrics: key -> column title ("save (s)", "peak growth (MiB)").
+        anchor: the variant the ratios divide by.
+    """
+    med = {v: {k: statistics.median(r[k] for r in runs) for k in metrics} for v, runs in results.items()}
+    width = max(len(v) for v in med) + 2
+    titles = [*metrics.values(), *(f"{t.split(' (')[0]} vs {anchor}" for t in metrics.values())]
+    print("\n" + "variant".ljust(width) + "   ".join(titles))
+    for variant, values in med.items():
+        cells = [f"{values[k]:.3f}".rjust(len(t)) for k, t in metrics.items()]
+        cells += [f"{values[k] / max(med[anchor][k], 1e-9):.2f}".rjust(len(t))
+                  for k, t in zip(metrics, titles[len(metrics):], strict=True)]
+        print(variant.ljust(width) + "   ".join(cells))

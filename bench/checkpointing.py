@@ -10,12 +10,11 @@ Memory is rank 0's peak RSS growth during training (activations and their recomp
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
+from _harness import launch, print_ratio_table, write_accelerate_config  # bench/_harness.py, beside this script
 
 MODES = ["none", "reentrant", "non-reentrant"]
 
@@ -59,13 +58,7 @@ def main():
             if "probe" in results[mode][-1]:
                 print("  probe " + json.dumps(results[mode][-1]["probe"]), flush=True)
 
-    med = {m: {k: statistics.median(r[k] for r in results[m]) for k in ("step_s", "peak_growth_mb")} for m in MODES}
-    print("\nmode            step (s)   peak growth (MiB)   time vs reentrant   memory vs reentrant")
-    for mode in MODES:
-        print(f"{mode:<15} {med[mode]['step_s']:8.3f}   {med[mode]['peak_growth_mb']:17.0f}   "
-              f"{med[mode]['step_s'] / med['reentrant']['step_s']:17.2f}   "
-              f"{med[mode]['peak_growth_mb'] / max(med['reentrant']['peak_growth_mb'], 1e-9):19.2f}")
-
+    print_ratio_table(results, {"step_s": "step (s)", "peak_growth_mb": "peak growth (MiB)"}, "reentrant")
 
 if __name__ == "__main__":
     main()

@@ -14,12 +14,11 @@ loadable weights): trl_ext streams the DTensor shards, transformers gathers the 
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
+from _harness import launch, print_ratio_table, write_accelerate_config  # bench/_harness.py, beside this script
 
 IMPLS = ["transformers", "trl_ext"]
 
@@ -85,14 +84,7 @@ def main():
             print(f"repeat {repeat + 1} {impl:<13} save {r['save_s']:.2f}s  peak +{r['peak_growth_mb']:.0f} MiB  "
                   f"({r['params'] / 1e6:.0f}M params)", flush=True)
 
-    med = {i: {k: statistics.median(r[k] for r in results[i]) for k in ("save_s", "peak_growth_mb")} for i in IMPLS}
-    base = med["transformers"]
-    print("\nimpl           save (s)   peak growth (MiB)   time vs transformers   memory vs transformers")
-    for impl in IMPLS:
-        print(f"{impl:<14} {med[impl]['save_s']:8.2f}   {med[impl]['peak_growth_mb']:17.0f}   "
-              f"{med[impl]['save_s'] / base['save_s']:20.2f}   "
-              f"{med[impl]['peak_growth_mb'] / max(base['peak_growth_mb'], 1e-9):22.2f}")
-
+    print_ratio_table(results, {"save_s": "save (s)", "peak_growth_mb": "peak growth (MiB)"}, "transformers")
 
 if __name__ == "__main__":
     main()

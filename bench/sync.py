@@ -17,12 +17,11 @@ with glibc's adaptive threshold instead.
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
+from _harness import launch, print_ratio_table, write_accelerate_config  # bench/_harness.py, beside this script
 from save import build_model  # bench/save.py, beside this script
 
 IMPLS = ["trl", "trl_ext"]
@@ -53,14 +52,7 @@ def main():
             print(f"repeat {repeat + 1} {impl:<8} sync {r['sync_s']:.2f}s  peak +{r['peak_growth_mb']:.0f} MiB  "
                   f"{r['tensors']} tensors  ({r['params'] / 1e6:.0f}M params)", flush=True)
 
-    med = {i: {k: statistics.median(r[k] for r in results[i]) for k in ("sync_s", "peak_growth_mb")} for i in IMPLS}
-    base = med["trl"]
-    print("\nimpl      sync (s)   peak growth (MiB)   time vs TRL   memory vs TRL")
-    for impl in IMPLS:
-        print(f"{impl:<9} {med[impl]['sync_s']:8.2f}   {med[impl]['peak_growth_mb']:17.0f}   "
-              f"{med[impl]['sync_s'] / base['sync_s']:11.2f}   "
-              f"{med[impl]['peak_growth_mb'] / max(base['peak_growth_mb'], 1e-9):13.2f}")
-
+    print_ratio_table(results, {"sync_s": "sync (s)", "peak_growth_mb": "peak growth (MiB)"}, "trl")
 
 if __name__ == "__main__":
     main()

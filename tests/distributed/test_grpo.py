@@ -1,7 +1,8 @@
 """trl_ext.GRPOTrainer with LoRA and transformers generation, on 2 processes under ZeRO-3 and under FSDP2 (parameters
-partitioned or DTensor shards) and on one process: it trains, the saved adapter reloads with plain transformers + peft to the trained policy's
-outputs, the weights the vLLM sync sends are ``merge_and_unload().save_pretrained()``'s, and a run SIGKILLed after
-checkpoint-2 resumes to the uninterrupted run's weights and logs. Driven through ``tests/scripts/grpo_train.py``.
+partitioned or DTensor shards) and on one process: it trains, the saved adapter reloads with plain transformers + peft
+to the trained policy's outputs, the weights the vLLM sync sends are ``merge_and_unload().save_pretrained()``'s, and a
+run SIGKILLed after checkpoint-2 resumes to the uninterrupted run's weights and logs. Driven through
+``tests/scripts/grpo_train.py``.
 """
 
 import json
