@@ -107,20 +107,24 @@ def fsdp2_results(tmp_path_factory) -> dict[str, dict]:
             for run in FSDP2_RUNS}
 
 
+def assert_sharded_saved_and_reloaded(run: str, result: dict) -> None:
+    """Checks 1-3 of the module docstring, and that every parameter was sharded (ZeRO-3 or FSDP2) while training."""
+    print(run, result)
+    partition = result["partition"]
+    assert partition["num_partitioned"] == partition["num_params"], "not every parameter was sharded"
+    assert result["files_as_save_pretrained"], "names, shapes or dtypes differ from what save_pretrained writes"
+    assert result["diff_final"] <= ATOL, "the reloaded model does not give the trained outputs"
+    if "diff_loaded" in result:  # a reward base gets a random head at each load
+        assert result["diff_loaded"] <= ATOL, "loaded sharded, the model differs from a one-process load"
+    assert result["iter_equal"], f"iter_merged_weights differs from the Hub-format merged state dict: {result}"
+
+
 @pytest.mark.parametrize("run", FSDP2_RUNS)
 def test_family_under_fsdp2_saves_in_hub_format_and_reloads(fsdp2_results, run):
     """FSDP2's save streams the DTensor shards through the same Hub-format plan; iter_merged_weights unshards one FSDP
     unit at a time. LLaVA also checks the wrapping of the layer classes the model has (transformers >= 5.5 lists
     CLIPTextEmbeddings, which accelerate cannot find)."""
-    result = fsdp2_results[run]
-    print(run, result)
-    partition = result["partition"]
-    assert partition["num_partitioned"] == partition["num_params"], "FSDP2 did not shard every parameter"
-    assert result["files_as_save_pretrained"], "names, shapes or dtypes differ from what save_pretrained writes"
-    assert result["diff_final"] <= ATOL, "the reloaded model does not give the trained outputs"
-    if "diff_loaded" in result:
-        assert result["diff_loaded"] <= ATOL
-    assert result["iter_equal"], f"iter_merged_weights differs from the Hub-format merged state dict: {result}"
+    assert_sharded_saved_and_reloaded(run, fsdp2_results[run])
 
 
 @pytest.mark.parametrize("family", ONE_PROCESS_RESUME)
@@ -149,14 +153,7 @@ def one_process_runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("run", RUNS)
 def test_family_saves_in_hub_format_and_reloads(results, run):
     result = results[run]
-    print(run, result)
-    partition = result["partition"]
-    assert partition["num_partitioned"] == partition["num_params"], "ZeRO-3 did not partition every parameter"
-    assert result["files_as_save_pretrained"], "names, shapes or dtypes differ from what save_pretrained writes"
-    assert result["diff_final"] <= ATOL, "the reloaded model does not give the trained outputs"
-    if "diff_loaded" in result:  # a reward base gets a random head at each load
-        assert result["diff_loaded"] <= ATOL, "loaded under zero.Init, the model differs from a one-process load"
-    assert result["iter_equal"], f"iter_merged_weights differs from the Hub-format merged state dict: {result}"
+    assert_sharded_saved_and_reloaded(run, result)
     if not run.endswith(":full"):
         assert result["merge_as_save_pretrained"], "trl-ext merge did not write the Hub format"
         assert result["merge_diff"] <= ATOL, "the merged model does not give the trained outputs"
