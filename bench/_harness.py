@@ -98,7 +98,7 @@ class Launch:
     timed_out: bool
 
 
-def launch(script: str | Path, script_args: list[str], accelerate_config: Path, timeout: float = 300,
+def accelerate_launch(script: str | Path, script_args: list[str], accelerate_config: Path, timeout: float = 300,
            env: dict | None = None) -> Launch:
     """Run ``accelerate launch --config_file CONFIG SCRIPT ARGS`` on a free port.
 

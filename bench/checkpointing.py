@@ -14,7 +14,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import launch, print_ratio_table, write_accelerate_config  # bench/_harness.py, beside this script
+from _harness import (  # bench/_harness.py, beside this script
+    accelerate_launch,
+    print_ratio_table,
+    write_accelerate_config,
+)
 
 MODES = ["none", "reentrant", "non-reentrant"]
 
@@ -48,7 +52,8 @@ def main():
             worker_args = ["--mode", mode, "--steps", str(cli.steps), "--hidden", str(cli.hidden), "--layers",
                            str(cli.layers), "--seq_len", str(cli.seq_len)]
             worker_args += [f"--{flag}" for flag in ("full", "probe", "gpu_0p5b") if getattr(cli, flag)]
-            run = run_single(worker, worker_args) if cli.gpu_0p5b else launch(worker, worker_args, config, 900)
+            run = (run_single(worker, worker_args) if cli.gpu_0p5b
+                   else accelerate_launch(worker, worker_args, config, 900))
             lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
             if run.returncode != 0 or not lines:
                 sys.exit(f"{mode} run failed ({run.returncode}):\n{run.output[-3000:]}")

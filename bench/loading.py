@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
+from _harness import accelerate_launch, write_accelerate_config  # bench/_harness.py, beside this script
 from save import build_model  # bench/save.py, beside this script
 
 
@@ -39,7 +39,7 @@ def main():
         config.write_text(config.read_text().replace("fsdp_cpu_ram_efficient_loading: true",
                                                      f"fsdp_cpu_ram_efficient_loading: {efficient}"))
         for repeat in range(cli.repeats):
-            run = launch(Path(__file__).with_name("_loading_worker.py"),
+            run = accelerate_launch(Path(__file__).with_name("_loading_worker.py"),
                          ["--model", str(work / "model"), "--trainer", cli.trainer,
                           "--output_dir", str(work / f"out-{efficient}-{repeat}")],
                          config, timeout=900)

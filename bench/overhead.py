@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import launch, write_accelerate_config  # bench/_harness.py, beside this script
+from _harness import accelerate_launch, write_accelerate_config  # bench/_harness.py, beside this script
 
 WORKER = Path(__file__).with_name("_overhead_worker.py")
 SETUPS = {"1proc": "1 process", "zero3": "2-process ZeRO-3", "fsdp2": "2-process FSDP2"}
@@ -41,7 +41,7 @@ def run(setup: str, configs: dict[str, Path], worker_args: list[str]) -> dict:
                               timeout=900, check=False, env=env)
         code, output = done.returncode, done.stdout + done.stderr
     else:
-        result = launch(WORKER, worker_args, configs[setup], timeout=900)
+        result = accelerate_launch(WORKER, worker_args, configs[setup], timeout=900)
         code, output = result.returncode, result.output
     lines = [line for line in output.splitlines() if line.startswith("BENCH ")]
     if code != 0 or not lines:

@@ -18,7 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import launch, print_ratio_table, write_accelerate_config  # bench/_harness.py, beside this script
+from _harness import (  # bench/_harness.py, beside this script
+    accelerate_launch,
+    print_ratio_table,
+    write_accelerate_config,
+)
 
 IMPLS = ["transformers", "trl_ext"]
 
@@ -74,7 +78,7 @@ def main():
     for repeat in range(cli.repeats):
         for impl in IMPLS:
             out = work / f"{impl}-{repeat}"
-            run = launch(worker, ["--impl", impl, "--model", str(work / "model"), "--output_dir", str(out),
+            run = accelerate_launch(worker, ["--impl", impl, "--model", str(work / "model"), "--output_dir", str(out),
                                   "--max_shard_size", shard], config, timeout=900)
             lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
             if run.returncode != 0 or not lines:

@@ -21,7 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import launch, print_ratio_table, write_accelerate_config  # bench/_harness.py, beside this script
+from _harness import (  # bench/_harness.py, beside this script
+    accelerate_launch,
+    print_ratio_table,
+    write_accelerate_config,
+)
 from save import build_model  # bench/save.py, beside this script
 
 IMPLS = ["trl", "trl_ext"]
@@ -43,7 +47,7 @@ def main():
     results = {impl: [] for impl in IMPLS}
     for repeat in range(cli.repeats):
         for impl in IMPLS:
-            run = launch(worker, ["--impl", impl, "--model", str(work / "model"),
+            run = accelerate_launch(worker, ["--impl", impl, "--model", str(work / "model"),
                                   "--output_dir", str(work / f"{impl}-{repeat}")], config, timeout=900, env=env)
             lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
             if run.returncode != 0 or not lines:

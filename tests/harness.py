@@ -4,10 +4,18 @@ killable process group), plus the scripts under ``tests/scripts`` and ``run_trai
 import json
 from pathlib import Path
 
-from bench._harness import REPO, Launch, deepspeed_config, kill_tree, launch, run_command, write_accelerate_config
+from bench._harness import (
+    REPO,
+    Launch,
+    accelerate_launch,
+    deepspeed_config,
+    kill_tree,
+    run_command,
+    write_accelerate_config,
+)
 
-__all__ = ["REPO", "SCRIPTS", "Launch", "deepspeed_config", "kill_tree", "launch", "run_command", "run_training",
-           "write_accelerate_config"]
+__all__ = ["REPO", "SCRIPTS", "Launch", "accelerate_launch", "deepspeed_config", "kill_tree", "run_command",
+           "run_training", "write_accelerate_config"]
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -17,7 +25,8 @@ def run_training(tmp_path: Path, backend: str, trainer: str, *extra: str, timeou
     launch's combined output under ``"output"``."""
     config = write_accelerate_config(tmp_path / "configs", backend)
     out = tmp_path / "out"
-    result = launch(SCRIPTS / "train.py", ["--trainer", trainer, "--output_dir", str(out), *extra], config, timeout)
+    result = accelerate_launch(SCRIPTS / "train.py", ["--trainer", trainer, "--output_dir", str(out), *extra], config,
+                               timeout)
     assert not result.timed_out, f"launch timed out after {timeout}s:\n{result.output[-4000:]}"
     assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.output[-6000:]}"
     return {**json.loads((out / "report_rank0.json").read_text()), "output": result.output}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import SCRIPTS, launch, write_accelerate_config
+from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 
 # The uninterrupted runs of tests/distributed/test_reliability.py: 4 steps, a checkpoint every 2, TRL's default
 # gradient checkpointing. They also serve test_zero_training (trains under ZeRO-3, partitions) and test_checkpointing
@@ -73,7 +73,7 @@ class SharedRuns:
 
     def _launch(self, script: str, args: list[str], directory: Path, backend: str, timeout: float, **zero) -> str:
         config = write_accelerate_config(directory / "configs", backend, **zero)
-        result = launch(SCRIPTS / script, args, config, timeout)
+        result = accelerate_launch(SCRIPTS / script, args, config, timeout)
         assert not result.timed_out, f"launch timed out after {timeout}s:\n{result.output[-4000:]}"
         assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.output[-6000:]}"
         return result.output

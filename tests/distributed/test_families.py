@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.families import FAMILIES, family_path
-from tests.harness import REPO, SCRIPTS, launch, run_command, write_accelerate_config
+from tests.harness import REPO, SCRIPTS, accelerate_launch, run_command, write_accelerate_config
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
     for family in FAMILIES:
         family_path(family)  # built once here, not by both ranks
     config = write_accelerate_config(out / "configs", "zero3")
-    trained = launch(SCRIPTS / "family_train.py", ["--out", str(out), "--runs", ",".join(RUNS), "--resume_check"],
-                     config, timeout=600)
+    trained = accelerate_launch(SCRIPTS / "family_train.py",
+                                ["--out", str(out), "--runs", ",".join(RUNS), "--resume_check"], config, timeout=600)
     assert trained.returncode == 0 and not trained.timed_out, trained.output[-6000:]
 
     from trl_ext import cli
@@ -89,8 +89,8 @@ def fsdp2_results(tmp_path_factory) -> dict[str, dict]:
         family_path(family)
     config = write_accelerate_config(out / "configs", "fsdp2")
     # accelerate's DeepSpeed launcher puts the working directory on PYTHONPATH; its FSDP launcher does not
-    trained = launch(SCRIPTS / "family_train.py", ["--out", str(out), "--runs", ",".join(FSDP2_RUNS)], config,
-                     timeout=600, env={"PYTHONPATH": str(REPO)})
+    trained = accelerate_launch(SCRIPTS / "family_train.py", ["--out", str(out), "--runs", ",".join(FSDP2_RUNS)],
+                                config, timeout=600, env={"PYTHONPATH": str(REPO)})
     assert trained.returncode == 0 and not trained.timed_out, trained.output[-6000:]
     specs = {}
     for run in FSDP2_RUNS:

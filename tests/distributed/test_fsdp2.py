@@ -18,7 +18,7 @@ import trl
 from safetensors.torch import load_file
 
 from tests.distributed.test_reliability import assert_fault_cost_nothing, digest, logged, max_diff
-from tests.harness import REPO, SCRIPTS, launch, run_command
+from tests.harness import REPO, SCRIPTS, accelerate_launch, run_command
 from trl_ext.assets import default_model_path
 from trl_ext.verify import audit
 
@@ -149,7 +149,7 @@ def test_cpu_ram_efficient_loading_rank1_reads_no_weights_and_trains_the_same(tm
         config.write_text((OURS / "fsdp2.yaml").read_text().replace("fsdp_cpu_ram_efficient_loading: true",
                                                                     f"fsdp_cpu_ram_efficient_loading: {flag}"))
         argvs = [[*args, "--output_dir", str(tmp_path / flag / name)] for name, args in LOADING_RUNS.items()]
-        result = launch(SCRIPTS / "run_many.py", ["train.py", json.dumps(argvs)], config, timeout=600)
+        result = accelerate_launch(SCRIPTS / "run_many.py", ["train.py", json.dumps(argvs)], config, timeout=600)
         assert not result.timed_out and result.returncode == 0, result.output[-6000:]
 
     for name in LOADING_RUNS:

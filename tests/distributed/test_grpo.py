@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import SCRIPTS, launch, run_command, write_accelerate_config
+from tests.harness import SCRIPTS, accelerate_launch, run_command, write_accelerate_config
 from trl_ext.assets import default_model_path
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,8 @@ def grpo(tmp: Path, backend: str, out: str, *args: str) -> tuple[Path, object]:
     if backend == "single":
         result = run_command([sys.executable, str(SCRIPTS / "grpo_train.py"), *script_args], timeout=240)
     else:
-        result = launch(SCRIPTS / "grpo_train.py", script_args, write_accelerate_config(tmp / "configs", backend), 240)
+        config = write_accelerate_config(tmp / "configs", backend)
+        result = accelerate_launch(SCRIPTS / "grpo_train.py", script_args, config, 240)
     assert not result.timed_out, result.output[-4000:]
     return tmp / out, result
 

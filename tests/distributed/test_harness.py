@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests.harness import launch, write_accelerate_config
+from tests.harness import accelerate_launch, write_accelerate_config
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ def test_hung_launch_is_killed_with_all_ranks(tmp_path):
     )
     config = write_accelerate_config(tmp_path, "ddp")
     start = time.monotonic()
-    result = launch(script, [], config, timeout=20)
+    result = accelerate_launch(script, [], config, timeout=20)
     assert result.timed_out and time.monotonic() - start < 60
     rank_pids = [int(p.name) for p in pids.iterdir()]
     assert len(rank_pids) == 2

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers.trainer_utils import get_last_checkpoint
 
 from tests.distributed.conftest import ZERO3_TRAIN
-from tests.harness import SCRIPTS, launch, write_accelerate_config
+from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.commit import PARTIAL_SUFFIX
 from trl_ext.verify import audit
@@ -39,8 +39,9 @@ CASES = {
 def train(tmp_path: Path, trainer: str, out: str, *args: str):
     config = write_accelerate_config(tmp_path / "configs", "zero3")
     # The timeout is the hang detector: a run whose peer died must not wait out the 30-minute collective timeout.
-    return launch(SCRIPTS / "train.py", ["--trainer", trainer, "--output_dir", str(tmp_path / out), *TRAIN, *args],
-                  config, timeout=240)
+    return accelerate_launch(SCRIPTS / "train.py",
+                             ["--trainer", trainer, "--output_dir", str(tmp_path / out), *TRAIN, *args], config,
+                             timeout=240)
 
 
 def digest(directory: Path) -> dict[str, str]:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 import trl_ext
-from tests.harness import SCRIPTS, launch, write_accelerate_config
+from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext import elastic
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ ATOL = 1e-5
 def run(tmp_path: Path, name: str, processes: int, *args: str) -> Path:
     config = write_accelerate_config(tmp_path / f"configs{processes}", "zero3", num_processes=processes)
     out = tmp_path / name
-    result = launch(SCRIPTS / "train.py", [*TRAIN, "--output_dir", str(out), *args], config, timeout=400)
+    result = accelerate_launch(SCRIPTS / "train.py", [*TRAIN, "--output_dir", str(out), *args], config, timeout=400)
     assert result.returncode == 0 and not result.timed_out, result.output[-6000:]
     (out / "launch.log").write_text(result.output)
     return out

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers.trainer_utils import get_last_checkpoint
 
 from tests.distributed.conftest import SFT_LORA_ROUNDTRIP
-from tests.harness import SCRIPTS, launch, write_accelerate_config
+from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.verify import audit
 
@@ -28,8 +28,8 @@ ATOL = 1e-5  # fp32: the same weights through the same forward, on one process i
 def run(tmp_path: Path, backend: str, trainer: str, *args: str, expect_success: bool = True, **zero) -> Path:
     config = write_accelerate_config(tmp_path / "configs", backend, **zero)
     out = tmp_path / "out"
-    result = launch(SCRIPTS / "save_roundtrip.py", ["--trainer", trainer, "--output_dir", str(out), *args], config,
-                    timeout=300)
+    result = accelerate_launch(SCRIPTS / "save_roundtrip.py", ["--trainer", trainer, "--output_dir", str(out), *args],
+                               config, timeout=300)
     assert not result.timed_out, result.output[-4000:]
     if expect_success:
         assert result.returncode == 0, result.output[-6000:]

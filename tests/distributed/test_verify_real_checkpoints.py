@@ -3,7 +3,7 @@ hand-made)."""
 
 import pytest
 
-from tests.harness import SCRIPTS, launch, write_accelerate_config
+from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.verify import audit
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_user_save_paths_after_zero3_are_refused_or_caught(tmp_path):
     config = write_accelerate_config(tmp_path, "zero3")
-    result = launch(SCRIPTS / "save_paths.py", [str(tmp_path / "out")], config, timeout=300)
+    result = accelerate_launch(SCRIPTS / "save_paths.py", [str(tmp_path / "out")], config, timeout=300)
     assert result.returncode == 0, result.output[-4000:]
 
     good = audit(str(tmp_path / "out" / "save_model"), base=default_model_path())

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import SCRIPTS, launch, run_command, write_accelerate_config
+from tests.harness import SCRIPTS, accelerate_launch, run_command, write_accelerate_config
 
 pytestmark = pytest.mark.slow
 VISION_LAYER = "base_model.model.model.vision_tower.encoder.layers.0"
@@ -21,7 +21,7 @@ VISION_LAYER = "base_model.model.model.vision_tower.encoder.layers.0"
 def train(tmp_path, name, *args, expect_ok=True):
     config = write_accelerate_config(tmp_path / "configs", "zero3")
     out = tmp_path / name
-    result = launch(SCRIPTS / "vlm_train.py", ["--output_dir", str(out), *args], config, timeout=300)
+    result = accelerate_launch(SCRIPTS / "vlm_train.py", ["--output_dir", str(out), *args], config, timeout=300)
     if expect_ok:
         assert not result.timed_out and result.returncode == 0, result.output[-6000:]
     return out, result
@@ -47,7 +47,7 @@ def runs(tmp_path_factory) -> tuple[dict, str]:
     """The uninterrupted runs, in one launch: their output directories by name, and the launch's output."""
     root = tmp_path_factory.mktemp("vlm")
     argvs = [[*args, "--output_dir", str(root / name)] for name, args in RUNS.items()]
-    result = launch(SCRIPTS / "run_many.py", ["vlm_train.py", json.dumps(argvs)],
+    result = accelerate_launch(SCRIPTS / "run_many.py", ["vlm_train.py", json.dumps(argvs)],
                     write_accelerate_config(root / "configs", "zero3"), timeout=600)
     assert not result.timed_out and result.returncode == 0, result.output[-6000:]
     return {name: root / name for name in RUNS}, result.output
