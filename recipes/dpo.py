@@ -26,9 +26,9 @@ Continue a stopped run: add `--output_dir <its dir> --resume_from_checkpoint tru
 from trl import get_peft_config, get_quantization_config
 
 from trl_ext import DPOConfig, DPOTrainer, ModelConfig, ScriptArguments, TrlParser
-from trl_ext.assets import load_dataset_by_name, resolve_model
+from trl_ext.assets import DATASET_NAMES, load_dataset_by_name, resolve_model
 from trl_ext.runtime import notice
-from trl_ext.scripting import announce_done, parse_recipe_args, report_eval
+from trl_ext.scripting import announce_done, parse_recipe_args, report_eval, report_held_out_answers
 from trl_ext.vision import freeze_vision_tower
 
 
@@ -65,7 +65,9 @@ def main(script_args, training_args, model_args):
         metrics = trainer.evaluate()
         trainer.log_metrics("eval", metrics)
         report_eval(trainer, metrics, ["eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"])
-    announce_done(trainer, "DPO model")
+    # On the bundled arithmetic, end on answers a person can check: held-out sums before -> after, and one reply
+    reply = report_held_out_answers(trainer, model) if script_args.dataset_name in DATASET_NAMES else None
+    announce_done(trainer, "DPO model", reply=reply)
 
 
 if __name__ == "__main__":

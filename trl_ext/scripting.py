@@ -195,8 +195,36 @@ def report_eval(trainer, final: dict, keys: Sequence[str]) -> None:
     print(f"[trl_ext] held-out eval, before -> after training: {', '.join(parts)}", flush=True)
 
 
-def announce_done(trainer, what: str, task: str = "causal") -> None:
-    """Where the saved (and verified) model is, and the next command to use it. ``task``: "causal" or "reward"."""
+def report_held_out_answers(trainer, start_model: str) -> str | None:
+    """On the bundled arithmetic: print the share of held-out sums answered exactly (greedy) before and after
+    training, checked in a fresh process on the saved model, as a user would load it.
+
+    Args:
+        trainer: The trainer, after ``save_model(args.output_dir)``.
+        start_model: The local path the run started from.
+
+    Returns:
+        On the main process, what the try-it command prints (for ``announce_done``); None elsewhere.
+    """
+    if not trainer.accelerator.is_main_process:
+        return None
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "trl_ext.assets.answers", start_model, trainer.args.output_dir],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:  # a report, not the run's result: say so and go on to the closing lines
+        notice(f"could not check the saved model's answers: {proc.stderr.strip().splitlines()[-1:]}")
+        return None
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"[trl_ext] held-out accuracy (greedy), before -> after training: {result['before']:.3f} -> "
+          f"{result['after']:.3f} ({result['prompts']} prompts)", flush=True)
+    return result["reply"]
+
+
+def announce_done(trainer, what: str, task: str = "causal", reply: str | None = None) -> None:
+    """Where the saved (and verified) model is, and the next command to use it. ``task``: "causal" or "reward";
+    ``reply``: what that command prints, when the recipe already ran it (``report_held_out_answers``)."""
     if not trainer.accelerator.is_main_process:
         return
     out = trainer.args.output_dir
@@ -216,7 +244,11 @@ def announce_done(trainer, what: str, task: str = "causal") -> None:
                      f"load_shapes; print(pipeline('image-text-to-text', '{out}')(text={chat}, max_new_tokens=8, "
                      "return_full_text=False))\"")
     else:
-        chat = "[{'role': 'user', 'content': 'Compute 2 + 3.'}]"
+        from .assets.answers import TRY_IT_PROMPT
+
+        chat = f"[{{'role': 'user', 'content': '{TRY_IT_PROMPT}'}}]"
         lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; "
-                     f"print(pipeline('text-generation', '{out}')({chat}, max_new_tokens=8))\"")
+                     f"print(pipeline('text-generation', '{out}')({chat}, max_new_tokens=8, return_full_text=False))\"")
+        if reply is not None:  # the run ends on an answer a person can check
+            lines.append(f"[trl_ext] it prints: {reply}")
     print("\n" + "\n".join(lines), flush=True)
