@@ -1,8 +1,9 @@
 """GRPO with trl_ext: TRL's GRPO, with ZeRO-3-safe saving, exact resume, CPU fallbacks, and a vLLM weight sync that
 gathers one module at a time and sends the checkpoint's own names (see the README's GRPO section).
 
-The tiny config trains the embedded model on the bundled arithmetic prompts with a verifiable reward (the right sum,
-plus a smaller reward for answering with a bare number), generating with transformers on CPU:
+The tiny config trains the SFT-warmed embedded model on the bundled single-digit sums with a verifiable reward (the
+right sum, plus a smaller reward for answering with a bare number), generating with transformers on CPU (~5 minutes),
+and prints held-out accuracy before and after, sampled as in training and greedy:
 
 ```bash
 python recipes/grpo.py --config recipes/configs/grpo.yaml
@@ -127,8 +128,8 @@ def main(script_args, training_args, model_args):
     if trainer.accelerator.is_main_process:
         sampled = f"sampled at temperature {trainer.temperature:g}, {HELD_OUT_SAMPLES} per prompt"
         for i, kind in ((1, sampled), (0, "greedy")):  # sampled first: what GRPO optimises (held_out_accuracy)
-            print(f"[trl_ext] held-out accuracy ({kind}), before -> after training: {before[i]:.3f} -> {after[i]:.3f}",
-                  flush=True)
+            print(f"[trl_ext] held-out accuracy ({kind}), before -> after training: {before[i]:.3f} -> {after[i]:.3f} "
+                  f"({len(held_out)} prompts)", flush=True)
     announce_done(trainer, "GRPO model")
 
 
