@@ -41,6 +41,14 @@ def test_readme_main_command(tmp_path):
         assert metrics, result.output[-3000:]
         loss_before, loss_after, accuracy_before, accuracy_after = map(float, metrics.groups())
         assert loss_after < loss_before and accuracy_after > accuracy_before
+        # it ends on answers a person can judge: held-out sums answered before -> after, and one reply
+        answers = re.search(r"held-out accuracy \(greedy\), before -> after training: ([\d.]+) -> ([\d.]+)",
+                            result.output)
+        assert answers, result.output[-3000:]
+        answered_before, answered_after = map(float, answers.groups())
+        assert 0.3 < answered_before < 0.9 and answered_after > answered_before, answers.group()
+        reply = re.search(r"^\[trl_ext\] it prints: \[\{'generated_text': '(.*)'\}\]$", result.output, re.M)
+        assert reply and reply.group(1).strip().isdigit(), result.output[-2000:]  # a bare number, right or not
     finally:
         if run_dir and Path(run_dir.group(1)).parent.name == "outputs":  # the demo's own per-run directory
             shutil.rmtree(REPO / run_dir.group(1), ignore_errors=True)

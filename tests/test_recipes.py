@@ -30,8 +30,13 @@ def assert_trained_and_saved(result, out, name):
     before_after = re.search(r"held-out eval, before -> after training: eval_loss ([\d.]+) -> ([\d.]+)", result.output)
     assert before_after, result.output[-3000:]
     assert list((out / "runs").rglob("events.out.tfevents.*")), "no TensorBoard logs"
-    report = audit(str(out), base=default_model_path())
+    report = audit(str(out), base=arith_model_path() if name == "dpo" else default_model_path())
     assert report.ok, report.format()
+    if name == "dpo":  # the DPO config ends on answers: held-out sums before -> after, and the try-it reply
+        accuracy = re.search(r"held-out accuracy \(greedy\), before -> after training: ([\d.]+) -> ([\d.]+) \(120 ",
+                             result.output)
+        assert accuracy and all(0 <= float(a) <= 1 for a in accuracy.groups()), result.output[-3000:]
+        assert re.search(r"^\[trl_ext\] it prints: \[\{'generated_text': '.*'\}\]$", result.output, re.M)
     if (out / "adapter_config.json").exists():
         assert f"trl-ext merge --adapter {out}" in result.output
     elif name == "reward":
