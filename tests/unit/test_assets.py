@@ -57,6 +57,22 @@ def test_bundled_datasets_have_the_columns_trl_expects():
     assert load_dataset_by_name("trl-ext/arithmetic-preference")["test"].num_rows == data["test"].num_rows
 
 
+def test_single_digit_prompts_hold_out_texts_not_skills():
+    """The GRPO demo's data: single-digit sums only; no held-out text is a training (or SFT) text, and every held-out
+    sum is asked in training under another wording (the held-out accuracy measures the skill across wordings)."""
+    import re
+
+    data = load_dataset_by_name("trl-ext/arithmetic-prompt-1digit")
+    texts = {split: [row[0]["content"] for row in data[split]["prompt"]] for split in ("train", "test")}
+    numbers = {split: [tuple(map(int, re.findall(r"\d+", t))) for t in texts[split]] for split in texts}
+    assert all(len(n) == 2 and max(n) < 10 for split in numbers for n in numbers[split])
+    assert (len(texts["train"]), len(texts["test"])) == (272, 28)
+    sft_train = {row[0]["content"] for row in load_default_dataset("sft")["train"]["messages"]}
+    assert not set(texts["test"]) & (set(texts["train"]) | sft_train)
+    assert {frozenset(n) for n in numbers["test"]} <= {frozenset(n) for n in numbers["train"]}
+    assert all(int(a) == sum(n) for a, n in zip(data["test"]["answer"], numbers["test"], strict=True))
+
+
 def test_bundled_files_match_their_generator():
     built = build_data()
     pref = load_default_dataset("preference")["train"]

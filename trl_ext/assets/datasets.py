@@ -1,19 +1,24 @@
 """Load the bundled arithmetic datasets as a ``DatasetDict`` with ``train`` and ``test`` splits."""
 
+import re
 from pathlib import Path
 
 from datasets import DatasetDict, load_dataset
 
 DATA_DIR = Path(__file__).parent / "data"
 # sft: conversational "messages"; preference: prompt/chosen/rejected (DPO); reward: chosen/rejected;
-# prompt: prompt/answer (GRPO, RLOO: the answer feeds a verifiable reward), derived from the preference files.
-DATASET_KINDS = ("sft", "preference", "reward", "prompt")
+# prompt: prompt/answer (GRPO, RLOO: the answer feeds a verifiable reward), derived from the preference files;
+# prompt-1digit: its rows whose operands are both under 10, a task space small enough for RL to revisit each prompt.
+DATASET_KINDS = ("sft", "preference", "reward", "prompt", "prompt-1digit")
 DATASET_NAMES = {f"trl-ext/arithmetic-{kind}": kind for kind in DATASET_KINDS}
 
 
 def load_default_dataset(kind: str) -> DatasetDict:
     if kind not in DATASET_KINDS:
         raise ValueError(f"Unknown bundled dataset {kind!r}; choose one of {', '.join(DATASET_KINDS)}.")
+    if kind == "prompt-1digit":  # same split as "prompt", so held-out texts stay out of training (and of SFT's)
+        return load_default_dataset("prompt").filter(
+            lambda row: all(int(n) < 10 for n in re.findall(r"\d+", row["prompt"][0]["content"])))
     if kind == "prompt":
         pairs = load_default_dataset("preference")
         return pairs.map(lambda row: {"answer": row["chosen"][0]["content"]}, remove_columns=["chosen", "rejected"])
@@ -22,7 +27,7 @@ def load_default_dataset(kind: str) -> DatasetDict:
 
 
 def load_dataset_by_name(name: str, config: str | None = None) -> DatasetDict:
-    """``trl-ext/arithmetic-{sft,preference,reward,prompt}`` load the bundled data and
+    """``trl-ext/arithmetic-{sft,preference,reward,prompt,prompt-1digit}`` load the bundled data and
     ``trl-ext/shapes-{sft,preference}`` generate the bundled image data; anything else goes to ``load_dataset``."""
     from .shapes import SHAPES_NAMES, load_shapes
 
