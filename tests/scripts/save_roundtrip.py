@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 import trl_ext
 from trl_ext import commit, saving, shards
 from trl_ext.assets import default_model_path, load_default_dataset
+from trl_ext.runtime import env_rank
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -49,7 +50,7 @@ class RecordProbes(TrainerCallback):
 
 
 def record(out: Path, name: str, outputs) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if env_rank() == 0:
         (out / "probes").mkdir(parents=True, exist_ok=True)
         (out / "probes" / f"{name}.json").write_text(json.dumps(outputs))
 
@@ -80,7 +81,7 @@ def kill_during_save(save_number: int) -> None:
 
     def write_then_die(self):
         end(self)
-        if saves["count"] == save_number and int(os.environ.get("RANK", "0")) == 0:
+        if saves["count"] == save_number and env_rank() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
     commit.StagedCheckpoint.__enter__ = counting_enter
