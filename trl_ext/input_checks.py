@@ -40,8 +40,11 @@ FORMATS = {
 CONVERSATION_COLUMNS = ("messages", "conversations")  # always a list of messages, never plain text
 FIX = "fix those rows or filter them out (dataset.filter) before training"
 CHECKED_ENV = "TRL_EXT_CHECKED_DATASETS"  # checks passed in the launching process, handed to the launched ranks
-# Config fields that differ between a recipe's processes without changing how rows are prepared.
-_PER_PROCESS_FIELDS = ("local_rank", "output_dir", "logging_dir", "run_name", "resume_from_checkpoint")
+# The config fields a check's key holds: those whose names say they can change how TRL prepares rows (max_length,
+# packing, dataset_text_field, assistant_only_loss, eos_token, truncation_mode, ...). Launch settings that differ
+# between a recipe's processes (ddp_backend, model_init_kwargs, output_dir) stay out, or every rank would re-check.
+_DATA_FIELD_WORDS = ("dataset", "length", "packing", "padding", "token", "loss", "truncation", "template",
+                     "completion", "prompt", "tools")
 _passed: set[str] = set()
 
 
@@ -304,7 +307,7 @@ def _config_fields(args) -> dict:
     if not dataclasses.is_dataclass(args):
         return {"args": repr(args)}
     return {f.name: repr(getattr(args, f.name, None)) for f in dataclasses.fields(args)
-            if f.name not in _PER_PROCESS_FIELDS}
+            if any(word in f.name for word in _DATA_FIELD_WORDS)}
 
 
 # ---------------------------------------------------------------- the check before the model is loaded

@@ -96,8 +96,10 @@ def test_each_dataset_is_checked_once_per_run(tiny_model_path, tmp_path, monkeyp
     input_checks.probe_datasets(trl.SFTTrainer, {"train": rows}, sft_args(tmp_path / "a"), tiny_model_path)
     assert scans == [40]
     monkeypatch.setattr(input_checks, "_passed", set())  # a launched rank: a new process, the same environment
-    input_checks.probe_datasets(trl.SFTTrainer, {"train": rows}, sft_args(tmp_path / "b"), tiny_model_path)
-    trainer = trl_ext.SFTTrainer(model=tiny_model_path, args=sft_args(tmp_path / "b"), train_dataset=rows)
+    # ... whose config differs in what does not change the rows (the recipe's model_init_kwargs, say)
+    rank_args = sft_args(tmp_path / "b", model_init_kwargs={"dtype": "float32"}, learning_rate=1e-3)
+    input_checks.probe_datasets(trl.SFTTrainer, {"train": rows}, rank_args, tiny_model_path)
+    trainer = trl_ext.SFTTrainer(model=tiny_model_path, args=rank_args, train_dataset=rows)
     assert scans == [40, 40]  # only the trainer's preparation of the whole dataset, never the probe again
     assert len(trainer.train_dataset) == 40
     input_checks.probe_datasets(trl.SFTTrainer, {"train": rows}, sft_args(tmp_path, max_length=8), tiny_model_path)
