@@ -30,5 +30,4 @@ def _each_test_checks_its_datasets(monkeypatch):
     """A dataset check that passed in one test is not remembered in the next (trl_ext remembers them for a run)."""
     from trl_ext import input_checks
 
-    monkeypatch.setattr(input_checks, "_passed", set())
     monkeypatch.delenv(input_checks.CHECKED_ENV, raising=False)

@@ -72,11 +72,13 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What ``module.state_dict(keep_vars=True)`` holds (parameters and persistent buffers, by name), read without the
-    state-dict hooks: FSDP2's reshard the unit, so inside ``FsdpUnits.unsharded`` they would return its shards."""
+def module_tensors(module: torch.nn.Module, recurse: bool = True) -> dict[str, torch.Tensor]:
+    """What ``module.state_dict(keep_vars=True)`` holds (parameters and persistent buffers, by name; with
+    ``recurse=False`` the module's own only), read without the state-dict hooks: FSDP2's reshard the unit, so inside
+    ``FsdpUnits.unsharded`` they would return its shards."""
     tensors = {}
-    for prefix, owner in module.named_modules(remove_duplicate=False):
+    owners = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
+    for prefix, owner in owners:
         dot = f"{prefix}." if prefix else ""
         tensors.update({dot + k: p for k, p in owner._parameters.items() if p is not None})
         tensors.update({dot + k: b for k, b in owner._buffers.items()

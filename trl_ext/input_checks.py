@@ -45,7 +45,6 @@ CHECKED_ENV = "TRL_EXT_CHECKED_DATASETS"  # checks passed in the launching proce
 # between a recipe's processes (ddp_backend, model_init_kwargs, output_dir) stay out, or every rank would re-check.
 _DATA_FIELD_WORDS = ("dataset", "length", "packing", "padding", "token", "loss", "truncation", "template",
                      "completion", "prompt", "tools")
-_passed: set[str] = set()
 
 
 class DatasetError(ValueError):
@@ -288,17 +287,19 @@ def check_key(check: str, dataset, *inputs) -> str | None:
     return f"{check}-{Hasher.hash((fingerprint, inputs))}"
 
 
+def _passed() -> set[str]:
+    return set(filter(None, os.environ.get(CHECKED_ENV, "").split(",")))
+
+
 def already_passed(key: str | None) -> bool:
     """Whether this check passed before in this run (this process or the one that launched it)."""
-    return key is not None and (key in _passed or key in os.environ.get(CHECKED_ENV, "").split(","))
+    return key is not None and key in _passed()
 
 
 def record_passed(key: str | None) -> None:
-    """Remember a passed check, for this process and for the processes it launches (they inherit the environment)."""
-    if key is None:
-        return
-    _passed.add(key)
-    os.environ[CHECKED_ENV] = ",".join(sorted(_passed | set(filter(None, os.environ.get(CHECKED_ENV, "").split(",")))))
+    """Remember a passed check in the environment: for this process and the processes it launches (they inherit it)."""
+    if key is not None:
+        os.environ[CHECKED_ENV] = ",".join(sorted(_passed() | {key}))
 
 
 def _config_fields(args) -> dict:

@@ -177,12 +177,10 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
                     tensors = {prefix + k: t.detach().clone() for k, t in gather.module_tensors(trained).items()}
             else:
                 with units.unsharded(module):  # unsharding swaps in other parameter objects: read them inside
-                    own = [(k, p) for k, p in module._parameters.items() if p is not None]
-                    own += [(k, b) for k, b in module._buffers.items()
-                            if b is not None and k not in module._non_persistent_buffers_set]
-                    own = [(k, t) for k, t in own if prefix + k in first_names]
-                    with gather.gathered([t for _, t in own]):
-                        tensors = {prefix + k: t.detach().clone() for k, t in own}
+                    own = {prefix + k: t for k, t in gather.module_tensors(module, recurse=False).items()
+                           if prefix + k in first_names}
+                    with gather.gathered(list(own.values())):
+                        tensors = {name: t.detach().clone() for name, t in own.items()}
             if tensors:  # a module's tensors hold whole conversion groups (one module's experts, say)
                 yield from hub_format.to_hub(base, tensors).items()
 

@@ -95,7 +95,7 @@ def test_each_dataset_is_checked_once_per_run(tiny_model_path, tmp_path, monkeyp
     rows = Dataset.from_list([GOOD] * 40)
     input_checks.probe_datasets(trl.SFTTrainer, {"train": rows}, sft_args(tmp_path / "a"), tiny_model_path)
     assert scans == [40]
-    monkeypatch.setattr(input_checks, "_passed", set())  # a launched rank: a new process, the same environment
+    # a launched rank: a new process that inherits only the environment, where passed checks are kept
     # ... whose config differs in what does not change the rows (the recipe's model_init_kwargs, say)
     rank_args = sft_args(tmp_path / "b", model_init_kwargs={"dtype": "float32"}, learning_rate=1e-3)
     input_checks.probe_datasets(trl.SFTTrainer, {"train": rows}, rank_args, tiny_model_path)
