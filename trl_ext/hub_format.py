@@ -29,6 +29,23 @@ class Unit:
     converted: bool = False
 
 
+def model_class(model) -> type:
+    """The class ``save_pretrained`` names in ``config.json``'s ``architectures``: the model's own, not the
+    ``FSDP<Class>`` subclass that FSDP2's ``fully_shard`` swaps in. Serving engines pick the class by that name.
+
+    Args:
+        model: a transformers model, possibly sharded by FSDP2.
+
+    Returns:
+        The first class in the model's MRO that is not an FSDP2 wrapper.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return type(model)
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
 def _meta(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {name: torch.empty(full_shape(t), dtype=t.dtype, device="meta") for name, t in tensors}
 

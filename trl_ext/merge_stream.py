@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import commit, verify
+from . import commit, hub_format, verify
 from .assets import resolve_model
 from .input_checks import check_model_path
 from .lora_deltas import Adapter, AdapterError, RowMerger, load_adapter, merge_bias
@@ -246,9 +246,9 @@ def _copy_files(base: Path, adapter: Path, staging: Path, generates: bool) -> No
                 shutil.copyfile(adapter / name, staging / name)
 
 
-def _merged_config(config, model, plan: MergePlan, num_labels: int | None, cast, tokenizer_dir: Path):
+def _merged_config(config, model, plan: MergePlan, num_labels: int | None, cast, new_dtype, tokenizer_dir: Path):
     config = copy.deepcopy(config)
-    config.architectures = [type(model).__name__]
+    config.architectures = [hub_format.model_class(model).__name__]
     text = config.get_text_config()
     if num_labels is not None:
         config.num_labels = num_labels
@@ -263,8 +263,11 @@ def _merged_config(config, model, plan: MergePlan, num_labels: int | None, cast,
     if plan.untie:
         for target in {id(config): config, id(text): text}.values():
             target.tie_word_embeddings = False
-    if cast is not None:
-        config.dtype = cast
+    dtype = cast if cast is not None else new_dtype
+    if dtype is not None:  # as from_pretrained(dtype=...) sets it and save_pretrained writes it: sub-configs too
+        for target in [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", {}))]:
+            if target is not None:
+                target.dtype = dtype
     return config
 
 
@@ -371,7 +374,8 @@ def _write_files(job: _Inputs, staging: Path, max_shard_size, progress: bool) ->
     from tqdm.auto import tqdm
 
     tokenizer_dir = job.adapter if (job.adapter / "tokenizer_config.json").exists() else job.base
-    _merged_config(job.config, job.model, job.plan, job.num_labels, job.cast, tokenizer_dir).save_pretrained(staging)
+    config = _merged_config(job.config, job.model, job.plan, job.num_labels, job.cast, job.new_dtype, tokenizer_dir)
+    config.save_pretrained(staging)
     _copy_files(job.base, job.adapter, staging, generates=job.num_labels is None)
     outputs = job.plan.outputs
     shard_plan = plan_shards([o.spec for o in outputs], max_shard_size)

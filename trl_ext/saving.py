@@ -94,15 +94,20 @@ def _write_metadata(model, directory: Path, weight_sets, processing_class, train
                     setattr(config, field, sorted(getattr(config, field)))
             auto_mapping = None
             if config.task_type is None:  # lets AutoPeftModel find the base class, as PEFT records it
-                auto_mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
+                base_class = hub_format.model_class(base)
+                auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
             config.save_pretrained(str(target), auto_mapping_dict=auto_mapping)
     if is_peft_model(model):
         with contextlib.suppress(Exception):  # the model card is a nicety; never fail a save over it
             model.create_or_update_model_card(str(directory))
     else:
         config = copy.deepcopy(model.config)
-        config.architectures = [type(model).__name__]
+        config.architectures = [hub_format.model_class(model).__name__]
         config.dtype = str(model.dtype).split(".")[1]
+        if getattr(model, "_auto_class", None) is not None:  # remote code: copied beside it, as save_pretrained does
+            from transformers.dynamic_module_utils import custom_object_save
+
+            custom_object_save(model, str(directory), config=config)
         config.save_pretrained(str(directory))
         if model.can_generate() and model.generation_config is not None:
             model.generation_config.save_pretrained(str(directory))

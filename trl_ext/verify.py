@@ -171,6 +171,12 @@ def _check_adapter(root: Path, tensors: dict, report: Report, base: str | None, 
         report.problems.append("adapter_config.json is missing: PeftModel.from_pretrained cannot load this adapter")
         return
     config = json.loads(config_path.read_text())
+    mapping = config.get("auto_mapping") or {}
+    if mapping.get("parent_library", "").startswith("transformers"):  # AutoPeftModel imports the base class by name
+        problem = _unknown_class_problem(mapping.get("base_model_class", ""), "adapter_config.json's auto_mapping",
+                                         config_path)
+        if problem:
+            report.problems.append(problem)
     named = sorted(n for n in tensors if ".default." in n or n.endswith(".default"))
     if named:
         report.problems.append(
@@ -266,12 +272,36 @@ def _check_against_base(tensors: dict, base_shapes: dict, report: Report, adapte
         )
 
 
+def _unknown_class_problem(name: str, where: str, fix_file: Path) -> str | None:
+    """A class name that transformers does not export, with the one-line repair. Serving engines (vLLM, SGLang,
+    llama.cpp) pick the model class by this name; ``from_pretrained`` goes by ``model_type`` and never notices."""
+    import transformers
+
+    if not name or hasattr(transformers, name):
+        return None
+    fixed = name.removeprefix("FSDP")  # FSDP2's fully_shard swaps in an FSDP<Class> subclass
+    if fixed == name or not hasattr(transformers, fixed):
+        return f"{where} names {name!r}, which transformers does not export: serving engines will refuse it"
+    return (f"{where} names {name!r}, FSDP2's wrapper class of {fixed}: serving engines refuse it. "
+            f"Fix: sed -i 's/\"{name}\"/\"{fixed}\"/' {fix_file}")
+
+
+def _check_architectures(config: dict, report: Report, config_path: Path) -> None:
+    custom = json.dumps(config.get("auto_map") or {})  # remote code names its own classes
+    for name in config.get("architectures") or []:
+        problem = None if name in custom else _unknown_class_problem(name, "config.json's architectures",
+                                                                       config_path)
+        if problem:
+            report.problems.append(problem)
+
+
 def _check_full(root: Path, tensors: dict, report: Report, base: str | None, num_labels: int) -> None:
     config_path = root / "config.json"
     if not config_path.exists():
         report.problems.append("config.json is missing: from_pretrained cannot load this model")
         return
     config = json.loads(config_path.read_text())
+    _check_architectures(config, report, config_path)
     is_seq_cls = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
     if is_seq_cls:
         labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)

@@ -7,7 +7,9 @@ tensors (PEFT ``target_parameters``): one launch for all runs
 transformers and peft (``tests/scripts/family_check.py``) checks every run:
 
 1. the files hold exactly the names, shapes and dtypes that ``save_pretrained`` (PEFT's, for adapters) writes for
-   the same weights;
+   the same weights, and every other file (``config.json`` field by field, with ``architectures[0]`` the class that
+   transformers exports, ``generation_config.json``, ``adapter_config.json``, tokenizer files, the model card) is
+   what ``save_pretrained`` writes;
 2. ``from_pretrained`` gives the trained outputs;
 3. ``iter_merged_weights`` (taken under ZeRO-3 during the run) equals the merged model's Hub-format state dict;
 4. the ``trl-ext merge`` output is Hub format and gives the trained outputs;
@@ -45,18 +47,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
                                 ["--out", str(out), "--runs", ",".join(RUNS), "--resume_check"], config, timeout=600)
     assert trained.returncode == 0 and not trained.timed_out, trained.output[-6000:]
 
-    from trl_ext import cli
-
-    specs = {}
-    for run in RUNS:
-        family, trainer, mode = run.split(":")
-        directory = out / f"{family}-{trainer}-{mode}"
-        merged = None
-        if mode != "full":
-            merged = directory / "merged"
-            assert cli.main(["merge", "--adapter", str(directory / "final"), "--out", str(merged)]) in (0, None)
-        specs[run] = {"dir": str(directory), "base": family_path(family), "model_class": FAMILIES[family][2],
-                      "mode": mode, "reward": trainer == "reward", "merged": str(merged) if merged else None}
+    specs = {run: check_spec(out, run) for run in RUNS}
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps({s["dir"]: s for s in specs.values()}))
     checked = subprocess.run([sys.executable, "-m", "tests.scripts.family_check", str(spec_file)], cwd=REPO,
@@ -66,6 +57,20 @@ def results(tmp_path_factory) -> dict[str, dict]:
     reports = {run: json.loads((out / run.replace(":", "-") / "report.json").read_text()) for run in RUNS}
     return {run: {**by_dir[spec["dir"]], "partition": reports[run], "resume_diff": resume_diff(Path(spec["dir"]))}
             for run, spec in specs.items()}
+
+
+def check_spec(out: Path, run: str) -> dict:
+    """``family_check.py``'s spec for one run; an adapter is merged with ``trl-ext merge`` first."""
+    from trl_ext import cli
+
+    family, trainer, mode = run.split(":")
+    directory = out / run.replace(":", "-")
+    merged = None
+    if mode != "full":
+        merged = directory / "merged"
+        assert cli.main(["merge", "--adapter", str(directory / "final"), "--out", str(merged)]) in (0, None)
+    return {"dir": str(directory), "base": family_path(family), "model_class": FAMILIES[family][2], "mode": mode,
+            "reward": trainer == "reward", "merged": str(merged) if merged else None}
 
 
 def resume_diff(run: Path) -> float | None:
@@ -78,8 +83,9 @@ def resume_diff(run: Path) -> float | None:
 
 
 # Under FSDP2 (TRL's fsdp2.yaml form, parameters as DTensor shards): one family of each kind and each way of training.
-FSDP2_RUNS = ["gemma3:sft:lora", "phi3:sft:lora", "mixtral:sft:full", "qwen3_moe:sft:experts", "qwen3_moe:reward:full",
-              "qwen2_vl:sft:full", "llava:sft:lora", "gemma3_vlm:sft:lora"]
+FSDP2_RUNS = ["llama:sft:full", "gemma3:sft:lora", "phi3:sft:lora", "mixtral:sft:full", "qwen3_moe:sft:full",
+              "qwen3_moe:sft:experts", "qwen3_moe:reward:full", "qwen2_vl:sft:full", "llava:sft:lora",
+              "gemma3_vlm:sft:lora"]
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +98,7 @@ def fsdp2_results(tmp_path_factory) -> dict[str, dict]:
     trained = accelerate_launch(SCRIPTS / "family_train.py", ["--out", str(out), "--runs", ",".join(FSDP2_RUNS)],
                                 config, timeout=600, env={"PYTHONPATH": str(REPO)})
     assert trained.returncode == 0 and not trained.timed_out, trained.output[-6000:]
-    specs = {}
-    for run in FSDP2_RUNS:
-        family, trainer, mode = run.split(":")
-        specs[str(out / run.replace(":", "-"))] = {"base": family_path(family), "model_class": FAMILIES[family][2],
-                                                   "mode": mode, "reward": trainer == "reward", "merged": None}
+    specs = {spec["dir"]: spec for spec in (check_spec(out, run) for run in FSDP2_RUNS)}
     (out / "spec.json").write_text(json.dumps(specs))
     checked = subprocess.run([sys.executable, "-m", "tests.scripts.family_check", str(out / "spec.json")], cwd=REPO,
                              capture_output=True, text=True, timeout=600, check=False)
@@ -113,6 +115,7 @@ def assert_sharded_saved_and_reloaded(run: str, result: dict) -> None:
     partition = result["partition"]
     assert partition["num_partitioned"] == partition["num_params"], "not every parameter was sharded"
     assert result["files_as_save_pretrained"], "names, shapes or dtypes differ from what save_pretrained writes"
+    assert not result["metadata"], f"files beside the weights differ from what save_pretrained writes: {result}"
     assert result["diff_final"] <= ATOL, "the reloaded model does not give the trained outputs"
     if "diff_loaded" in result:  # a reward base gets a random head at each load
         assert result["diff_loaded"] <= ATOL, "loaded sharded, the model differs from a one-process load"
@@ -124,7 +127,11 @@ def test_family_under_fsdp2_saves_in_hub_format_and_reloads(fsdp2_results, run):
     """FSDP2's save streams the DTensor shards through the same Hub-format plan; iter_merged_weights unshards one FSDP
     unit at a time. LLaVA also checks the wrapping of the layer classes the model has (transformers >= 5.5 lists
     CLIPTextEmbeddings, which accelerate cannot find)."""
-    assert_sharded_saved_and_reloaded(run, fsdp2_results[run])
+    result = fsdp2_results[run]
+    assert_sharded_saved_and_reloaded(run, result)
+    if not run.endswith(":full"):
+        assert result["merge_as_save_pretrained"], "trl-ext merge did not write the Hub format"
+        assert result["merge_diff"] <= ATOL, "the merged model does not give the trained outputs"
 
 
 @pytest.mark.parametrize("family", ONE_PROCESS_RESUME)

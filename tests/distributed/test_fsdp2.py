@@ -36,11 +36,15 @@ def train(out: Path, config: Path, *args: str):
 
 
 def reloaded(kind: str, *checkpoints: Path) -> dict[str, torch.Tensor]:
-    """Probe outputs of each checkpoint, loaded in a fresh process with plain transformers + peft."""
+    """Probe outputs of each checkpoint, loaded in a fresh process with plain transformers + peft, after asserting
+    that every file beside the weights is what ``save_pretrained`` writes (``architectures`` names the model's class,
+    not FSDP2's ``FSDP<Class>`` wrapper)."""
     cmd = [sys.executable, str(SCRIPTS / "reload.py"), default_model_path(), kind, *map(str, checkpoints)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-4000:]
-    return {Path(k).name: torch.tensor(v) for k, v in json.loads(result.stdout).items()}
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not any(found["metadata"].values()), found["metadata"]
+    return {Path(k).name: torch.tensor(v) for k, v in found["outputs"].items()}
 
 
 def assert_sharded_and_saved(out: Path, kind: str) -> None:

@@ -39,13 +39,15 @@ def run(tmp_path: Path, backend: str, trainer: str, *args: str, expect_success: 
 
 
 def reloaded_outputs(checkpoints: list[Path], kind: str) -> dict[Path, torch.Tensor]:
-    """Outputs of each checkpoint loaded in one fresh process with plain transformers + peft."""
+    """Outputs of each checkpoint loaded in one fresh process with plain transformers + peft, after asserting that
+    every file beside the weights is what ``save_pretrained`` writes (``tests/metadata.py``)."""
     kind = {"sft": "causal", "dpo": "causal"}.get(kind, kind)  # a trainer name, or reload.py's own kind
     proc = subprocess.run([sys.executable, str(SCRIPTS / "reload.py"), default_model_path(), kind,
                            *map(str, checkpoints)], capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {Path(path): torch.tensor(values) for path, values in found.items()}
+    assert not any(found["metadata"].values()), found["metadata"]
+    return {Path(path): torch.tensor(values) for path, values in found["outputs"].items()}
 
 
 def recorded(out: Path, name: str) -> torch.Tensor:

@@ -8,8 +8,10 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.distributed.conftest import ZERO3_CASES, ZERO3_TRAIN, train_args
+from tests.distributed.test_saving import reloaded_outputs
 from tests.harness import run_training
 
 pytestmark = pytest.mark.slow
@@ -60,7 +62,11 @@ def test_zero2_does_not_partition_parameters(zero2_run):
 
 
 def test_ddp_on_cpu(tmp_path):
-    report = run_training(tmp_path, "ddp", "dpo", "--lora")
+    report = run_training(tmp_path, "ddp", "dpo", "--lora", "--save_model", "final")
     assert report["world_size"] == 2 and report["zero_stage"] is None
     # really data parallel: accelerate's CPU multi-process mode, the model wrapped in DDP (gradients averaged)
     assert report["distributed_type"] == "MULTI_CPU" and report["ddp_wrapped"], report
+    # the save from the DDP-wrapped model: every file beside the weights as save_pretrained writes it, and it reloads
+    final = tmp_path / "out" / "final"
+    trained = torch.tensor(json.loads((tmp_path / "out" / "probes_final.json").read_text()))
+    assert torch.allclose(reloaded_outputs([final], "dpo")[final], trained, atol=1e-5, rtol=0)

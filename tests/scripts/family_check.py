@@ -2,7 +2,9 @@
 
 ``python -m tests.scripts.family_check SPEC.json`` where SPEC maps each run directory (see ``family_train.py``) to
 ``{"base": PATH, "model_class": NAME, "mode": "lora"|"experts"|"full", "reward": bool, "merged": DIR or null}``.
-Prints one JSON object: per run, the measured differences and whether the files match what ``save_pretrained`` writes.
+Prints one JSON object: per run, the measured differences, whether the weight files hold what ``save_pretrained``
+writes, and ``metadata``: every other file that differs from what ``save_pretrained`` writes (``tests/metadata.py``),
+for the save and for the ``trl-ext merge`` output.
 """
 
 import glob
@@ -15,6 +17,8 @@ import torch
 import transformers
 from peft import PeftModel
 from safetensors import safe_open
+
+from tests.metadata import metadata_problems
 
 PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]  # as family_train.py
 
@@ -73,23 +77,28 @@ def check(run: str, spec: dict) -> dict:
     base = load(spec["base"], spec)
     if not spec["reward"]:  # a reward base gets a new random head at every load: nothing to compare before training
         result["diff_loaded"] = max_diff(probe(base), json.load(open(os.path.join(run, "probes_loaded.json"))))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(final)
     if spec["mode"] != "full":  # an adapter
         model = PeftModel.from_pretrained(base, final)
+        result["metadata"] = metadata_problems(final, model, tokenizer)  # PEFT's reload writes what it read
         result["diff_final"] = max_diff(probe(model), trained)
         model.save_pretrained(os.path.join(scratch, "peft"))  # what PEFT itself writes for these weights
         result["files_as_save_pretrained"] = headers(final) == headers(os.path.join(scratch, "peft"))
         merged = model.merge_and_unload()
     else:
         merged = load(final, spec)
+        result["metadata"] = metadata_problems(final, merged, tokenizer, reference=os.path.join(run, "reference"))
         result["diff_final"] = max_diff(probe(merged), trained)
-    merged.save_pretrained(os.path.join(scratch, "hub"))  # the merged model in the Hub's own format
     hub = os.path.join(scratch, "hub")
+    merged.save_pretrained(hub)  # the merged model in the Hub's own format, as PEFT and transformers write it
+    tokenizer.save_pretrained(hub)
     if spec["mode"] == "full":
         result["files_as_save_pretrained"] = headers(final) == headers(hub)
     result["iter_equal"], result["iter_diff"] = tensors_equal(tensors(os.path.join(run, "iter.safetensors")),
                                                               tensors(hub), atol=1e-6)
     if spec.get("merged"):
         merged_cli = load(spec["merged"], spec)
+        result["metadata"] += metadata_problems(spec["merged"], merged_cli, reference=hub)
         result["merge_diff"] = max_diff(probe(merged_cli), trained)
         merged_cli.save_pretrained(os.path.join(scratch, "merged_hub"))
         result["merge_as_save_pretrained"] = headers(spec["merged"]) == headers(os.path.join(scratch, "merged_hub"))

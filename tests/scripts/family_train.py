@@ -4,9 +4,10 @@ Run under ``accelerate launch`` (2-process ZeRO-3 or FSDP2, see ``tests/harness.
 ``FAMILY:TRAINER:MODE`` (trainer sft|reward|dpo, mode lora|full|experts) it writes to ``OUT/FAMILY-TRAINER-MODE/``:
 ``final/`` (``trainer.save_model``), ``probes_loaded.json`` (outputs of the model as loaded, before any step),
 ``probes_final.json`` (after training), ``iter.safetensors`` (``iter_merged_weights``, from rank 0) and
-``report.json`` (partitioning seen during training) and, with ``--resume_check``, for full fine-tuning
-``probes_resumed.json`` (a new trainer resumed from ``checkpoint-1`` and ran step 2 again). One process set for all
-runs: start-up costs more than a run.
+``report.json`` (partitioning seen during training), for full models ``reference/`` (the metadata files the trained
+model's own ``save_pretrained`` writes, from rank 0: ``state_dict={}`` writes no weights) and, with
+``--resume_check``, for full fine-tuning ``probes_resumed.json`` (a new trainer resumed from ``checkpoint-1`` and ran
+step 2 again). One process set for all runs: start-up costs more than a run.
 """
 
 import argparse
@@ -102,6 +103,10 @@ def run(family: str, trainer_name: str, mode: str, out: Path, resume_check: bool
     trainer.save_model(str(out / "final"))
     merged = dict(iter_merged_weights(trainer.model))  # every rank: gathers one module at a time
     if trainer.accelerator.is_main_process:
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        if not hasattr(unwrapped, "peft_config"):  # PEFT's save_pretrained needs the weights (adapters: family_check)
+            unwrapped.save_pretrained(str(out / "reference"), state_dict={})  # no collective: no weights are read
+            tokenizer.save_pretrained(str(out / "reference"))
         save_file({k: v.contiguous() for k, v in merged.items()}, str(out / "iter.safetensors"))
         for name, value in {"probes_loaded": loaded, "probes_final": final, "report": seen.seen,
                             "probes_resumed": resumed}.items():

@@ -1,7 +1,9 @@
 """Load a saved checkpoint with plain transformers + peft (no trl_ext, no DeepSpeed) and print its probe outputs.
 
 Usage: python reload.py BASE {causal,reward,reward-autopeft} CHECKPOINT...
-Prints a JSON object: checkpoint -> logits or rewards. An adapter that PEFT loads with missing keys is an error.
+Prints a JSON object: ``{"outputs": {checkpoint: logits or rewards}, "metadata": {checkpoint: [difference, ...]}}``,
+where the differences are the files other than the weights that are not what ``save_pretrained`` writes (see
+``tests/metadata.py``). An adapter that PEFT loads with missing keys is an error.
 """
 
 import json
@@ -12,30 +14,34 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository's tests package
+from tests.metadata import metadata_problems  # noqa: E402
+
 PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]
 
 
-def outputs(path: Path, base: str, kind: str) -> list:
+def load(path: Path, base: str, kind: str):
+    """The saved model as a user loads it with plain transformers or peft, and its tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     if kind == "reward-autopeft":
         from peft import AutoPeftModelForSequenceClassification
 
         model = AutoPeftModelForSequenceClassification.from_pretrained(
             path, num_labels=1, pad_token_id=tokenizer.pad_token_id)
-        return _run(model)
+        return model, tokenizer
     if kind.startswith("reward"):
-        def load(name):
+        def load_model(name):
             return AutoModelForSequenceClassification.from_pretrained(
                 name, num_labels=1, pad_token_id=tokenizer.pad_token_id)
     else:
-        load = AutoModelForCausalLM.from_pretrained
+        load_model = AutoModelForCausalLM.from_pretrained
     if (path / "adapter_config.json").exists():
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(load(base), path)
+        model = PeftModel.from_pretrained(load_model(base), path)
     else:
-        model = load(path)
-    return _run(model)
+        model = load_model(path)
+    return model, tokenizer
 
 
 def _run(model) -> list:
@@ -48,7 +54,12 @@ def _run(model) -> list:
 def main():
     warnings.filterwarnings("error", message=".*missing adapter keys.*")  # a head or LoRA weight not restored
     base, kind, checkpoints = sys.argv[1], sys.argv[2], sys.argv[3:]
-    print(json.dumps({path: outputs(Path(path), base, kind) for path in checkpoints}))
+    found = {"outputs": {}, "metadata": {}}
+    for path in checkpoints:
+        model, tokenizer = load(Path(path), base, kind)
+        found["outputs"][path] = _run(model)
+        found["metadata"][path] = metadata_problems(path, model, tokenizer)
+    print(json.dumps(found))
 
 
 if __name__ == "__main__":

@@ -208,3 +208,30 @@ def test_fsync_or_metadata_failure_commits_nothing(tmp_path, tiny_model_path, mo
             saving.save(_perturbed(model), tmp_path / "out")
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     assert not (tmp_path / ".out.trl_ext-partial").exists()
+
+
+@pytest.mark.parametrize("kind", ["full", "adapter-without-task-type"])
+def test_fsdp2_class_swap_does_not_reach_the_metadata(tmp_path, tiny_model_path, kind):
+    """FSDP2's fully_shard swaps the module's class for a generated FSDP<Class>; every file beside the weights is
+    still what the unwrapped model's save_pretrained writes (engines serve by config.json's architectures[0], and
+    AutoPeftModel imports adapter_config.json's base_model_class)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from tests.metadata import compare_files
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    if kind != "full":
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(tmp_path / "theirs")
+    tokenizer.save_pretrained(tmp_path / "theirs")
+    wrapped = model if kind == "full" else model.get_base_model()
+    cls = type(wrapped)
+    wrapped.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})  # what fully_shard does
+    saving.save(model, tmp_path / "ours", processing_class=tokenizer)
+    assert compare_files(tmp_path / "ours", tmp_path / "theirs") == []
+    if kind == "full":
+        assert json.loads((tmp_path / "ours" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    else:
+        mapping = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["auto_mapping"]
+        assert mapping["base_model_class"] == "LlamaForCausalLM"

@@ -208,3 +208,47 @@ def test_nan_or_inf_in_any_tensor(capsys, good_adapter, tmp_path):
     code, out = run_cli(capsys, broken)
     assert code == 1 and "1 tensors contain NaN or inf values" in out
     assert max(load_file(broken / "adapter_model.safetensors")) in out
+
+
+def test_fsdp2_wrapper_class_in_architectures_is_flagged_with_a_fix_that_works(capsys, tiny_model_path, tmp_path):
+    """A full save written under FSDP2 by a tool that names type(model) (FSDPLlamaForCausalLM) loads in transformers
+    but no serving engine; verify says so and prints a one-line repair, which makes the checkpoint pass."""
+    import shlex
+    import subprocess
+
+    broken = tmp_path / "fsdp2_save"
+    shutil.copytree(tiny_model_path, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["architectures"] = ["FSDPLlamaForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(config, indent=2))
+    code, out = run_cli(capsys, broken)
+    assert code == 1 and "'FSDPLlamaForCausalLM', FSDP2's wrapper class of LlamaForCausalLM" in out, out
+    fix = out.split("Fix: ", 1)[1].splitlines()[0]
+    subprocess.run(shlex.split(fix), check=True)
+    code, out = run_cli(capsys, broken)
+    assert code == 0, out
+    assert json.loads((broken / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_unknown_architecture_is_flagged_unless_remote_code_defines_it(capsys, tiny_model_path, tmp_path):
+    path = tmp_path / "custom"
+    shutil.copytree(tiny_model_path, path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["MyLlamaForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    code, out = run_cli(capsys, path)
+    assert code == 1 and "'MyLlamaForCausalLM', which transformers does not export" in out, out
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_my.MyLlamaForCausalLM"}  # trust_remote_code models
+    (path / "config.json").write_text(json.dumps(config))
+    assert run_cli(capsys, path)[0] == 0
+
+
+def test_adapter_whose_auto_mapping_names_the_fsdp2_wrapper_is_flagged(capsys, good_adapter, tmp_path):
+    path = tmp_path / "adapter"
+    shutil.copytree(good_adapter, path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["task_type"] = None
+    config["auto_mapping"] = {"base_model_class": "FSDPLlamaForCausalLM", "parent_library": "transformers.models"}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    code, out = run_cli(capsys, path)
+    assert code == 1 and "auto_mapping names 'FSDPLlamaForCausalLM'" in out, out
