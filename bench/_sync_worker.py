@@ -21,7 +21,7 @@ from trl.distributed import DistributedBackend
 from trl.generation.vllm_generation import VLLMGeneration
 
 import trl_ext
-from trl_ext.weight_sync import BoundedVLLMGeneration
+from trl_ext.trainers.weight_sync import BoundedVLLMGeneration
 
 
 def rss_kib(field: str) -> int:

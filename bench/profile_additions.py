@@ -32,7 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl  # noqa: E402
 
 import trl_ext  # noqa: E402
-from trl_ext import checkpointing, configs, gather, reward_head, save_plan, saving, shards, trainers, verify  # noqa: E402
+from trl_ext.engines import checkpointing
+from trl_ext.saving import gather, shards, verify
+from trl_ext.saving import pipeline as saving
+from trl_ext.saving import plan as save_plan
+from trl_ext.trainers import configs, mixin, reward_head
 
 TRL_EXT_DIR = str(Path(trl_ext.__file__).parent)
 WAIT = "wait for fsync, after the checks"
@@ -178,16 +182,16 @@ def main():
 
     timers = Timers()
     # Setup: everything trl_ext runs around TRL's constructor and at train start.
-    timers.wrap(trainers.TrlExtMixin, "__init__", "TrlExtMixin.__init__", group="mixin")
+    timers.wrap(mixin.TrlExtMixin, "__init__", "TrlExtMixin.__init__", group="mixin")
     for cls in (trl.SFTTrainer, trl.RewardTrainer, trl.DPOTrainer):
         timers.wrap(cls, "__init__", "TRL __init__", group="trl")
     timers.wrap(configs, "adapt_to_hardware", "runtime.adapt_to_hardware (config)")
-    timers.wrap(trainers, "check_distributed_setup", "runtime.check_distributed_setup")
+    timers.wrap(mixin, "check_distributed_setup", "runtime.check_distributed_setup")
     for name in ("take_user_choice", "decide", "apply", "remove_input_require_grads_hooks"):
         timers.wrap(checkpointing, name, f"checkpointing.{name}")
     timers.wrap(checkpointing.CheckpointingPolicy, "on_train_begin", "CheckpointingPolicy.on_train_begin")
-    timers.wrap(trainers, "guard_save_pretrained", "trainers.guard_save_pretrained")
-    optional = [(trainers.TrlExtMixin, "_check_input", "input checks (model path, TRL on the first rows)")]
+    timers.wrap(mixin, "guard_save_pretrained", "trainers.guard_save_pretrained")
+    optional = [(mixin.TrlExtMixin, "_check_input", "input checks (model path, TRL on the first rows)")]
     for module, names in (("input_checks", ("check_rows_kept", "check_resume_checkpoint")),
                           ("quantization", ("prepare", "match_adapter_dtype"))):
         try:
@@ -201,7 +205,7 @@ def main():
     timers.wrap(reward_head, "check", "reward_head.check")
     timers.wrap(reward_head, "head_trained_whole", "reward_head.head_trained_whole")
     timers.wrap(reward_head, "peft_config_for", "reward_head.peft_config_for")
-    # Saving: the phases of trl_ext.saving.save.
+    # Saving: the phases of trl_ext.saving.pipeline.save.
     timers.wrap(saving, "save", "save (total)", group="save")
     timers.wrap(save_plan, "_adapter_weight_sets", "names and shard plan", group="phase")
     timers.wrap(save_plan, "_full_weight_set", "names and shard plan", group="phase")
@@ -238,7 +242,7 @@ def main():
             detail = ", ".join(f"{k} x{v / 2:g}" for k, v in r["per_step_calls"].items()) or "none"
             print(f"  trl_ext calls per training step: {calls:g} ({detail})")
 
-    if hasattr(trainers.input_checks, "probe_datasets"):
+    if hasattr(mixin.input_checks, "probe_datasets"):
         from datasets import Dataset
 
         from trl_ext.assets import default_model_path
@@ -254,16 +258,16 @@ def main():
             times = []
             for _ in range(5):
                 start = time.perf_counter()
-                trainers.input_checks.probe_datasets(trainer_cls, {"train_dataset": dataset}, args,
+                mixin.input_checks.probe_datasets(trainer_cls, {"train_dataset": dataset}, args,
                                                      default_model_path(), kind=kind)
                 times.append(time.perf_counter() - start)
             print(f"\ninput_checks.probe_datasets ({trainer_cls.__name__}, {rows} rows; TRL prepares the first "
-                  f"{trainers.input_checks.PROBE_ROWS}, tokenizer load included): median of 5 "
+                  f"{mixin.input_checks.PROBE_ROWS}, tokenizer load included): median of 5 "
                   f"{ms(statistics.median(times))}, once per run")
 
     if cli.skip_save:
         return
-    print("\n== Saving: trl_ext.saving.save, one process ==")
+    print("\n== Saving: trl_ext.saving.pipeline.save, one process ==")
     for r in profile_saves(cli, timers):
         total = r["phases"]["save (total)"]
         print(f"\n{r['label']}: {r['bytes'] / 2**20:.1f} MiB in {r['tensors']} tensors; median of {cli.saves} saves")

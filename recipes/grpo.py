@@ -32,8 +32,8 @@ from trl import get_peft_config, get_quantization_config
 
 from trl_ext import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser
 from trl_ext.assets import load_dataset_by_name, resolve_model
-from trl_ext.gather import gathered
-from trl_ext.scripting import announce_done, parse_recipe_args
+from trl_ext.launching.scripting import announce_done, parse_recipe_args
+from trl_ext.saving.gather import gathered
 
 NUMBER = re.compile(r"-?\d+")
 HELD_OUT_SAMPLES = 16  # completions sampled per held-out prompt

@@ -28,7 +28,7 @@ from trl import get_peft_config, get_quantization_config
 
 from trl_ext import ModelConfig, RewardConfig, RewardTrainer, ScriptArguments, TrlParser
 from trl_ext.assets import load_dataset_by_name, resolve_model
-from trl_ext.scripting import announce_done, parse_recipe_args, report_eval
+from trl_ext.launching.scripting import announce_done, parse_recipe_args, report_eval
 
 
 def main(script_args, training_args, model_args):

@@ -28,9 +28,9 @@ from trl import get_peft_config, get_quantization_config
 
 from trl_ext import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser
 from trl_ext.assets import load_dataset_by_name, resolve_model
-from trl_ext.runtime import notice
-from trl_ext.scripting import announce_done, parse_recipe_args, report_eval
-from trl_ext.vision import freeze_vision_tower
+from trl_ext.data.vision import freeze_vision_tower
+from trl_ext.launching.scripting import announce_done, parse_recipe_args, report_eval
+from trl_ext.process import notice
 
 
 def main(script_args, training_args, model_args):

@@ -28,6 +28,6 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def _each_test_checks_its_datasets(monkeypatch):
     """A dataset check that passed in one test is not remembered in the next (trl_ext remembers them for a run)."""
-    from trl_ext import input_checks
+    from trl_ext.data import input_checks
 
     monkeypatch.delenv(input_checks.CHECKED_ENV, raising=False)

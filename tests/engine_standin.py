@@ -76,7 +76,7 @@ def fake_generation(model, standin: EngineStandIn, generation_class=None, sleep_
     from accelerate import Accelerator
     from trl.distributed import DistributedBackend
 
-    from trl_ext.weight_sync import BoundedVLLMGeneration
+    from trl_ext.trainers.weight_sync import BoundedVLLMGeneration
 
     generation = (generation_class or BoundedVLLMGeneration).__new__(generation_class or BoundedVLLMGeneration)
     accelerator = Accelerator(cpu=True)

@@ -119,7 +119,7 @@ def recipe(name: str, *argv: str) -> Callable:
 
     def run(ws: Path, assets: Path) -> tuple[int, str]:
         import trl_ext
-        from trl_ext.scripting import parse_recipe_args
+        from trl_ext.launching.scripting import parse_recipe_args
 
         config_cls, kind = {"sft": (trl_ext.SFTConfig, "sft"), "reward": (trl_ext.RewardConfig, "preference"),
                             "dpo": (trl_ext.DPOConfig, "preference")}[name]

@@ -8,9 +8,10 @@ import trl
 from peft import LoraConfig
 
 import trl_ext
-from trl_ext import commit, saving
 from trl_ext.assets import load_default_dataset
-from trl_ext.weight_sync import BoundedVLLMGeneration
+from trl_ext.saving import commit
+from trl_ext.saving import pipeline as saving
+from trl_ext.trainers.weight_sync import BoundedVLLMGeneration
 
 
 @pytest.mark.parametrize("theirs,ours", [(trl.GRPOTrainer, trl_ext.GRPOTrainer),
@@ -51,7 +52,7 @@ def test_vllm_generation_is_ours_while_trl_builds_the_trainer(monkeypatch):
     """TRL constructs VLLMGeneration inline; inside our constructor the name resolves to the bounded sync."""
     import sys
 
-    from trl_ext.trainers import _bounded_weight_sync
+    from trl_ext.trainers.trl_trainers import _bounded_weight_sync
 
     module = sys.modules[trl.GRPOTrainer.__module__]
     original = module.VLLMGeneration
@@ -75,7 +76,7 @@ def rloo_run(tiny_model_path, tmp_path_factory):
     trainer.train()
     with mock.patch.object(saving, "save", wraps=saving.save) as save:
         trainer.save_model(str(out / "final"))
-    assert save.call_count == 1, "RLOOTrainer.save_model must go through trl_ext.saving.save"
+    assert save.call_count == 1, "RLOOTrainer.save_model must go through trl_ext.saving.pipeline.save"
     ids = torch.tensor([[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]])
     model = trainer.model.eval()
     with torch.no_grad():
@@ -97,7 +98,7 @@ def test_rloo_saves_through_the_one_save_path_and_reloads_with_plain_peft(rloo_r
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trl_ext.verify import audit
+    from trl_ext.saving.verify import audit
 
     _, saved, ids, trained, _ = rloo_run
     report = audit(str(saved), base=tiny_model_path)  # what trl_ext's save path verified after writing

@@ -5,8 +5,19 @@
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from .configs import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig, SFTConfig
-from .trainers import DPOTrainer, GRPOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer, TrlExtMixin
+from trl_ext.trainers import (
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+    SFTConfig,
+    SFTTrainer,
+    TrlExtMixin,
+)
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,7 @@ def _env(_: argparse.Namespace) -> int:
 
 def _model(_: argparse.Namespace) -> int:
     """Build (first time) and print the path of the embedded tiny model."""
-    from .assets import default_model_path
+    from trl_ext.assets import default_model_path
 
     print(default_model_path())
     return 0
@@ -32,8 +32,8 @@ def _model(_: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Audit a saved checkpoint (adapter or full model); exit 1 if it has problems."""
-    from .input_checks import check_model_path
-    from .verify import audit
+    from trl_ext.data.input_checks import check_model_path
+    from trl_ext.saving.verify import audit
 
     try:
         check_model_path(args.base)
@@ -48,9 +48,9 @@ def _verify(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     """Merge a LoRA adapter into its base and save a standalone model, streamed tensor by tensor without loading the
     model (reward models stay reward models)."""
-    from .merge import MergeError, merge
-    from .merge_stream import merge_streamed
-    from .verify import CheckpointError
+    from trl_ext.merge.in_memory import MergeError, merge
+    from trl_ext.merge.streamed import merge_streamed
+    from trl_ext.saving.verify import CheckpointError
 
     if len(args.adapter) > 1:
         print(f"error: {len(args.adapter)} adapters given; merge one at a time: --adapter {args.adapter[0]} --out M1, "

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trl_ext import checkpointing
+from trl_ext.engines import checkpointing
 
 pytestmark = pytest.mark.slow
 

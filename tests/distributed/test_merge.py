@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from tests.distributed.conftest import REWARD_ALL_LINEAR_ROUNDTRIP, SFT_LORA_ROUNDTRIP
 from tests.distributed.test_saving import recorded, reloaded_outputs
-from trl_ext.merge import merge
+from trl_ext.merge.in_memory import merge
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from tests.distributed.conftest import ZERO3_TRAIN
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
-from trl_ext.commit import PARTIAL_SUFFIX
-from trl_ext.verify import audit
+from trl_ext.saving.commit import PARTIAL_SUFFIX
+from trl_ext.saving.verify import audit
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def assert_fault_cost_nothing(out: Path, reference: Path, fault: list[str]) -> N
         assert (out / f".checkpoint-4{PARTIAL_SUFFIX}").is_dir()
 
 
-# LoRA: on trl 1.14 the same seed gives the same adapter init only through trl_ext.compat.seed_before_model
+# LoRA: on trl 1.14 the same seed gives the same adapter init only through trl_ext.trainers.compat.seed_before_model
 COMPAT = "sft-lora-every-rank-killed-mid-training"
 
 
@@ -127,8 +127,8 @@ def test_permission_denied_during_save_fails_cleanly_and_the_run_resumes(tmp_pat
     from peft import LoraConfig
 
     import trl_ext
-    from trl_ext import shards
-    from trl_ext.verify import CheckpointError
+    from trl_ext.saving import shards
+    from trl_ext.saving.verify import CheckpointError
 
     append = shards.ShardStreamWriter.append
 

@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 
 import trl_ext
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
-from trl_ext import elastic
+from trl_ext.engines import elastic
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,10 @@ from peft import LoraConfig, TaskType
 from transformers import TrainerCallback
 
 import trl_ext
-from trl_ext import commit, saving, shards
 from trl_ext.assets import default_model_path, load_default_dataset
-from trl_ext.runtime import env_rank
+from trl_ext.process import env_rank
+from trl_ext.saving import commit, shards
+from trl_ext.saving import pipeline as saving
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None):
     if cli.iter_merged:
         from safetensors.torch import save_file
 
-        from trl_ext.merge import iter_merged_weights
+        from trl_ext.merge.in_memory import iter_merged_weights
 
         merged = dict(iter_merged_weights(trainer.model))
         report["adapter_still_unmerged"] = not any(getattr(m, "merged", False) for m in trainer.model.modules())

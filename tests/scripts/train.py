@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 import trl_ext
-from trl_ext import shards
 from trl_ext.assets import default_model_path, load_default_dataset
-from trl_ext.checkpointing import layer_settings
+from trl_ext.engines.checkpointing import layer_settings
+from trl_ext.saving import shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shared with bench/_loading_worker.py
 import _weight_reads as weight_reads  # noqa: E402

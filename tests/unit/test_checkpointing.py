@@ -2,8 +2,8 @@ import pytest
 from peft import LoraConfig
 
 import trl_ext
-from trl_ext import checkpointing
 from trl_ext.assets import default_model_path, load_default_dataset
+from trl_ext.engines import checkpointing
 
 
 def test_recompute_fix_detected_from_the_installed_deepspeed():

@@ -1,11 +1,11 @@
-"""The fallbacks for older TRL releases (trl_ext.compat), decided from the version they are told."""
+"""The fallbacks for older TRL releases (trl_ext.trainers.compat), decided from the version they are told."""
 
 import pytest
 import torch
 from packaging.version import Version
 
 import trl_ext
-from trl_ext import compat
+from trl_ext.trainers import compat
 
 
 class _Net(torch.nn.Module):

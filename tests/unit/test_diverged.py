@@ -8,7 +8,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 import trl_ext
-from trl_ext.verify import CheckpointError
+from trl_ext.saving.verify import CheckpointError
 
 ROWS = [{"text": "1+1=2"}] * 4
 

@@ -7,7 +7,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
 
 from tests.unit.test_runtime import _fields, cpu_only, gpu  # noqa: F401 - fixtures
-from trl_ext import fsdp, quantization, runtime
+from trl_ext.engines import fsdp, quantization, runtime
 
 
 @pytest.fixture

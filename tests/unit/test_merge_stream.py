@@ -1,4 +1,4 @@
-"""`trl-ext merge` streamed (trl_ext.merge_stream): each merged checkpoint equals PEFT's merge_and_unload tensor for
+"""`trl-ext merge` streamed (trl_ext.merge.streamed): each merged checkpoint equals PEFT's merge_and_unload tensor for
 tensor and reloads, with plain transformers, to the adapter model's outputs; peak memory stays bounded; refusals are
 one line with nothing written."""
 
@@ -242,7 +242,7 @@ RSS_WORKER = textwrap.dedent("""
     import sys, threading, time
     import peft.tuners.lora, psutil, tqdm.auto, transformers
     from transformers import AutoConfig, LlamaForCausalLM  # what the merge imports: its memory is not the merge's
-    from trl_ext.merge_stream import merge_streamed
+    from trl_ext.merge.streamed import merge_streamed
     process, peak, running = psutil.Process(), [0], [True]
     def sample():
         while running[0]:
@@ -336,8 +336,8 @@ def test_refusals(tmp_path, tiny_llama, tiny_model_path, capsys):
 def test_lora_on_fused_experts_is_refused_by_the_stream_and_merged_in_memory_by_the_cli(tmp_path, capsys):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from trl_ext.merge import MergeError
-    from trl_ext.merge_stream import merge_streamed
+    from trl_ext.merge.in_memory import MergeError
+    from trl_ext.merge.streamed import merge_streamed
 
     torch.manual_seed(0)
     base = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))

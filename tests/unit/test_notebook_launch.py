@@ -1,4 +1,4 @@
-"""trl_ext.notebook.launch: the DeepSpeed config it builds, its refusals, and two launches from one process."""
+"""trl_ext.launching.notebook.launch: the DeepSpeed config, its refusals, and two launches from one process."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import pytest
 from accelerate.state import PartialState
 
 from trl_ext import SFTConfig
-from trl_ext.notebook import _accelerate_state_set_aside, _deepspeed_config, launch
+from trl_ext.launching.notebook import _accelerate_state_set_aside, _deepspeed_config, launch
 
 
 def test_zero_stage_alone_keeps_deepspeed_defaults():

@@ -11,8 +11,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
 import trl_ext
-from trl_ext import quantization
 from trl_ext.assets import default_model_path, load_default_dataset
+from trl_ext.engines import quantization
 
 FOUR_BIT = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "float32"}
 TRAINERS = {"sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),

@@ -11,7 +11,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Bert
 
 import trl_ext
 from trl_ext.assets import load_default_dataset
-from trl_ext.reward_head import head_names
+from trl_ext.trainers.reward_head import head_names
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 
@@ -96,7 +96,7 @@ def test_training_improves_held_out_preference_accuracy(tmp_path, tiny_model_pat
 
 
 def test_a_config_that_already_trains_the_head_is_used_as_given(tiny_model_path, caplog):
-    from trl_ext.reward_head import peft_config_for
+    from trl_ext.trainers.reward_head import peft_config_for
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
     for config in (LoraConfig(r=4, target_modules="all-linear", task_type="SEQ_CLS"),

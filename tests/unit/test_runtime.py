@@ -2,7 +2,7 @@ import pytest
 import trl
 
 import trl_ext
-from trl_ext import runtime
+from trl_ext.engines import runtime
 
 
 @pytest.fixture

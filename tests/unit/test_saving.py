@@ -16,8 +16,10 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from trl_ext import saving, shards, trainers
-from trl_ext.verify import CheckpointError, audit, check_written
+from trl_ext.saving import pipeline as saving
+from trl_ext.saving import shards
+from trl_ext.saving.verify import CheckpointError, audit, check_written
+from trl_ext.trainers import mixin
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 
@@ -168,7 +170,7 @@ def test_check_written_catches_changed_bytes_and_missing_tensors(tmp_path):
 
 def test_save_pretrained_guard_refuses_zero3_placeholders(tiny_model_path, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    trainers.guard_save_pretrained(model)
+    mixin.guard_save_pretrained(model)
     model.save_pretrained(tmp_path / "whole")  # parameters are whole: a plain save goes through
     assert (tmp_path / "whole" / "model.safetensors").exists()
 

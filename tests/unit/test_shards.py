@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from trl_ext import shards
-from trl_ext.shards import ShardStreamWriter, TensorSpec, index_json, parse_size, plan_shards
+from trl_ext.saving import shards
+from trl_ext.saving.shards import ShardStreamWriter, TensorSpec, index_json, parse_size, plan_shards
 
 
 def _tensors():

@@ -7,7 +7,7 @@ from datasets import Dataset
 from transformers import TrainingArguments
 
 import trl_ext
-from trl_ext.configs import from_training_arguments
+from trl_ext.trainers.configs import from_training_arguments
 
 SFT_ROWS = [{"text": "1+1=2"}] * 4
 PREF_ROWS = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 4

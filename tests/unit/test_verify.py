@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from trl_ext.cli import main as cli
-from trl_ext.verify import CheckpointError, audit, verify_or_raise
+from trl_ext.saving.verify import CheckpointError, audit, verify_or_raise
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
@@ -154,7 +154,7 @@ def test_reader_agrees_with_safe_open_and_rejects_what_it_rejects(tmp_path):
     refuse every file safe_open refuses."""
     from safetensors import SafetensorError, safe_open
 
-    from trl_ext.verify import UNREADABLE, read_safetensors
+    from trl_ext.saving.verify import UNREADABLE, read_safetensors
 
     tensors = {"w": torch.randn(3, 700), "h": torch.randn(5).half(), "b": torch.randn(2, 2).bfloat16(),
                "i": torch.arange(4), "m": torch.tensor([True, False]), "e": torch.empty(0, 4), "s": torch.tensor(1.5)}

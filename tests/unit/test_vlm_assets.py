@@ -1,4 +1,4 @@
-"""The embedded tiny VLM, the bundled shapes data, the VLM recipe configs and ``trl_ext.vision`` (one process)."""
+"""The embedded tiny VLM, the bundled shapes data, the VLM recipe configs and ``trl_ext.data.vision`` (one process)."""
 
 import hashlib
 import os
@@ -23,7 +23,7 @@ from trl_ext.assets import (
     resolve_model,
     vlm_model_path,
 )
-from trl_ext.vision import freeze_vision_tower, is_vision_model, vision_tower
+from trl_ext.data.vision import freeze_vision_tower, is_vision_model, vision_tower
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +121,13 @@ def test_freeze_vision_tower(vlm_path):
 def test_image_checks_accept_what_trl_trains_on(tmp_path):
     from datasets import Dataset, Image, Sequence
 
-    from trl_ext.vision import check_image_dataset
+    from trl_ext.data.vision import check_image_dataset
 
     sft, pref = load_shapes("sft")["test"], load_shapes("preference")["test"]
     check_image_dataset(sft, "sft", True)
     check_image_dataset(pref, "pref", True)
     check_image_dataset(sft, "no model known", None)
-    with mock.patch("trl_ext.vision._row_problem", side_effect=AssertionError("scanned again")):
+    with mock.patch("trl_ext.data.vision._row_problem", side_effect=AssertionError("scanned again")):
         check_image_dataset(sft, "sft", True)  # checked once per run: not scanned again
     # text content with images: TRL's prepare_multimodal_messages inserts the placeholders itself
     sft[0]["images"][0].save(tmp_path / "a.png")

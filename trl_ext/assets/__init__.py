@@ -1,11 +1,12 @@
 """Embedded defaults: a tiny Llama with a chat tokenizer (and a copy SFT-warmed on arithmetic), a tiny LLaVA-style
 VLM, and bundled arithmetic and image datasets (all offline)."""
 
-from .datasets import DATASET_KINDS, DATASET_NAMES, load_dataset_by_name, load_default_dataset
-from .shapes import SHAPES_NAMES, answer_accuracy, load_shapes
-from .tiny_arith import ARITH_MODEL_NAME, arith_model_path
-from .tiny_model import DEFAULT_MODEL_NAME, default_model_path, resolve_model
-from .tiny_vlm import VLM_MODEL_NAME, vlm_model_path
+from trl_ext.assets.datasets import DATASET_KINDS, DATASET_NAMES, load_dataset_by_name, load_default_dataset
+from trl_ext.assets.models import resolve_model
+from trl_ext.assets.shapes import SHAPES_NAMES, answer_accuracy, load_shapes
+from trl_ext.assets.tiny_arith import ARITH_MODEL_NAME, arith_model_path
+from trl_ext.assets.tiny_model import DEFAULT_MODEL_NAME, default_model_path
+from trl_ext.assets.tiny_vlm import VLM_MODEL_NAME, vlm_model_path
 
 __all__ = [
     "ARITH_MODEL_NAME",

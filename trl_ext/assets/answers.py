@@ -26,8 +26,8 @@ def check(start_model: str, trained_model: str) -> dict:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
-    from .datasets import load_default_dataset
-    from .tiny_arith import greedy_accuracy
+    from trl_ext.assets.datasets import load_default_dataset
+    from trl_ext.assets.tiny_arith import greedy_accuracy
 
     if (Path(trained_model) / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM as trained_class

@@ -29,7 +29,7 @@ def load_default_dataset(kind: str) -> DatasetDict:
 def load_dataset_by_name(name: str, config: str | None = None) -> DatasetDict:
     """``trl-ext/arithmetic-{sft,preference,reward,prompt,prompt-1digit}`` load the bundled data and
     ``trl-ext/shapes-{sft,preference}`` generate the bundled image data; anything else goes to ``load_dataset``."""
-    from .shapes import SHAPES_NAMES, load_shapes
+    from trl_ext.assets.shapes import SHAPES_NAMES, load_shapes
 
     if name in SHAPES_NAMES:
         return load_shapes(SHAPES_NAMES[name])

@@ -8,7 +8,7 @@ use (seconds on CPU) and cached like the base model.
 import os
 import sys
 
-from .cache import cached_build
+from trl_ext.assets.cache import cached_build
 
 ARITH_MODEL_NAME = "trl-ext/tiny-llama-arith"  # resolved to a local build, never fetched from the Hub
 _BUILD_DIR_NAME = "tiny-llama-arith-v1"  # bump when the build (or the base model, or the data) changes
@@ -89,8 +89,8 @@ def build(path: str | os.PathLike) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .datasets import load_default_dataset
-    from .tiny_model import default_model_path
+    from trl_ext.assets.datasets import load_default_dataset
+    from trl_ext.assets.tiny_model import default_model_path
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ ordinary ``from_pretrained(path)``. The same directory serves as a sequence-clas
 import os
 import sys
 
-from .cache import cached_build
+from trl_ext.assets.cache import cached_build
 
 DEFAULT_MODEL_NAME = "trl-ext/tiny-llama"  # resolved to a local build, never fetched from the Hub
 _BUILD_DIR_NAME = "tiny-llama-v2"  # bump when the build changes
@@ -40,21 +40,8 @@ def default_model_path() -> str:
     return cached_build(_BUILD_DIR_NAME, __name__)
 
 
-def resolve_model(name_or_path: str | None) -> str:
-    """Map ``None`` or an embedded model's name (``trl-ext/tiny-llama``, ``trl-ext/tiny-llama-arith``,
-    ``trl-ext/tiny-vlm``) to its local path; pass any other hub id or path through."""
-    from .tiny_arith import ARITH_MODEL_NAME, arith_model_path
-    from .tiny_vlm import VLM_MODEL_NAME, vlm_model_path
-
-    if name_or_path == VLM_MODEL_NAME:
-        return vlm_model_path()
-    if name_or_path == ARITH_MODEL_NAME:
-        return arith_model_path()
-    return default_model_path() if name_or_path in (None, DEFAULT_MODEL_NAME) else name_or_path
-
-
 def _training_corpus() -> list[str]:
-    from .datasets import DATA_DIR
+    from trl_ext.assets.datasets import DATA_DIR
 
     return [line for path in sorted(DATA_DIR.glob("sft_*.jsonl")) for line in path.read_text().splitlines()]
 

@@ -10,8 +10,8 @@ an ``<image>`` token, and a chat template with ``{% generation %}`` markers (ass
 import os
 import sys
 
-from .cache import cached_build
-from .tiny_model import MODEL_CONFIG, SPECIAL_TOKENS, build_tokenizer
+from trl_ext.assets.cache import cached_build
+from trl_ext.assets.tiny_model import MODEL_CONFIG, SPECIAL_TOKENS, build_tokenizer
 
 VLM_MODEL_NAME = "trl-ext/tiny-vlm"  # resolved to a local build, never fetched from the Hub
 _BUILD_DIR_NAME = "tiny-vlm-v1"  # bump when the build changes

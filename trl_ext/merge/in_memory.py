@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 from accelerate.utils import is_peft_model
 
-from . import gather, hub_format, saving, verify
-from .assets import resolve_model
-from .input_checks import check_model_path
+from trl_ext.assets import resolve_model
+from trl_ext.data.input_checks import check_model_path
+from trl_ext.saving import gather, hub_format, verify
+from trl_ext.saving import pipeline as saving
 
 PROBE_LENGTH = 16
 

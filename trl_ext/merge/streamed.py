@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from . import commit, hub_format, verify
-from .assets import resolve_model
-from .input_checks import check_model_path
-from .lora_deltas import Adapter, AdapterError, RowMerger, load_adapter, merge_bias
-from .merge import MergeError
-from .merge_plan import MergePlan, Output, PlanError, build_plan
-from .safetensors_reader import SafetensorsReader, UnreadableCheckpoint
-from .shards import ShardStreamWriter, index_json, plan_shards
+from trl_ext.assets import resolve_model
+from trl_ext.data.input_checks import check_model_path
+from trl_ext.merge.in_memory import MergeError
+from trl_ext.merge.lora_deltas import Adapter, AdapterError, RowMerger, load_adapter, merge_bias
+from trl_ext.merge.plan import MergePlan, Output, PlanError, build_plan
+from trl_ext.saving import commit, hub_format, verify
+from trl_ext.saving.safetensors_reader import SafetensorsReader, UnreadableCheckpoint
+from trl_ext.saving.shards import ShardStreamWriter, index_json, plan_shards
 
 BLOCK_BYTES = 8 * 2**20  # one read and write of a copied tensor
 MERGE_BLOCK_BYTES = 2 * 2**20  # rows merged at once: the check's float64 copy of them; the delta and block are smaller
@@ -124,7 +124,7 @@ def weight_files(base: Path) -> list[Path]:
     if list(base.glob("pytorch_model*.bin")):
         raise MergeError(f"the base {base} has PyTorch .bin weights: the streamed merge reads safetensors only (a "
                          ".bin pickle is loaded whole). Convert it once (from_pretrained + save_pretrained) or merge "
-                         "in memory with trl_ext.merge.merge")
+                         "in memory with trl_ext.merge.in_memory.merge")
     if (base / verify.ADAPTER_WEIGHTS).exists():
         raise MergeError(f"{base} is a PEFT adapter, not a base model; pass the model it was trained on as --base")
     raise MergeError(f"no model.safetensors or {verify.FULL_INDEX} in {base}")

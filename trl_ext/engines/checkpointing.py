@@ -17,8 +17,8 @@ import os
 from transformers import PreTrainedModel, TrainerCallback
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from . import fsdp
-from .runtime import notice
+from trl_ext.engines import fsdp
+from trl_ext.process import notice
 
 DEEPSPEED_FIX_VERSION = "0.19.3"
 

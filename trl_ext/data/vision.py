@@ -9,7 +9,7 @@ only after the model has loaded. These checks refuse exactly what TRL would fail
 
 import os
 
-from .input_checks import FIX, DatasetError, already_passed, check_key, record_passed
+from trl_ext.data.input_checks import FIX, DatasetError, already_passed, check_key, record_passed
 
 IMAGE_COLUMNS = ("images", "image")
 CONVERSATION_COLUMNS = ("messages", "prompt")  # where TRL looks for the image placeholders of a row
@@ -28,7 +28,7 @@ def is_vision_model(model) -> bool | None:
     if config is None and isinstance(model, (str, os.PathLike)):
         from transformers import AutoConfig
 
-        from .assets import resolve_model
+        from trl_ext.assets import resolve_model
 
         try:
             config = AutoConfig.from_pretrained(resolve_model(str(model)))

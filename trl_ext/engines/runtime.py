@@ -6,7 +6,6 @@ nothing changes.
 
 import copy
 import json
-import logging
 import os
 import tempfile
 from pathlib import Path
@@ -14,25 +13,8 @@ from pathlib import Path
 import torch
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
-from . import fsdp
-
-logger = logging.getLogger("trl_ext")
-
-
-def env_rank() -> int:
-    """This process's global rank as the launcher set it (0 outside a launch); readable before any process group."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def env_world_size() -> int:
-    """The number of processes the launcher started (1 outside a launch)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def notice(message: str) -> None:
-    """One-line notice, printed once per process (rank 0 only when distributed)."""
-    if env_rank() == 0:
-        logger.warning(f"[trl_ext] {message}")
+from trl_ext.engines import fsdp
+from trl_ext.process import env_world_size, notice
 
 
 def has_accelerator() -> bool:

@@ -14,7 +14,7 @@ import trl
 from packaging.version import Version
 from transformers import set_seed
 
-from .runtime import notice
+from trl_ext.process import notice
 
 TRL_VERSION = Version(trl.__version__)
 SEEDS_BEFORE_MODEL = Version("1.15")  # first TRL that seeds before building the model (and the PEFT adapter)

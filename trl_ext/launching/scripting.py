@@ -3,7 +3,7 @@
 ``parse_recipe_args`` is the recipes' one entry point. Before any model is loaded it turns bad input (a missing or
 unknown config, unknown keys, an output dir that holds another run, a dataset without the needed columns, a model
 that cannot be found) into one line on stderr and exit code 2, and re-launches under an accelerate config named
-with ``--config`` (see ``trl_ext.launch``).
+with ``--config`` (see ``trl_ext.launching.launch``).
 """
 
 import difflib
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
-from . import launch
-from .launch import UsageError
-from .runtime import env_world_size, notice
+from trl_ext.launching import launch
+from trl_ext.launching.launch import UsageError
+from trl_ext.process import env_world_size, notice
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
@@ -118,7 +118,7 @@ def _check_model(name: str | None) -> None:
     """A model that cannot be found fails here, in one line, not in a long traceback from inside the trainer."""
     from transformers import AutoConfig
 
-    from .assets import resolve_model
+    from trl_ext.assets import resolve_model
 
     if not name:
         raise UsageError("no model given: set model_name_or_path in the recipe config or pass --model_name_or_path.")
@@ -135,9 +135,9 @@ def _check_dataset(script_args, training_args, model_args, recipe: str, kind: st
     run before any process is launched)."""
     import trl
 
-    from .assets import load_dataset_by_name, resolve_model
-    from .input_checks import DatasetError, probe_datasets
-    from .vision import check_image_dataset, is_vision_model
+    from trl_ext.assets import load_dataset_by_name, resolve_model
+    from trl_ext.data.input_checks import DatasetError, probe_datasets
+    from trl_ext.data.vision import check_image_dataset, is_vision_model
 
     name = script_args.dataset_name
     if not name:
@@ -244,7 +244,7 @@ def announce_done(trainer, what: str, task: str = "causal", reply: str | None = 
                      f"load_shapes; print(pipeline('image-text-to-text', '{out}')(text={chat}, max_new_tokens=8, "
                      "return_full_text=False))\"")
     else:
-        from .assets.answers import TRY_IT_PROMPT
+        from trl_ext.assets.answers import TRY_IT_PROMPT
 
         chat = f"[{{'role': 'user', 'content': '{TRY_IT_PROMPT}'}}]"
         lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; "

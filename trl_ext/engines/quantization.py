@@ -22,8 +22,8 @@ import torch
 from accelerate.utils import is_peft_model
 from peft.utils.integrations import get_bnb_param_type
 
-from . import fsdp
-from .runtime import notice
+from trl_ext.engines import fsdp
+from trl_ext.process import notice
 
 MIN_BITSANDBYTES = "0.46"  # first release with a CPU backend; pyproject's ``qlora`` extra pins it
 _SPLITTING_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # spread a model over devices

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_reader import SafetensorsReader
+from trl_ext.saving.safetensors_reader import SafetensorsReader
 
 ADAPTER_NAME = "default"  # the name PEFT gives the one adapter it loads
 PEFT_PREFIX = "base_model.model."
@@ -95,15 +95,15 @@ def _refuse_config(config) -> None:
 
     if config.peft_type != PeftType.LORA:
         raise AdapterError(f"the adapter is {config.peft_type.value}, and the streamed merge applies LoRA adapters "
-                           "only; merge it in memory with trl_ext.merge.merge")
+                           "only; merge it in memory with trl_ext.merge.in_memory.merge")
     if getattr(config, "target_parameters", None):
         raise AdapterError(
             f"the adapter puts LoRA on parameters ({', '.join(config.target_parameters)}; PEFT target_parameters, "
             "e.g. fused MoE experts), which the checkpoint stores as other tensors; the streamed merge does not split "
-            "such deltas: merge it in memory with trl_ext.merge.merge")
+            "such deltas: merge it in memory with trl_ext.merge.in_memory.merge")
     if getattr(config, "layer_replication", None):
         raise AdapterError("the adapter uses layer_replication, which adds layers to the base: merge it in memory "
-                           "with trl_ext.merge.merge")
+                           "with trl_ext.merge.in_memory.merge")
 
 
 def _lora_delta(name: str, module, weights: set[str]) -> LoraDelta:
@@ -126,7 +126,7 @@ def _lora_delta(name: str, module, weights: set[str]) -> LoraDelta:
         what = f"{type(variant).__name__} " if variant is not None else ""
         raise AdapterError(f"{kind}, a {what}{type(module).__name__} layer) is not something the streamed merge "
                            "applies (it merges LoRA and DoRA on linear layers, LoRA on embeddings): merge it in memory "
-                           "with trl_ext.merge.merge")
+                           "with trl_ext.merge.in_memory.merge")
     missing = [n for n in (delta.a, delta.b, delta.magnitude, delta.bias) if n is not None and n not in weights]
     if missing:
         raise AdapterError(f"the adapter does not fit this base model: its config adapts {name}, but it has no "
@@ -185,7 +185,7 @@ def load_adapter(path: Path, model: torch.nn.Module) -> Adapter:
         if isinstance(module, LoraLayer):
             if type(module).__name__ == "ParamWrapper":  # target_parameters, also refused from the config
                 raise AdapterError(f"LoRA on parameters of {name} is not something the streamed merge applies: "
-                                   "merge it in memory with trl_ext.merge.merge")
+                                   "merge it in memory with trl_ext.merge.in_memory.merge")
             delta = _lora_delta(name, module, names)
             adapter.deltas[f"{name}.weight"] = delta
             if delta.bias is not None:
@@ -207,7 +207,7 @@ def load_adapter(path: Path, model: torch.nn.Module) -> Adapter:
         elif isinstance(module, AuxiliaryTrainingWrapper):
             raise AdapterError(f"the adapter trains {name} through {type(module).__name__} (e.g. "
                                "trainable_token_indices), which the streamed merge does not apply: merge it in memory "
-                               "with trl_ext.merge.merge")
+                               "with trl_ext.merge.in_memory.merge")
     unused = sorted(names - used)
     if unused:
         raise AdapterError(f"the adapter does not fit this base model: {len(unused)} of its tensors belong to no "

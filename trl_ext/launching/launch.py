@@ -15,7 +15,7 @@ import torch
 import yaml
 from accelerate.utils.other import get_free_port
 
-from .runtime import env_rank, env_world_size
+from trl_ext.process import env_rank, env_world_size
 
 RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
 ACCELERATE_KEYS = ("distributed_type", "compute_environment")

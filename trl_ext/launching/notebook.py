@@ -1,6 +1,6 @@
 """Run a training function on several processes from a notebook (or any plain Python process): ``launch``.
 
-    from trl_ext.notebook import launch
+    from trl_ext.launching.notebook import launch
 
     def train(output_dir):
         trainer = SFTTrainer(model="trl-ext/tiny-llama", args=SFTConfig(output_dir=output_dir), ...)
@@ -31,7 +31,7 @@ from unittest import mock
 
 import torch
 
-from .runtime import env_rank
+from trl_ext.process import env_rank
 
 ZERO_STAGES = (0, 1, 2, 3)
 _RESULT_FILE = "rank0_result.pkl"

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from trl_ext.process import notice
+
 _PATCHED = "_trl_ext_fsdp_on_cpu"
 
 
@@ -183,7 +185,8 @@ def load_checkpoint_weights(model, checkpoint: str) -> None:
     import torch.distributed as dist
     from safetensors import safe_open
 
-    from . import gather, save_plan
+    from trl_ext.saving import gather
+    from trl_ext.saving import plan as save_plan
 
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     for weight_set in save_plan.plan_weight_sets(model):
@@ -214,7 +217,7 @@ def load_checkpoint_weights(model, checkpoint: str) -> None:
 def _load_converted(model, directory: Path) -> None:
     from torch.distributed.tensor import distribute_tensor
 
-    from . import gather
+    from trl_ext.saving import gather
 
     loaded = type(model).from_pretrained(str(directory), dtype=model.dtype, config=model.config).state_dict()
     with torch.no_grad():
@@ -240,8 +243,6 @@ def wrap_layers_the_model_has(accelerator, model) -> None:
     """
     from accelerate.utils.dataclasses import get_module_class_from_name
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-    from .runtime import notice  # runtime imports this module
 
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     policy = getattr(plugin, "auto_wrap_policy", None)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import DTYPE_CODES, PREFIX_BYTES, WrittenFile
+from trl_ext.saving.shards import DTYPE_CODES, PREFIX_BYTES, WrittenFile
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS, FULL_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -159,7 +159,7 @@ def _base_shapes(base: str, sequence_classification: bool, num_labels: int,
     with torch.device("meta"):
         model = auto.from_config(config) if auto.__name__.startswith("Auto") else auto._from_config(config)
     if hub_layout:
-        from .hub_format import to_hub
+        from trl_ext.saving.hub_format import to_hub
 
         return {name: list(t.shape) for name, t in to_hub(model, dict(model.state_dict())).items()}
     return {name: list(p.shape) for name, p in model.named_parameters()}

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .lora_deltas import Adapter, LoraDelta
-from .merge_names import checkpoint_to_memory, saved_name
-from .safetensors_reader import SafetensorsReader
-from .shards import TensorSpec
+from trl_ext.merge.lora_deltas import Adapter, LoraDelta
+from trl_ext.merge.names import checkpoint_to_memory, saved_name
+from trl_ext.saving.safetensors_reader import SafetensorsReader
+from trl_ext.saving.shards import TensorSpec
 
 
 class PlanError(ValueError):
@@ -124,7 +124,7 @@ def build_plan(reader: SafetensorsReader, model: torch.nn.Module, adapter: Adapt
         if name in sources.fused:
             raise PlanError(f"the adapter changes {name}, which transformers builds from several checkpoint tensors "
                             "(fused MoE experts, say); the streamed merge does not split such deltas: merge it in "
-                            "memory with trl_ext.merge.merge")
+                            "memory with trl_ext.merge.in_memory.merge")
         if name not in sources.meta and name in adapter.bias_deltas:
             raise PlanError(f"the adapter has lora_bias for {name.removesuffix('.bias')}, whose base layer has no "
                             "bias: there is nothing to merge it into (PEFT refuses this merge too)")

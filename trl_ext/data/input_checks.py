@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from .runtime import notice
+from trl_ext.process import notice
 
 PROBE_ROWS = 16  # rows prepared by TRL before the model is loaded; the rest are checked as TRL prepares them
 # What to tell the user a trainer reads when TRL cannot find its columns (TRL's dataset formats). Only the message
@@ -435,7 +435,7 @@ def check_rows_kept(before, after, name: str, max_length) -> None:
 def check_resume_checkpoint(path: str, num_labels: int = 1) -> None:
     """The checkpoint a run resumes from must pass the ``trl-ext verify`` audit: a truncated or corrupted weights file
     fails here, in one line naming it, instead of deep inside a loader (or worse, after optimizer states loaded)."""
-    from .verify import ADAPTER_WEIGHTS, FULL_INDEX, FULL_WEIGHTS, CheckpointError, audit
+    from trl_ext.saving.verify import ADAPTER_WEIGHTS, FULL_INDEX, FULL_WEIGHTS, CheckpointError, audit
 
     root = Path(path)
     if root.is_dir() and not any((root / name).exists() for name in (ADAPTER_WEIGHTS, FULL_WEIGHTS, FULL_INDEX)):

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from accelerate.utils import is_peft_model
 
-from . import gather, hub_format, verify
-from .commit import PARTIAL_SUFFIX, commit
-from .save_plan import DEFAULT_MAX_SHARD_SIZE, check_dtypes, plan_weight_sets
-from .shards import ShardStreamWriter, TensorSpec, index_json
+from trl_ext.saving import gather, hub_format, verify
+from trl_ext.saving.commit import PARTIAL_SUFFIX, commit
+from trl_ext.saving.plan import DEFAULT_MAX_SHARD_SIZE, check_dtypes, plan_weight_sets
+from trl_ext.saving.shards import ShardStreamWriter, TensorSpec, index_json
 
 logger = logging.getLogger("trl_ext")
 

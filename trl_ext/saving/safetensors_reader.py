@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .shards import DTYPE_CODES, TensorSpec
+from trl_ext.saving.shards import DTYPE_CODES, TensorSpec
 
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from trl_ext.process import notice
+
 UNIVERSAL_SUFFIX = "_universal"
 _OPTIM_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
@@ -179,8 +181,6 @@ def prepare(trainer, checkpoint: str) -> Plan | None:
         The plan, or None when ``checkpoint`` holds no ZeRO state.
     """
     from accelerate.utils import broadcast_object_list, gather_object
-
-    from .runtime import notice
 
     args = trainer.args
     # Decided on one rank and broadcast: ranks that look at the files separately could disagree (NFS attribute

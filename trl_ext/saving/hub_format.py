@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .gather import full_shape
-from .shards import TensorSpec
+from trl_ext.saving.gather import full_shape
+from trl_ext.saving.shards import TensorSpec
 
 
 @dataclass

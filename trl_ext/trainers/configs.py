@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import trl
 
-from .runtime import adapt_to_hardware
+from trl_ext.engines.runtime import adapt_to_hardware
 
 
 class _HardwareAware:

@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from .runtime import notice
+from trl_ext.process import notice
 
 
 def head_names(model: torch.nn.Module) -> list[str]:
@@ -92,7 +92,7 @@ def allow_new_head(model_id: str, args) -> None:
 
 def check(model) -> None:
     """After construction: the head has one output and, under PEFT, is trained whole. Clear errors otherwise."""
-    from .saving import is_peft_model
+    from trl_ext.saving.pipeline import is_peft_model
 
     base = model.get_base_model() if is_peft_model(model) else model
     if getattr(base.config, "num_labels", 1) != 1:

@@ -1,0 +1,8 @@
+"""Saving: plan -> gather (ZeRO-3 partitions, FSDP2 shards) -> Hub layout -> shard writer -> verify -> commit.
+
+``save(model, dir)`` is the one save path (``pipeline``); nothing else writes checkpoints.
+"""
+
+from trl_ext.saving.pipeline import DEFAULT_MAX_SHARD_SIZE, save, supports
+
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "save", "supports"]
