@@ -48,9 +48,9 @@ def _verify(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     """Merge a LoRA adapter into its base and save a standalone model, streamed tensor by tensor without loading the
     model (reward models stay reward models)."""
-    from trl_ext.merge.in_memory import MergeError, merge
+    from trl_ext.errors import CheckpointError, MergeError
+    from trl_ext.merge.in_memory import merge
     from trl_ext.merge.streamed import merge_streamed
-    from trl_ext.saving.verify import CheckpointError
 
     if len(args.adapter) > 1:
         print(f"error: {len(args.adapter)} adapters given; merge one at a time: --adapter {args.adapter[0]} --out M1, "

@@ -127,8 +127,8 @@ def test_permission_denied_during_save_fails_cleanly_and_the_run_resumes(tmp_pat
     from peft import LoraConfig
 
     import trl_ext
+    from trl_ext.errors import CheckpointError
     from trl_ext.saving import shards
-    from trl_ext.saving.verify import CheckpointError
 
     append = shards.ShardStreamWriter.append
 

@@ -11,10 +11,11 @@ from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 
 from tests.families import FAMILIES, family_path
+from trl_ext.errors import CheckpointError
 from trl_ext.merge.in_memory import iter_merged_weights
 from trl_ext.saving import hub_format, shards
 from trl_ext.saving import pipeline as saving
-from trl_ext.saving.verify import CheckpointError, audit
+from trl_ext.saving.verify import audit
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 

@@ -12,7 +12,8 @@ from datasets import Dataset
 
 import trl_ext
 from trl_ext.data import input_checks
-from trl_ext.data.input_checks import PROBE_ROWS, DatasetError
+from trl_ext.data.input_checks import PROBE_ROWS
+from trl_ext.errors import DatasetError
 
 GOOD = {"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}
 NO_CONTENT = {"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": None}]}

@@ -8,8 +8,8 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 from tests.harness import REPO
+from trl_ext.errors import UsageError
 from trl_ext.launching import launch
-from trl_ext.launching.launch import UsageError
 
 ACCELERATE_CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 ZERO3, DPO_CONFIG = "accelerate_configs/zero3.yaml", "recipes/configs/dpo.yaml"

@@ -336,7 +336,7 @@ def test_refusals(tmp_path, tiny_llama, tiny_model_path, capsys):
 def test_lora_on_fused_experts_is_refused_by_the_stream_and_merged_in_memory_by_the_cli(tmp_path, capsys):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from trl_ext.merge.in_memory import MergeError
+    from trl_ext.errors import MergeError
     from trl_ext.merge.streamed import merge_streamed
 
     torch.manual_seed(0)

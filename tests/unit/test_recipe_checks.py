@@ -7,7 +7,7 @@ import pytest
 
 from tests.harness import REPO
 from trl_ext import DPOConfig, ModelConfig, ScriptArguments, TrlParser
-from trl_ext.launching.launch import UsageError
+from trl_ext.errors import UsageError
 from trl_ext.launching.scripting import parse_recipe_args
 
 DPO_CONFIG = str(REPO / "recipes" / "configs" / "dpo.yaml")

@@ -16,9 +16,10 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from trl_ext.errors import CheckpointError
 from trl_ext.saving import pipeline as saving
 from trl_ext.saving import shards
-from trl_ext.saving.verify import CheckpointError, audit, check_written
+from trl_ext.saving.verify import audit, check_written
 from trl_ext.trainers import mixin
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])

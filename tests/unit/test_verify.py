@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from trl_ext.cli import main as cli
-from trl_ext.saving.verify import CheckpointError, audit, verify_or_raise
+from trl_ext.errors import CheckpointError
+from trl_ext.saving.verify import audit, verify_or_raise
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 

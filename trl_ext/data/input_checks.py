@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from trl_ext.errors import DatasetError
 from trl_ext.process import notice
 
 PROBE_ROWS = 16  # rows prepared by TRL before the model is loaded; the rest are checked as TRL prepares them
@@ -47,8 +48,7 @@ _DATA_FIELD_WORDS = ("dataset", "length", "packing", "padding", "token", "loss",
                      "completion", "prompt", "tools")
 
 
-class DatasetError(ValueError):
-    """A training or evaluation dataset that TRL cannot train on."""
+
 
 
 def check_model_path(model) -> None:
@@ -435,7 +435,8 @@ def check_rows_kept(before, after, name: str, max_length) -> None:
 def check_resume_checkpoint(path: str, num_labels: int = 1) -> None:
     """The checkpoint a run resumes from must pass the ``trl-ext verify`` audit: a truncated or corrupted weights file
     fails here, in one line naming it, instead of deep inside a loader (or worse, after optimizer states loaded)."""
-    from trl_ext.saving.verify import ADAPTER_WEIGHTS, FULL_INDEX, FULL_WEIGHTS, CheckpointError, audit
+    from trl_ext.errors import CheckpointError
+    from trl_ext.saving.verify import ADAPTER_WEIGHTS, FULL_INDEX, FULL_WEIGHTS, audit
 
     root = Path(path)
     if root.is_dir() and not any((root / name).exists() for name in (ADAPTER_WEIGHTS, FULL_WEIGHTS, FULL_INDEX)):

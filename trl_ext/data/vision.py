@@ -9,7 +9,8 @@ only after the model has loaded. These checks refuse exactly what TRL would fail
 
 import os
 
-from trl_ext.data.input_checks import FIX, DatasetError, already_passed, check_key, record_passed
+from trl_ext.data.input_checks import FIX, already_passed, check_key, record_passed
+from trl_ext.errors import DatasetError
 
 IMAGE_COLUMNS = ("images", "image")
 CONVERSATION_COLUMNS = ("messages", "prompt")  # where TRL looks for the image placeholders of a row

@@ -15,6 +15,7 @@ import torch
 import yaml
 from accelerate.utils.other import get_free_port
 
+from trl_ext.errors import UsageError
 from trl_ext.process import env_rank, env_world_size
 
 RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
@@ -25,18 +26,7 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-class UsageError(SystemExit):
-    """Bad input on the command line or in a config: one line on stderr, exit code 1, nothing started or written.
 
-    Under a multi-process launch every rank checks the input and one of them says what is wrong.
-    """
-
-    def __init__(self, message: str):
-        self.message = message
-        super().__init__(f"error: {message}" if env_rank() == 0 else 1)
-
-    def __str__(self) -> str:
-        return f"error: {self.message}"
 
 
 def read_config(path: str) -> dict:

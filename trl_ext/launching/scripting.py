@@ -15,8 +15,8 @@ from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
+from trl_ext.errors import UsageError
 from trl_ext.launching import launch
-from trl_ext.launching.launch import UsageError
 from trl_ext.process import env_world_size, notice
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
@@ -136,8 +136,9 @@ def _check_dataset(script_args, training_args, model_args, recipe: str, kind: st
     import trl
 
     from trl_ext.assets import load_dataset_by_name, resolve_model
-    from trl_ext.data.input_checks import DatasetError, probe_datasets
+    from trl_ext.data.input_checks import probe_datasets
     from trl_ext.data.vision import check_image_dataset, is_vision_model
+    from trl_ext.errors import DatasetError
 
     name = script_args.dataset_name
     if not name:

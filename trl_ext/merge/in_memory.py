@@ -15,14 +15,14 @@ from accelerate.utils import is_peft_model
 
 from trl_ext.assets import resolve_model
 from trl_ext.data.input_checks import check_model_path
+from trl_ext.errors import MergeError
 from trl_ext.saving import gather, hub_format, verify
 from trl_ext.saving import pipeline as saving
 
 PROBE_LENGTH = 16
 
 
-class MergeError(RuntimeError):
-    """An adapter that cannot be merged as asked; the message says why and what to do."""
+
 
 
 def _adapter_config(adapter: Path) -> dict:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from trl_ext.errors import AdapterError
 from trl_ext.saving.safetensors_reader import SafetensorsReader
 
 ADAPTER_NAME = "default"  # the name PEFT gives the one adapter it loads
@@ -26,8 +27,7 @@ PROBE_INPUTS = 4  # random input vectors per merged weight for the check
 CHECK_SIGMAS = 8.0
 
 
-class AdapterError(ValueError):
-    """An adapter the streamed merge cannot apply; the message is one line for the user."""
+
 
 
 class AdapterWeights:

@@ -23,11 +23,11 @@ import torch
 
 from trl_ext.assets import resolve_model
 from trl_ext.data.input_checks import check_model_path
-from trl_ext.merge.in_memory import MergeError
-from trl_ext.merge.lora_deltas import Adapter, AdapterError, RowMerger, load_adapter, merge_bias
-from trl_ext.merge.plan import MergePlan, Output, PlanError, build_plan
+from trl_ext.errors import AdapterError, MergeError, PlanError, UnreadableCheckpoint
+from trl_ext.merge.lora_deltas import Adapter, RowMerger, load_adapter, merge_bias
+from trl_ext.merge.plan import MergePlan, Output, build_plan
 from trl_ext.saving import commit, hub_format, verify
-from trl_ext.saving.safetensors_reader import SafetensorsReader, UnreadableCheckpoint
+from trl_ext.saving.safetensors_reader import SafetensorsReader
 from trl_ext.saving.shards import ShardStreamWriter, index_json, plan_shards
 
 BLOCK_BYTES = 8 * 2**20  # one read and write of a copied tensor

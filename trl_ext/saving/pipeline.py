@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import is_peft_model
 
+from trl_ext.errors import NONFINITE, CheckpointError
 from trl_ext.saving import gather, hub_format, verify
 from trl_ext.saving.commit import PARTIAL_SUFFIX, commit
 from trl_ext.saving.plan import DEFAULT_MAX_SHARD_SIZE, check_dtypes, plan_weight_sets
@@ -200,7 +201,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
         is_writer: whether this rank writes the files (default: ``training_args.should_save``, else rank 0).
 
     Raises:
-        verify.CheckpointError: the save failed or its files failed verification; nothing was committed and the
+        errors.CheckpointError: the save failed or its files failed verification; nothing was committed and the
             previous contents of ``output_dir`` are untouched.
     """
     if is_writer is None:
@@ -279,8 +280,11 @@ def _check_staged(model, target: Path, staging: Path, weight_sets, writers) -> s
         problems = [f"the checks themselves failed: {type(exc).__name__}: {exc}"]
     if not problems:
         return None
-    return (f"the checkpoint for {target} failed verification; nothing was committed and the previous contents are "
-            f"untouched. The files are kept in {staging} for inspection.\n  " + "\n  ".join(problems))
+    diverged = [p for p in problems if getattr(p, "kind", None) == NONFINITE]  # NaN or inf: training diverged
+    return verify.Problem(f"the checkpoint for {target} failed verification; nothing was committed and the previous "
+                          f"contents are untouched. The files are kept in {staging} for inspection.\n  "
+                          + "\n  ".join(problems), kind=NONFINITE if diverged else "verification",
+                          detail=diverged[0] if diverged else None)
 
 
 def _synced(writers, staging: Path) -> str | None:
@@ -298,7 +302,9 @@ def _raise_if_any_failed(error: str | None, collective: bool) -> None:
     """Raise on every rank if any rank failed (one collective call when the save was collective)."""
     failures = _errors_on_all_ranks(error) if collective else [error] if error else []
     if failures:
-        raise verify.CheckpointError("saving failed: " + "\n".join(dict.fromkeys(failures)))
+        diverged = [f for f in failures if getattr(f, "kind", None) == NONFINITE]  # a Problem keeps its kind
+        raise CheckpointError("saving failed: " + "\n".join(dict.fromkeys(failures)),
+                              kind=NONFINITE if diverged else "save", detail=diverged[0].detail if diverged else None)
 
 
 def supports(model) -> bool:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from accelerate.utils import is_peft_model
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
+from trl_ext.errors import CheckpointError
 from trl_ext.saving import gather, hub_format
 from trl_ext.saving.shards import DTYPE_CODES, TensorSpec, plan_shards
-from trl_ext.saving.verify import CheckpointError
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
 

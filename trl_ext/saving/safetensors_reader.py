@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
+from trl_ext.errors import UnreadableCheckpoint
 from trl_ext.saving.shards import DTYPE_CODES, TensorSpec
 
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
-class UnreadableCheckpoint(ValueError):
-    """A file that is not valid safetensors, or holds a dtype we cannot stream."""
+
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trl_ext.errors import NONFINITE, CheckpointError
 from trl_ext.saving.shards import DTYPE_CODES, PREFIX_BYTES, WrittenFile
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -27,6 +28,16 @@ EXPONENT_BITS = {"F64": (np.uint64, 0x7FF0000000000000), "F32": (np.uint32, 0x7F
                  "BF16": (np.uint16, 0x7F80)}  # for the NaN/inf check
 # What a file that is not valid safetensors raises while being read (bad JSON is a ValueError).
 UNREADABLE = (OSError, ValueError, KeyError, TypeError, struct.error)
+
+
+class Problem(str):
+    """A problem's text for people, its ``kind`` for code (``errors.NONFINITE``, ...) and, for a summary of several
+    problems, the ``detail`` line that decided the kind. A ``str``: reports join it, ranks exchange it (pickled)."""
+
+    def __new__(cls, text: str, kind: str = "problem", detail: str | None = None):
+        problem = super().__new__(cls, text)
+        problem.kind, problem.detail = kind, detail
+        return problem
 
 
 @dataclass
@@ -46,8 +57,7 @@ class Report:
         return "\n".join(lines)
 
 
-class CheckpointError(RuntimeError):
-    """A saved checkpoint failed its audit."""
+
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, tuple[list[int], str]], dict[str, bytes]]:
@@ -329,8 +339,9 @@ def _check_contents(root: Path, tensors: dict, prefixes: dict, report: Report, b
         )
     nonfinite = _nonfinite(tensors, prefixes)
     if nonfinite:
-        report.problems.append(f"{len(nonfinite)} tensors contain NaN or inf values: " + ", ".join(nonfinite[:5])
-                               + (" ..." if len(nonfinite) > 5 else ""))
+        report.problems.append(Problem(f"{len(nonfinite)} tensors contain NaN or inf values: "
+                                       + ", ".join(nonfinite[:5]) + (" ..." if len(nonfinite) > 5 else ""),
+                                       kind=NONFINITE))
     if report.kind == "adapter":
         _check_adapter(root, tensors, report, base, num_labels)
     elif report.kind == "full":

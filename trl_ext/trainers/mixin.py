@@ -15,12 +15,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from trl_ext.data import input_checks, vision
 from trl_ext.engines import checkpointing, elastic, fsdp, nodes, quantization
 from trl_ext.engines.runtime import check_distributed_setup
+from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
 from trl_ext.saving import commit, gather, hub_format
 from trl_ext.saving import pipeline as saving
-from trl_ext.saving.verify import CheckpointError
 from trl_ext.trainers import compat, configs
-
-NONFINITE = "NaN or inf"  # how trl_ext.saving.verify reports weights that hold NaN or inf
 
 
 class TrlExtMixin:
@@ -206,16 +204,15 @@ class TrlExtMixin:
 
     def _diverged(self, exc: CheckpointError) -> CheckpointError | None:
         """A save refused because the weights hold NaN or inf means training diverged: say when, and what to resume."""
-        nonfinite = [line.strip() for line in str(exc).splitlines() if NONFINITE in line]
-        if not nonfinite:
+        if exc.kind != NONFINITE:
             return None
         step = self.state.global_step
         last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
         resume = (f"resume from it (resume_from_checkpoint='{last}') with a lower learning_rate or max_grad_norm"
                   if last else "start again with a lower learning_rate or max_grad_norm")
         return CheckpointError(f"training diverged at step {step}; last good checkpoint: {last or 'none'} (the weights "
-                               f"at step {step} hold NaN or inf: {nonfinite[0]}). Nothing was saved for step {step}; "
-                               f"{resume}.")
+                               f"at step {step} hold NaN or inf: {exc.detail}). Nothing was saved for step {step}; "
+                               f"{resume}.", kind=DIVERGED)
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint save, written into a hidden directory and renamed to checkpoint-N once complete."""
