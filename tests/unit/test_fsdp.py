@@ -7,12 +7,14 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
 
 from tests.unit.test_runtime import _fields, cpu_only, gpu  # noqa: F401 - fixtures
+from trl_ext import patches
 from trl_ext.engines import fsdp, quantization, runtime
 
 
 @pytest.fixture
 def fake_state(monkeypatch):
-    """AcceleratorState.__init__ replaced by one that sets ``distributed_type`` only, then wrapped by allow_on_cpu."""
+    """AcceleratorState.__init__ replaced by one that sets ``distributed_type`` only, then wrapped by the scoped
+    ``fsdp-on-cpu`` patch, as around a trainer's constructor."""
     saved = dict(PartialState._shared_state)
 
     def fake_init(self, *args, fsdp_plugin=None, **kwargs):
@@ -20,8 +22,9 @@ def fake_state(monkeypatch):
         self.distributed_type, self._mixed_precision, self.fsdp_plugin = self.chosen, "no", None
 
     monkeypatch.setattr(AcceleratorState, "__init__", fake_init)
-    fsdp.allow_on_cpu()
-    yield
+    with patches.fsdp_on_cpu():
+        yield
+    assert AcceleratorState.__init__ is fake_init  # scoped: restored after the constructor
     AcceleratorState._shared_state.clear()
     PartialState._shared_state.clear()
     PartialState._shared_state.update(saved)
@@ -55,29 +58,33 @@ def test_gpus_and_plain_cpu_ddp_are_left_alone(fake_state):
     assert _state(DistributedType.MULTI_CPU, None).distributed_type == DistributedType.MULTI_CPU  # no FSDP asked
 
 
-def test_installed_only_for_an_fsdp_launch_without_gpu(cpu_only, monkeypatch):  # noqa: F811
+def test_applied_only_for_an_fsdp_launch_without_gpu_and_never_by_a_config(cpu_only, monkeypatch):  # noqa: F811
     calls = []
-    monkeypatch.setattr(fsdp, "allow_on_cpu", lambda: calls.append(1))
+    monkeypatch.setattr(patches, "fsdp_on_cpu", lambda: calls.append(1))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    runtime.adapt_to_hardware(_fields(bf16=False, fsdp=""))
+    original = AcceleratorState.__init__
+    runtime.fsdp_on_cpu(_fields(bf16=False, fsdp=""))
     assert calls == []
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets for an FSDP config
-    runtime.adapt_to_hardware(_fields(bf16=False, fsdp=""))
+    runtime.adapt_to_hardware(_fields(bf16=False, fsdp=""))  # building a config patches nothing
+    assert calls == [] and AcceleratorState.__init__ is original
+    runtime.fsdp_on_cpu(_fields(bf16=False, fsdp=""))
     assert calls == [1]
 
 
-def test_nothing_installed_on_a_gpu_machine(gpu, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(fsdp, "allow_on_cpu", lambda: pytest.fail("patched accelerate on a GPU machine"))
+def test_nothing_applied_on_a_gpu_machine(gpu, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(patches, "fsdp_on_cpu", lambda: pytest.fail("patched accelerate on a GPU machine"))
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     runtime.adapt_to_hardware(_fields(bf16=True, fsdp=""))
+    runtime.fsdp_on_cpu(_fields(bf16=True, fsdp=""))
 
 
 def test_optimizer_states_are_sharded_whatever_the_config_says():
     plugin = _plugin(state_dict_type="FULL_STATE_DICT")
     state = type("State", (), {"fsdp_plugin": plugin})()
     accelerator = type("Accelerator", (), {"state": state})()
-    with fsdp.sharded_states(accelerator) as sharded:
+    with patches.sharded_optimizer_states(accelerator) as sharded:
         assert state.fsdp_plugin is sharded and sharded.state_dict_type == StateDictType.SHARDED_STATE_DICT
     assert state.fsdp_plugin is plugin and plugin.state_dict_type == StateDictType.FULL_STATE_DICT
 

@@ -7,7 +7,8 @@ import pytest
 from accelerate.state import PartialState
 
 from trl_ext import SFTConfig
-from trl_ext.launching.notebook import _accelerate_state_set_aside, _deepspeed_config, launch
+from trl_ext.launching.notebook import _deepspeed_config, launch
+from trl_ext.patches import accelerate_state_set_aside
 
 
 def test_zero_stage_alone_keeps_deepspeed_defaults():
@@ -42,7 +43,7 @@ def test_bad_arguments_are_refused_before_anything_starts(kwargs, message):
 def test_kernel_state_is_set_aside_and_restored():
     PartialState()  # what single-process training earlier in a notebook leaves behind
     before = dict(PartialState._shared_state)
-    with _accelerate_state_set_aside():
+    with accelerate_state_set_aside():
         assert not PartialState._shared_state  # forked processes must not inherit a one-process state
     assert PartialState._shared_state == before
 

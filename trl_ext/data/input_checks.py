@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from trl_ext import patches
 from trl_ext.errors import DatasetError
 from trl_ext.process import notice
 
@@ -335,6 +336,8 @@ def _processing_class(model, args, processing_class):
 def _trl_preparation(trl_cls, tokenizer, args, formatting_func) -> Callable | None:
     """TRL's ``trl_cls._prepare_dataset`` as the trainer will call it, on an instance that holds only what that method
     reads (TRL's constructor would load the model first). None where the result could differ from TRL's own run."""
+    if not patches.applies("dataset-preparation-probe"):
+        return None  # the TRL release moved _prepare_dataset: TRL decides, in its constructor
     if getattr(args, "chat_template_path", None) or getattr(args, "eos_token", None):
         return None  # TRL changes the tokenizer first
     chat_template = None

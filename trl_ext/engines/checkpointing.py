@@ -14,9 +14,10 @@ import functools
 import inspect
 import os
 
-from transformers import PreTrainedModel, TrainerCallback
+from transformers import TrainerCallback
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from trl_ext import patches
 from trl_ext.engines import fsdp
 from trl_ext.process import notice
 
@@ -124,20 +125,13 @@ def apply(args, use_reentrant) -> None:
     args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs = kwargs
 
 
-def _skip_input_require_grads():
-    """Stands in for ``enable_input_require_grads`` on a model trained with non-reentrant checkpointing."""
-
-
 def remove_input_require_grads_hooks(model) -> None:
     """Non-reentrant checkpointing needs no grad-requiring inputs; the hook only costs memory.
 
     transformers re-registers the hook each time checkpointing is enabled, and TRL's DPO re-enables it every step
-    (around the reference forward), so the model's own method is replaced by a no-op too.
+    (around the reference forward), so the model's own method becomes a no-op too (see ``patches``).
     """
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            module.disable_input_require_grads()
-            module.enable_input_require_grads = _skip_input_require_grads
+    patches.drop_input_require_grads(model)
 
 
 def layer_settings(model) -> dict[str, object]:

@@ -10,46 +10,19 @@ machine reads the weights (see ``rank0_loading``).
 """
 
 import contextlib
-import copy
 import dataclasses
-import functools
 import os
 from pathlib import Path
 
 import torch
 
+from trl_ext import patches
 from trl_ext.process import notice
-
-_PATCHED = "_trl_ext_fsdp_on_cpu"
 
 
 def requested(args) -> bool:
     """True if FSDP is asked for, by the training arguments or by ``accelerate launch`` (an FSDP config)."""
     return bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
-def allow_on_cpu() -> None:
-    """Let accelerate choose FSDP for a multi-process CPU launch (MULTI_CPU), as it does for GPUs. Idempotent."""
-    from accelerate.state import AcceleratorState, DistributedType, PartialState
-
-    if getattr(AcceleratorState.__init__, _PATCHED, False):
-        return
-    original = AcceleratorState.__init__
-
-    @functools.wraps(original)
-    def __init__(self, *args, fsdp_plugin=None, **kwargs):
-        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
-            PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate does at the end
-            self.fsdp_plugin = fsdp_plugin
-            if self._mixed_precision != "no":
-                fsdp_plugin.set_mixed_precision(self._mixed_precision)
-            if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # pinned memory needs an accelerator
-                fsdp_plugin.cpu_offload = dataclasses.replace(fsdp_plugin.cpu_offload, pin_memory=False)
-
-    setattr(__init__, _PATCHED, True)
-    AcceleratorState.__init__ = __init__
 
 
 def _reads_weights() -> bool:
@@ -84,8 +57,7 @@ def rank0_loading(trl_module, args):
             or getattr(args, "precompute_ref_log_probs", False)):
         yield
         return
-    original = PreTrainedModel.__dict__["_load_pretrained_model"]
-    load = original.__func__
+    load = PreTrainedModel.__dict__["_load_pretrained_model"].__func__
     prepare_reference = getattr(trl_module, "prepare_fsdp", None)
 
     def load_headers_only(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
@@ -111,15 +83,11 @@ def rank0_loading(trl_module, args):
         model.eval()  # as TRL's prepare_fsdp leaves it
         return model
 
-    PreTrainedModel._load_pretrained_model = staticmethod(load_headers_only)
-    if prepare_reference is not None:
-        trl_module.prepare_fsdp = prepare_with_broadcast
-    try:
+    reference = (patches.swapped("reference-model-broadcast", trl_module, "prepare_fsdp", prepare_with_broadcast)
+                 if prepare_reference is not None else contextlib.nullcontext())
+    with patches.swapped("rank0-loading", PreTrainedModel, "_load_pretrained_model",
+                         staticmethod(load_headers_only)), reference:
         yield
-    finally:
-        PreTrainedModel._load_pretrained_model = original
-        if prepare_reference is not None:
-            trl_module.prepare_fsdp = prepare_reference
 
 
 def give_meta_parameters_storage(model) -> None:
@@ -145,27 +113,6 @@ def give_meta_parameters_storage(model) -> None:
 def is_fsdp2(accelerator) -> bool:
     """True when ``accelerator`` shards the model with FSDP2 (``fully_shard``)."""
     return bool(getattr(accelerator, "is_fsdp2", False))
-
-
-@contextlib.contextmanager
-def sharded_states(accelerator):
-    """accelerate's FSDP plugin set to ``SHARDED_STATE_DICT`` inside the block: optimizer states saved and loaded
-    per rank with DCP, whatever the config says (``FULL_STATE_DICT`` would assemble them on rank 0)."""
-    from torch.distributed.fsdp import StateDictType
-
-    state = accelerator.state
-    original = state.fsdp_plugin
-    if original.state_dict_type == StateDictType.SHARDED_STATE_DICT:
-        yield original
-        return
-    sharded = copy.copy(original)
-    sharded.state_dict_config = sharded.optim_state_dict_config = None
-    sharded.set_state_dict_type("SHARDED_STATE_DICT")
-    state.fsdp_plugin = sharded
-    try:
-        yield sharded
-    finally:
-        state.fsdp_plugin = original
 
 
 def load_checkpoint_weights(model, checkpoint: str) -> None:

@@ -22,6 +22,7 @@ import torch
 from accelerate.utils import is_peft_model
 from peft.utils.integrations import get_bnb_param_type
 
+from trl_ext import patches
 from trl_ext.engines import fsdp
 from trl_ext.process import notice
 
@@ -217,9 +218,7 @@ def match_adapter_dtype(args, model) -> None:
         return
     for param in model.parameters():
         if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
-            param.data = param.data.to(dtype)
-            if getattr(param, "ds_tensor", None) is not None:  # a ZeRO-3 partition: its shard holds the values
-                param.ds_tensor.data = param.ds_tensor.data.to(dtype)
+            patches.cast_partition(param, dtype)  # under ZeRO-3 its partition holds the values
 
 
 def disable_cpu_packed_path(model) -> int:
@@ -230,7 +229,4 @@ def disable_cpu_packed_path(model) -> int:
     Under ZeRO-3 the next gather then meets the repacked layout and fails; otherwise, the next ``state_dict()``
     (every save) unpacks it with the bf16 scales kept, so the base silently differs from the one loaded.
     """
-    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
-    for layer in layers:
-        layer.support_avx512bf16_for_cpu = False
-    return len(layers)
+    return patches.keep_4bit_off_packed_path(model)

@@ -4,6 +4,7 @@ Each fix changes a setting only where the hardware cannot honour it, and says so
 nothing changes.
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
+from trl_ext import patches
 from trl_ext.engines import fsdp
 from trl_ext.process import env_world_size, notice
 
@@ -68,8 +70,14 @@ def adapt_to_hardware(args) -> None:
             # Without a GPU, accelerate sets up data parallelism only when told it runs on CPU (MULTI_CPU); otherwise
             # every rank trains alone on all the data. Under DeepSpeed this must stay unset: transformers would skip it.
             os.environ["ACCELERATE_USE_CPU"] = "true"
-        if fsdp.requested(args):
-            fsdp.allow_on_cpu()
+
+
+def fsdp_on_cpu(args):
+    """Context for the trainer's constructor (which builds accelerate's state once): a multi-process FSDP launch
+    without a GPU runs FSDP on CPU processes with gloo, as DeepSpeed does, instead of unsharded data parallelism."""
+    if fsdp.requested(args) and is_distributed_launch() and not has_accelerator():
+        return patches.fsdp_on_cpu()
+    return contextlib.nullcontext()
 
 
 def _disable_in_launcher_configs(args, unsupported: set[str]) -> list[str]:

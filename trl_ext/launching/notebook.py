@@ -27,10 +27,10 @@ import os
 import pickle
 import tempfile
 from pathlib import Path
-from unittest import mock
 
 import torch
 
+from trl_ext import patches
 from trl_ext.process import env_rank
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -78,26 +78,6 @@ def _deepspeed_config(zero_stage: int | None, deepspeed: dict | str | os.PathLik
 
 
 @contextlib.contextmanager
-def _accelerate_state_set_aside():
-    """Empty accelerate's shared state for the launch, then put the kernel's back.
-
-    Single-process training earlier in the kernel leaves a state describing one process. notebook_launcher refuses to
-    start while it exists, and forked processes would inherit it and each train alone.
-    """
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    saved = {cls: dict(cls._shared_state) for cls in (PartialState, AcceleratorState, GradientState)}
-    for cls in saved:
-        cls._shared_state.clear()
-    try:
-        yield
-    finally:
-        for cls, state in saved.items():
-            cls._shared_state.clear()
-            cls._shared_state.update(state)
-
-
-@contextlib.contextmanager
 def _environment(values: dict[str, str]):
     """Set environment variables for the forked processes; restore the kernel's afterwards, including what the
     launcher itself adds (torch's elastic agent sets TORCHELASTIC_* variables in the calling process)."""
@@ -128,17 +108,6 @@ def _run_and_report(function, result_dir: str):
             torch.distributed.destroy_process_group()  # a clean exit: gloo/NCCL warn about a live group otherwise
 
     return run
-
-
-@contextlib.contextmanager
-def _no_import_heuristic():
-    """notebook_launcher refuses to start once ``bitsandbytes`` is imported, as a sign that the GPU may be
-    initialized. peft imports it whenever it is installed, so that refusal would hit every LoRA user, even on CPU.
-    ``launch`` checks the condition itself instead: ``torch.cuda.is_initialized()``."""
-    import accelerate.launchers
-
-    with mock.patch.object(accelerate.launchers, "are_libraries_initialized", lambda *names: []):
-        yield
 
 
 def launch(function, *args, num_processes: int = 2, zero_stage: int | None = None,
@@ -200,7 +169,7 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
         what = f"DeepSpeed ZeRO-{ds_config['zero_optimization']['stage']}" if ds_config else "data parallel (DDP)"
         where = "" if torch.cuda.is_available() else " on CPU (gloo)"
         print(f"[trl_ext] launch: {num_processes} processes, {what}{where}", flush=True)
-        with _environment(env), _accelerate_state_set_aside(), _no_import_heuristic():
+        with _environment(env), patches.accelerate_state_set_aside(), patches.no_import_check():
             notebook_launcher(_run_and_report(function, scratch), args=args, num_processes=num_processes,
                               use_port=str(get_free_port()))  # a fresh port: a second launch never collides
         result_file = Path(scratch) / _RESULT_FILE

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trl_ext import patches
 from trl_ext.saving.gather import full_shape
 from trl_ext.saving.shards import TensorSpec
 
@@ -50,22 +51,10 @@ def _meta(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {name: torch.empty(full_shape(t), dtype=t.dtype, device="meta") for name, t in tensors}
 
 
-def _drop_unused_conversions(model) -> None:
-    """Keep only the conversions that matched the checkpoint, as ``from_pretrained`` does outside ZeRO-3.
-
-    Under ZeRO-3 (``integrations.deepspeed._load_state_dict_into_zero3_model``, transformers 5.23) the model keeps
-    every mapping entry, legacy renames and an unused ``PrefixChange`` included; reverting those writes wrong names
-    (``model.model.layers...`` for Qwen2-VL). Fixing the model also fixes the user's own ``save_pretrained``.
-    """
-    conversions = getattr(model, "_weight_conversions", None)
-    if conversions and not all(c.was_used() for c in conversions):
-        model._weight_conversions = [c for c in conversions if c.was_used()]
-
-
 def _revert(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from transformers.core_model_loading import revert_weight_conversion
 
-    _drop_unused_conversions(model)
+    patches.keep_used_weight_conversions(model)  # under ZeRO-3 transformers keeps unused ones (see patches)
     return revert_weight_conversion(model, dict(tensors))
 
 

@@ -12,9 +12,9 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, set_seed
 
+from trl_ext import patches
 from trl_ext.data import input_checks, vision
-from trl_ext.engines import checkpointing, elastic, fsdp, nodes, quantization
-from trl_ext.engines.runtime import check_distributed_setup
+from trl_ext.engines import checkpointing, elastic, fsdp, nodes, quantization, runtime
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
 from trl_ext.saving import commit, gather, hub_format
 from trl_ext.saving import pipeline as saving
@@ -44,7 +44,7 @@ class TrlExtMixin:
             # TRL trains with (TRL keeps it: it is already its config class).
             bound.arguments["args"] = training_args = configs.from_training_arguments(
                 training_args, self._config_class, self._trl_class)
-        check_distributed_setup(training_args)
+        runtime.check_distributed_setup(training_args)
         if self._fused_lm_head:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
@@ -53,7 +53,8 @@ class TrlExtMixin:
         user_reentrant = checkpointing.take_user_choice(training_args)
         compat.seed_before_model(training_args, bound.arguments.get("peft_config"), self._trl_class.__name__)
         trl_module = sys.modules[self._trl_class.__module__]
-        with self._around_trl_init(bound), fsdp.rank0_loading(trl_module, training_args):
+        with (self._around_trl_init(bound), fsdp.rank0_loading(trl_module, training_args),
+              runtime.fsdp_on_cpu(training_args)):
             super().__init__(*bound.args, **bound.kwargs)
         fsdp.give_meta_parameters_storage(self.model)  # left on meta by rank0_loading on the ranks that do not read
         fsdp.wrap_layers_the_model_has(self.accelerator, self.model)
@@ -168,7 +169,7 @@ class TrlExtMixin:
         # Not super(): Trainer's FSDP branch would also write the weights again (save_fsdp_model); the scheduler line
         # below is the rest of that branch.
 
-        with fsdp.sharded_states(self.accelerator) as plugin:
+        with patches.sharded_optimizer_states(self.accelerator) as plugin:
             save_fsdp_optimizer(plugin, self.accelerator, self.optimizer, self.model, output_dir)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -177,7 +178,7 @@ class TrlExtMixin:
         """Trainer's, reading the sharded optimizer states written above under FSDP2."""
         if checkpoint is None or not fsdp.is_fsdp2(self.accelerator):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        with fsdp.sharded_states(self.accelerator):
+        with patches.sharded_optimizer_states(self.accelerator):
             return super()._load_optimizer_and_scheduler(checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -216,17 +217,15 @@ class TrlExtMixin:
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint save, written into a hidden directory and renamed to checkpoint-N once complete."""
-        if trial is not None or self.hp_search_backend is not None:
+        if trial is not None or self.hp_search_backend is not None or not patches.applies("staged-checkpoint-dir"):
             return super()._save_checkpoint(model, trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         writer = self._writes_files()
         with commit.StagedCheckpoint(self.args.output_dir, name, writer, self.accelerator.wait_for_everyone) as staged:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the staging directory.
-            self._get_output_dir = lambda trial=None: str(staged.staging_run_dir)
-            try:
+            with patches.swapped("staged-checkpoint-dir", self, "_get_output_dir",
+                                 lambda trial=None: str(staged.staging_run_dir)):
                 super()._save_checkpoint(model, trial)
-            finally:
-                del self._get_output_dir
             if self._storage and not self._storage.shared and writer and self.is_deepspeed_enabled:
                 # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's copy needs its own
                 (staged.staging_run_dir / name / "latest").write_text(f"global_step{self.state.global_step}")
@@ -255,21 +254,15 @@ class TrlExtMixin:
 def guard_save_pretrained(model) -> None:
     """Make ``model.save_pretrained(dir)`` refuse, with the fix, while its parameters are ZeRO-3 placeholders.
 
-    A plain ``save_pretrained`` would write the empty ``(0,)`` shards silently. Calls that pass their own
-    ``state_dict`` (what Trainer does internally) are left alone.
+    A plain ``save_pretrained`` would write the empty ``(0,)`` shards silently (see ``patches``).
     """
-    models = [model, model.get_base_model()] if is_peft_model(model) else [model]
-    for target in models:
-        original = target.save_pretrained
 
-        def guarded(save_directory, *args, _original=original, _model=target, **kwargs):
-            if kwargs.get("state_dict") is None and gather.has_partitioned_params(_model):
-                raise RuntimeError(
-                    f"{type(_model).__name__}.save_pretrained() cannot save a DeepSpeed ZeRO-3 model: each rank holds "
-                    "only a slice of every parameter, so the file would contain empty torch.Size([0]) tensors. Call "
-                    "trainer.save_model(output_dir) on every rank instead (it gathers the weights, writes them from "
-                    "one rank and verifies the result), or trl_ext.saving.save(model, output_dir) on every rank."
-                )
-            return _original(save_directory, *args, **kwargs)
+    def refuse(target) -> str | None:
+        if not gather.has_partitioned_params(target):
+            return None
+        return (f"{type(target).__name__}.save_pretrained() cannot save a DeepSpeed ZeRO-3 model: each rank holds only "
+                "a slice of every parameter, so the file would contain empty torch.Size([0]) tensors. Call "
+                "trainer.save_model(output_dir) on every rank instead (it gathers the weights, writes them from one "
+                "rank and verifies the result), or trl_ext.saving.save(model, output_dir) on every rank.")
 
-        target.save_pretrained = guarded
+    patches.refuse_save_pretrained(model, refuse)

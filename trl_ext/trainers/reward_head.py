@@ -12,6 +12,7 @@ import copy
 
 import torch
 
+from trl_ext import patches
 from trl_ext.process import notice
 
 
@@ -65,11 +66,8 @@ def head_trained_whole(trl_module):
     def get_peft_model(model, peft_config, *args, **kwargs):
         return original(model, peft_config_for(model, peft_config), *args, **kwargs)
 
-    trl_module.get_peft_model = get_peft_model
-    try:
+    with patches.swapped("reward-head-peft-config", trl_module, "get_peft_model", get_peft_model):
         yield
-    finally:
-        trl_module.get_peft_model = original
 
 
 def allow_new_head(model_id: str, args) -> None:

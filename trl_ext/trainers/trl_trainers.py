@@ -1,12 +1,12 @@
 """Drop-in replacements for TRL's trainers: each is TRL's class plus ``TrlExtMixin``, with the same constructor,
 configs and results."""
 
-import contextlib
 import inspect
 import sys
 
 import trl
 
+from trl_ext import patches
 from trl_ext.data import input_checks
 from trl_ext.trainers import configs, reward_head, weight_sync
 from trl_ext.trainers.mixin import TrlExtMixin
@@ -40,16 +40,10 @@ class DPOTrainer(TrlExtMixin, trl.DPOTrainer):
     _dataset_kind = "preference"
 
 
-@contextlib.contextmanager
 def _bounded_weight_sync(trl_module):
     """While TRL's constructor runs, it builds our ``VLLMGeneration`` (the bounded, Hub-named weight sync) instead of
     its own: TRL creates the object inline in ``__init__`` and offers no hook to choose its class."""
-    original = trl_module.VLLMGeneration
-    trl_module.VLLMGeneration = weight_sync.BoundedVLLMGeneration
-    try:
-        yield
-    finally:
-        trl_module.VLLMGeneration = original
+    return patches.swapped("bounded-weight-sync", trl_module, "VLLMGeneration", weight_sync.BoundedVLLMGeneration)
 
 
 class _OnlineRLMixin:

@@ -1,0 +1,83 @@
+"""Every change to another library's internals is declared in trl_ext.patches, with its guard, its upstream
+reference and when it can go; every guard holds on the installed (tested) versions; a failed guard leaves the
+library alone; and no other module patches a library directly."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from trl_ext import patches
+
+PACKAGE = Path(patches.__file__).parent
+LIBRARIES = {"trl", "transformers", "accelerate", "peft", "deepspeed", "torch", "bitsandbytes", "safetensors",
+             "datasets", "tokenizers"}
+
+
+@pytest.mark.parametrize("name", sorted(patches.PATCHES))
+def test_each_patch_is_declared_and_its_guard_holds_on_the_installed_versions(name):
+    patch = patches.PATCHES[name]
+    assert patch.target and patch.why and patch.upstream and patch.remove_when
+    assert patch.guard() is True, f"{name}: {patch.target} is not what the patch expects in the installed release"
+    print(f"{name}: {patch.target} | upstream: {patch.upstream} | remove when: {patch.remove_when}")
+
+
+def test_a_failed_guard_leaves_the_library_alone(monkeypatch, caplog):
+    class Owner:
+        attribute = "original"
+
+    monkeypatch.setitem(patches.PATCHES, "moved", patches.Patch("lib.Owner.attribute", "why", "lib#1", "never",
+                                                               guard=lambda: False))
+    with caplog.at_level("WARNING", logger="trl_ext"), patches.swapped("moved", Owner, "attribute", "patched"):
+        assert Owner.attribute == "original"
+    assert not patches.setting("moved", Owner, "attribute", "patched") and Owner.attribute == "original"
+    assert "skipping the 'moved' fix" in caplog.text
+    patches.applies.cache_clear()
+
+
+def test_swapped_restores_an_instance_to_its_class_attribute():
+    class Owner:
+        def method(self):
+            return "class"
+
+    owner = Owner()
+    with patches.swapped("staged-checkpoint-dir", owner, "method", lambda: "patched"):
+        assert owner.method() == "patched"
+    assert owner.method() == "class" and "method" not in vars(owner)
+
+
+def _library_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in LIBRARIES}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in LIBRARIES:
+            names |= {a.asname or a.name for a in node.names}
+    return names | {"trl_module"}  # a TRL trainer's module, passed in
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def test_no_module_but_patches_changes_a_library_directly():
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "patches.py":
+            continue
+        tree = ast.parse(path.read_text())
+        libraries = _library_names(tree)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AugAssign) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and _root(target) in libraries:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} assigns {ast.unparse(target)}")
+            if isinstance(node, ast.Call):
+                call = ast.unparse(node.func)
+                if call.startswith(("mock.patch", "patch.object")) or (
+                        call == "setattr" and node.args and _root(node.args[0]) in libraries):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} calls {call}")
+    assert not found, found

@@ -1,0 +1,399 @@
+"""Every change trl_ext makes to another library's internals, in one place.
+
+``PATCHES`` declares each one: what it changes, why, the upstream issue or PR, when it can go, and its guard (a
+version check or a feature probe against the installed releases). Nothing is patched on import or while a config is
+built: the code that needs a patch applies it explicitly, through the helpers below, scoped to the call where it can
+be (``swapped``, ``setting``). Where a guard fails (a release that moved the internals) the patch is skipped with one
+notice and the library's own behaviour stays. ``tests/unit/test_patches.py`` lists them and checks every guard
+against the installed versions.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from packaging.version import Version
+
+from trl_ext.process import notice
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to another library's internals.
+
+    Args:
+        target: the dotted path of what it changes (``module.Class.attribute``).
+        why: what goes wrong without it.
+        upstream: the upstream issue or PR, or why none applies.
+        remove_when: the condition under which the patch can go.
+        guard: returns True where the installed release has what the patch expects.
+    """
+
+    target: str
+    why: str
+    upstream: str
+    remove_when: str
+    guard: Callable[[], bool]
+
+
+def _version(package: str) -> Version | None:
+    try:
+        return Version(importlib.import_module(package).__version__)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _resolve(target: str):
+    """The object at a dotted path (module, then attributes); raises AttributeError or ImportError if it is gone."""
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            owner = getattr(owner, name)
+        return owner
+    raise ImportError(target)
+
+
+def _has(target: str, *parameters: str) -> Callable[[], bool]:
+    """A feature probe: ``target`` exists (and, for a callable, takes these ``parameters``)."""
+
+    def probe() -> bool:
+        try:
+            found = _resolve(target)
+        except (ImportError, AttributeError):
+            return False
+        if not parameters:
+            return True
+        try:
+            names = inspect.signature(found).parameters
+        except (TypeError, ValueError):
+            return False
+        return all(p in names for p in parameters)
+
+    return probe
+
+
+def _all(*probes: Callable[[], bool]) -> Callable[[], bool]:
+    return lambda: all(probe() for probe in probes)
+
+
+PATCHES: dict[str, Patch] = {
+    "fsdp-on-cpu": Patch(
+        target="accelerate.state.AcceleratorState.__init__",
+        why="accelerate sets DistributedType.FSDP only for GPU-like launches; on CPU processes it sets up plain data "
+            "parallelism and ignores the FSDP config, so nothing is sharded",
+        upstream="none filed: accelerate/state.py (1.15) checks MULTI_GPU, MULTI_XPU, ... before choosing FSDP",
+        remove_when="accelerate chooses FSDP for a MULTI_CPU launch with an FSDP plugin",
+        guard=_has("accelerate.state.AcceleratorState.__init__", "fsdp_plugin"),
+    ),
+    "rank0-loading": Patch(
+        target="transformers.modeling_utils.PreTrainedModel._load_pretrained_model",
+        why="with fsdp_cpu_ram_efficient_loading under FSDP2 every rank still reads every weight",
+        upstream="transformers#43749",
+        remove_when="transformers' loader skips the weights on the ranks it leaves on meta",
+        guard=_has("transformers.modeling_utils.PreTrainedModel._load_pretrained_model", "model", "state_dict",
+                   "checkpoint_files", "load_config"),
+    ),
+    "reference-model-broadcast": Patch(
+        target="trl.trainer.dpo_trainer.prepare_fsdp",
+        why="TRL prepares DPO's reference model with a bare fully_shard, which never broadcasts rank 0's weights to "
+            "the ranks that rank-0 loading kept on meta",
+        upstream="none filed: trl/trainer/dpo_trainer.py (1.16) calls prepare_fsdp(ref_model, accelerator)",
+        remove_when="TRL prepares the reference model through accelerate's fsdp2_prepare_model",
+        guard=_has("trl.trainer.dpo_trainer.prepare_fsdp"),
+    ),
+    "reward-head-peft-config": Patch(
+        target="trl.trainer.reward_trainer.get_peft_model",
+        why="with target_modules='all-linear' and no task_type TRL LoRA-wraps the reward head, whose random weights "
+            "are never trained or saved (README, report F2)",
+        upstream="none filed: TRL 1.16 has no hook between loading the model and wrapping it with PEFT",
+        remove_when="TRL keeps the head out of LoRA and in modules_to_save for reward models",
+        guard=_has("trl.trainer.reward_trainer.get_peft_model"),
+    ),
+    "bounded-weight-sync": Patch(
+        target="trl.trainer.grpo_trainer.VLLMGeneration",
+        why="TRL's vLLM sync gathers the whole PEFT model under ZeRO-3 to merge, and names weights by string rules",
+        upstream="trl#7103, trl PR#7131, trl#6797 (sync hangs and gathers)",
+        remove_when="TRL syncs one module at a time under the checkpoint's names",
+        guard=_all(_has("trl.trainer.grpo_trainer.VLLMGeneration"),
+                   _has("trl.generation.vllm_generation.VLLMGeneration._iter_named_params")),
+    ),
+    "no-input-require-grads": Patch(
+        target="transformers.modeling_utils.PreTrainedModel.enable_input_require_grads",
+        why="transformers registers the input-require-grads hook whenever checkpointing is enabled on a PEFT model "
+            "and TRL's DPO re-enables it every step; non-reentrant checkpointing does not need it (memory only)",
+        upstream="none filed: transformers 5.23 gradient_checkpointing_enable",
+        remove_when="transformers registers the hook for reentrant checkpointing only",
+        guard=_has("transformers.modeling_utils.PreTrainedModel.disable_input_require_grads"),
+    ),
+    "save-pretrained-guard": Patch(
+        target="transformers.modeling_utils.PreTrainedModel.save_pretrained",
+        why="a plain save_pretrained of a ZeRO-3 model writes its empty torch.Size([0]) placeholders (report F1)",
+        upstream="none: the user's own call, outside any trainer, cannot be gathered for",
+        remove_when="save_pretrained gathers ZeRO-3 partitions itself",
+        guard=_has("transformers.modeling_utils.PreTrainedModel.save_pretrained", "save_directory"),
+    ),
+    "staged-checkpoint-dir": Patch(
+        target="transformers.Trainer._get_output_dir",
+        why="Trainer builds checkpoint-N's path from _get_output_dir() and offers no hook to write it elsewhere "
+            "first, so a kill mid-save leaves a checkpoint-N that looks complete",
+        upstream="none filed",
+        remove_when="Trainer saves checkpoints atomically",
+        guard=_has("transformers.Trainer._get_output_dir"),
+    ),
+    "sharded-optimizer-states": Patch(
+        target="accelerate.state.AcceleratorState.fsdp_plugin",
+        why="FULL_STATE_DICT assembles every optimizer state on rank 0; trl_ext keeps them sharded (DCP)",
+        upstream="none: accelerate follows the config's fsdp_state_dict_type for weights and optimizer alike",
+        remove_when="accelerate can save optimizer states sharded while weights are saved whole",
+        guard=_has("accelerate.utils.FullyShardedDataParallelPlugin.set_state_dict_type"),
+    ),
+    "unused-weight-conversions": Patch(
+        target="transformers.modeling_utils.PreTrainedModel._weight_conversions",
+        why="a model loaded under ZeRO-3 keeps conversions that never matched its checkpoint; reverting them writes "
+            "wrong names (model.model.layers... for Qwen2-VL), also in the user's own save_pretrained",
+        upstream="none filed: transformers 5.23 integrations.deepspeed._load_state_dict_into_zero3_model",
+        remove_when="transformers keeps only the conversions that were used, under ZeRO-3 too",
+        guard=_has("transformers.core_model_loading.WeightConverter.was_used"),
+    ),
+    "notebook-import-check": Patch(
+        target="accelerate.launchers.are_libraries_initialized",
+        why="notebook_launcher refuses to start once bitsandbytes is imported (peft imports it whenever installed), "
+            "even on CPU; launch() checks torch.cuda.is_initialized() itself instead",
+        upstream="none filed: accelerate/launchers.py (1.15)",
+        remove_when="accelerate checks CUDA initialisation rather than imported libraries",
+        guard=_has("accelerate.launchers.are_libraries_initialized"),
+    ),
+    "accelerate-state-set-aside": Patch(
+        target="accelerate.state.PartialState._shared_state",
+        why="single-process training earlier in a notebook leaves a one-process state: notebook_launcher refuses to "
+            "start while it exists, and forked processes would inherit it and each train alone",
+        upstream="none filed: accelerate keeps its state in class-level _shared_state dicts with no public reset",
+        remove_when="accelerate offers a public way to reset its state around notebook_launcher",
+        guard=_all(*(_has(f"accelerate.state.{cls}._shared_state")
+                     for cls in ("PartialState", "AcceleratorState", "GradientState"))),
+    ),
+    "bnb-cpu-packed-4bit": Patch(
+        target="bitsandbytes.nn.Linear4bit.support_avx512bf16_for_cpu",
+        why="on a CPU with AVX512-BF16 bitsandbytes repacks a 4-bit weight in place on its first eval forward and "
+            "rounds its scales to bf16: the next ZeRO-3 gather fails, and every later save differs from the base",
+        upstream="none filed: bitsandbytes 0.48-0.50 nn/modules.py Linear4bit.forward",
+        remove_when="bitsandbytes repacks a copy, or keeps the scales",
+        guard=lambda: _version("bitsandbytes") is None or _version("bitsandbytes") < Version("0.51"),
+    ),
+    "dataset-preparation-probe": Patch(
+        target="trl.SFTTrainer._prepare_dataset",
+        why="TRL's verdict on a dataset comes only from its constructor, after the model is loaded; the probe runs "
+            "_prepare_dataset on an instance built with __new__ holding only what the method reads",
+        upstream="none: TRL has no public dataset check",
+        remove_when="TRL exposes its dataset preparation without building a trainer",
+        guard=_has("trl.SFTTrainer._prepare_dataset", "dataset", "processing_class", "args"),
+    ),
+    "partitioned-adapter-dtype": Patch(
+        target="deepspeed.runtime.zero.partition_parameters.Init (each parameter's ds_tensor)",
+        why="a ZeRO-3 partition keeps its own copy of the values: casting a QLoRA adapter parameter must cast its "
+            "shard too, or the next gather mixes dtypes (trl#6089)",
+        upstream="trl#6089",
+        remove_when="TRL gives a quantized model's adapter the base's compute dtype under DeepSpeed",
+        guard=_has("deepspeed.runtime.zero.partition_parameters.Init"),
+    ),
+}
+
+
+@functools.cache
+def applies(name: str) -> bool:
+    """Whether patch ``name`` applies to the installed releases (its guard), said once if it does not.
+
+    Args:
+        name: a key of ``PATCHES``.
+
+    Returns:
+        True where the patch can be applied; False (after one notice) where the release moved its target.
+    """
+    patch = PATCHES[name]
+    try:
+        ok = bool(patch.guard())
+    except Exception:  # noqa: BLE001 - a probe that fails means the internals moved
+        ok = False
+    if not ok:
+        notice(f"{patch.target} is not what trl_ext expects in the installed release: skipping the '{name}' fix "
+               f"({patch.why}). Upstream: {patch.upstream}.")
+    return ok
+
+
+@contextlib.contextmanager
+def swapped(name: str, owner, attribute: str, replacement):
+    """``owner.attribute`` replaced by ``replacement`` inside the block, restored after it (patch ``name``).
+
+    Args:
+        name: the patch, a key of ``PATCHES``.
+        owner: the module, class or object whose attribute is replaced.
+        attribute: the attribute's name.
+        replacement: the value inside the block.
+    """
+    if not applies(name):
+        yield
+        return
+    had = attribute in vars(owner) if hasattr(owner, "__dict__") else True
+    original = vars(owner)[attribute] if had and hasattr(owner, "__dict__") else getattr(owner, attribute, None)
+    setattr(owner, attribute, replacement)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, attribute, original)
+        else:
+            delattr(owner, attribute)  # the instance falls back to its class's attribute again
+
+
+def setting(name: str, owner, attribute: str, value) -> bool:
+    """Set ``owner.attribute = value`` for good (patch ``name``), if the patch applies. Returns whether it was set."""
+    if not applies(name):
+        return False
+    setattr(owner, attribute, value)
+    return True
+
+
+# ------------------------------------------------------------------ the replacements that need only the library
+
+
+def fsdp_on_cpu():
+    """Context: accelerate chooses FSDP for a multi-process CPU launch (MULTI_CPU) with an FSDP plugin, as it does on
+    GPUs (patch ``fsdp-on-cpu``). Around the trainer's constructor, which builds the accelerator state once."""
+    from accelerate.state import AcceleratorState, DistributedType, PartialState
+
+    original = AcceleratorState.__dict__["__init__"]
+
+    @functools.wraps(original)
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate does at the end
+            self.fsdp_plugin = fsdp_plugin
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # pinned memory needs an accelerator
+                fsdp_plugin.cpu_offload = dataclasses.replace(fsdp_plugin.cpu_offload, pin_memory=False)
+
+    return swapped("fsdp-on-cpu", AcceleratorState, "__init__", __init__)
+
+
+@contextlib.contextmanager
+def sharded_optimizer_states(accelerator):
+    """accelerate's FSDP plugin set to ``SHARDED_STATE_DICT`` inside the block (patch ``sharded-optimizer-states``):
+    optimizer states saved and loaded per rank with DCP, whatever the config says."""
+    from torch.distributed.fsdp import StateDictType
+
+    state = accelerator.state
+    original = state.fsdp_plugin
+    if original.state_dict_type == StateDictType.SHARDED_STATE_DICT or not applies("sharded-optimizer-states"):
+        yield original
+        return
+    sharded = copy.copy(original)
+    sharded.state_dict_config = sharded.optim_state_dict_config = None
+    sharded.set_state_dict_type("SHARDED_STATE_DICT")
+    with swapped("sharded-optimizer-states", state, "fsdp_plugin", sharded):
+        yield sharded
+
+
+def _skip_input_require_grads():
+    """Stands in for ``enable_input_require_grads`` on a model trained with non-reentrant checkpointing."""
+
+
+def drop_input_require_grads(model) -> None:
+    """Remove the input-require-grads hook from every transformers model inside ``model``, and keep it from coming
+    back: the model's own ``enable_input_require_grads`` becomes a no-op (patch ``no-input-require-grads``)."""
+    from transformers import PreTrainedModel
+
+    if not applies("no-input-require-grads"):
+        return
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.disable_input_require_grads()
+            module.enable_input_require_grads = _skip_input_require_grads
+
+
+def refuse_save_pretrained(model, refuse: Callable[[object], str | None]) -> None:
+    """Make ``model.save_pretrained(dir)`` raise ``RuntimeError(refuse(model))`` whenever ``refuse`` returns a message
+    (patch ``save-pretrained-guard``). Calls that pass their own ``state_dict`` (what Trainer does) are left alone.
+
+    Args:
+        model: a transformers or PEFT model; for PEFT the base model's method is guarded too.
+        refuse: returns the message to raise with, or None to save as usual.
+    """
+    if not applies("save-pretrained-guard"):
+        return
+    targets = [model, model.get_base_model()] if hasattr(model, "get_base_model") else [model]
+    for target in targets:
+        original = target.save_pretrained
+
+        def guarded(save_directory, *args, _original=original, _model=target, **kwargs):
+            message = refuse(_model) if kwargs.get("state_dict") is None else None
+            if message:
+                raise RuntimeError(message)
+            return _original(save_directory, *args, **kwargs)
+
+        target.save_pretrained = guarded
+
+
+def keep_used_weight_conversions(model) -> None:
+    """Keep only the weight conversions that matched the checkpoint, as ``from_pretrained`` does outside ZeRO-3
+    (patch ``unused-weight-conversions``). Fixing the model also fixes the user's own ``save_pretrained``."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions and applies("unused-weight-conversions") and not all(c.was_used() for c in conversions):
+        model._weight_conversions = [c for c in conversions if c.was_used()]
+
+
+def no_import_check():
+    """Context: accelerate's ``notebook_launcher`` without its imported-libraries refusal (patch
+    ``notebook-import-check``); the caller checks ``torch.cuda.is_initialized()`` itself."""
+    import accelerate.launchers
+
+    return swapped("notebook-import-check", accelerate.launchers, "are_libraries_initialized", lambda *names: [])
+
+
+@contextlib.contextmanager
+def accelerate_state_set_aside():
+    """Context: accelerate's shared state emptied for a notebook launch, the kernel's put back after it (patch
+    ``accelerate-state-set-aside``)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    if not applies("accelerate-state-set-aside"):
+        yield
+        return
+    saved = {cls: dict(cls._shared_state) for cls in (PartialState, AcceleratorState, GradientState)}
+    for cls in saved:
+        cls._shared_state.clear()
+    try:
+        yield
+    finally:
+        for cls, state in saved.items():
+            cls._shared_state.clear()
+            cls._shared_state.update(state)
+
+
+def keep_4bit_off_packed_path(model) -> int:
+    """Keep bitsandbytes' 4-bit layers on the kernel they train with (patch ``bnb-cpu-packed-4bit``). Returns how
+    many layers were switched."""
+    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+    if layers and applies("bnb-cpu-packed-4bit"):
+        for layer in layers:
+            layer.support_avx512bf16_for_cpu = False
+        return len(layers)
+    return 0
+
+
+def cast_partition(param, dtype) -> None:
+    """Cast a parameter and, under ZeRO-3, the partition that holds its values (patch ``partitioned-adapter-dtype``)."""
+    param.data = param.data.to(dtype)
+    if getattr(param, "ds_tensor", None) is not None and applies("partitioned-adapter-dtype"):
+        param.ds_tensor.data = param.ds_tensor.data.to(dtype)
