@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl  # noqa: E402
 
 import trl_ext  # noqa: E402
-from trl_ext.engines import checkpointing
+from trl_ext.engines import checkpointing, runtime
 from trl_ext.saving import gather, shards, verify
 from trl_ext.saving import pipeline as saving
 from trl_ext.saving import plan as save_plan
@@ -186,14 +186,15 @@ def main():
     for cls in (trl.SFTTrainer, trl.RewardTrainer, trl.DPOTrainer):
         timers.wrap(cls, "__init__", "TRL __init__", group="trl")
     timers.wrap(configs, "adapt_to_hardware", "runtime.adapt_to_hardware (config)")
-    timers.wrap(mixin, "check_distributed_setup", "runtime.check_distributed_setup")
+    timers.wrap(runtime, "check_distributed_setup", "runtime.check_distributed_setup")
     for name in ("take_user_choice", "decide", "apply", "remove_input_require_grads_hooks"):
         timers.wrap(checkpointing, name, f"checkpointing.{name}")
     timers.wrap(checkpointing.CheckpointingPolicy, "on_train_begin", "CheckpointingPolicy.on_train_begin")
     timers.wrap(mixin, "guard_save_pretrained", "trainers.guard_save_pretrained")
     optional = [(mixin.TrlExtMixin, "_check_input", "input checks (model path, TRL on the first rows)")]
-    for module, names in (("input_checks", ("check_rows_kept", "check_resume_checkpoint")),
-                          ("quantization", ("prepare", "match_adapter_dtype"))):
+    for module, names in (("data.input_checks", ("check_rows_kept",)),
+                          ("saving.resume_check", ("check_resume_checkpoint",)),
+                          ("engines.quantization", ("prepare", "match_adapter_dtype"))):
         try:
             module = importlib.import_module(f"trl_ext.{module}")
         except ImportError:

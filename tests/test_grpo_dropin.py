@@ -8,9 +8,9 @@ import trl
 from peft import LoraConfig
 
 import trl_ext
+from trl_ext import saving
 from trl_ext.assets import load_default_dataset
 from trl_ext.saving import commit
-from trl_ext.saving import pipeline as saving
 from trl_ext.trainers.weight_sync import BoundedVLLMGeneration
 
 
@@ -76,7 +76,7 @@ def rloo_run(tiny_model_path, tmp_path_factory):
     trainer.train()
     with mock.patch.object(saving, "save", wraps=saving.save) as save:
         trainer.save_model(str(out / "final"))
-    assert save.call_count == 1, "RLOOTrainer.save_model must go through trl_ext.saving.pipeline.save"
+    assert save.call_count == 1, "RLOOTrainer.save_model must go through trl_ext.saving.save"
     ids = torch.tensor([[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]])
     model = trainer.model.eval()
     with torch.no_grad():

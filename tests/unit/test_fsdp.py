@@ -8,7 +8,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
 
 from tests.unit.test_runtime import _fields, cpu_only, gpu  # noqa: F401 - fixtures
 from trl_ext import patches
-from trl_ext.engines import fsdp, quantization, runtime
+from trl_ext.engines import quantization, rank0_loading, runtime
 
 
 @pytest.fixture
@@ -122,16 +122,16 @@ def test_ranks_that_do_not_read_load_headers_only_then_get_storage_of_their_own(
     trl_module = types.SimpleNamespace()  # no reference model to prepare
     loaded = {}
     for reads in (True, False):
-        monkeypatch.setattr(fsdp, "_reads_weights", lambda reads=reads: reads)
+        monkeypatch.setattr(rank0_loading, "_reads_weights", lambda reads=reads: reads)
         _weight_reads.READS.clear()
-        with fsdp.rank0_loading(trl_module, None):
+        with rank0_loading.rank0_loading(trl_module, None):
             loaded[reads] = AutoModelForCausalLM.from_pretrained(default_model_path())
         assert {p.is_meta for p in loaded[reads].parameters()} == {not reads}
         assert (sum(_weight_reads.READS.values()) > 0) == reads
     assert "_load_pretrained_model" not in type(loaded[True]).__dict__  # transformers' loader restored on the way out
     model = loaded[False]
     expected = {n: (p.shape, p.dtype, p.requires_grad) for n, p in loaded[True].named_parameters()}
-    fsdp.give_meta_parameters_storage(model)
+    rank0_loading.give_meta_parameters_storage(model)
     params = dict(model.named_parameters())
     assert not any(p.is_meta for p in params.values())
     assert {n: (p.shape, p.dtype, p.requires_grad) for n, p in params.items()} == expected
@@ -140,5 +140,5 @@ def test_ranks_that_do_not_read_load_headers_only_then_get_storage_of_their_own(
     with torch.device("meta"):
         tied = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(default_model_path(),
                                                                            tie_word_embeddings=True))
-    fsdp.give_meta_parameters_storage(tied)
+    rank0_loading.give_meta_parameters_storage(tied)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight and not tied.lm_head.weight.is_meta

@@ -1,4 +1,4 @@
-"""Refuse what TRL cannot train on, with one line that says what is wrong and how to fix it.
+"""Refuse a dataset TRL cannot train on, with one line that says what is wrong and how to fix it.
 
 The verdict is TRL's own: a dataset is refused only when TRL's dataset preparation (the trainer's
 ``_prepare_dataset``) fails on it, leaves it without token ids, or leaves no token to train on. Whatever TRL trains on
@@ -13,8 +13,7 @@ these checks add is the message and the timing:
   ``KeyError: 'rejected'``, ``IndexError: list index out of range`` or, for rows TRL prepares into nothing, a failure
   at the first training step.
 
-Rows that ``max_length`` leaves nothing to learn from, a mistyped model path and damaged checkpoints to resume from
-are checked here as well.
+Rows that ``max_length`` leaves nothing to learn from are checked here as well.
 
 Each dataset is checked once per run: a check that passed is remembered under the dataset's fingerprint (stable
 across processes) and what the check read, in this process and, through ``CHECKED_ENV``, in the processes a recipe
@@ -26,7 +25,6 @@ import inspect
 import os
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 from trl_ext import patches
 from trl_ext.errors import DatasetError
@@ -47,27 +45,6 @@ CHECKED_ENV = "TRL_EXT_CHECKED_DATASETS"  # checks passed in the launching proce
 # between a recipe's processes (ddp_backend, model_init_kwargs, output_dir) stay out, or every rank would re-check.
 _DATA_FIELD_WORDS = ("dataset", "length", "packing", "padding", "token", "loss", "truncation", "template",
                      "completion", "prompt", "tools")
-
-
-
-
-
-def check_model_path(model) -> None:
-    """A model given as a local path (absolute, ``./``, ``~``, or deeper than ``namespace/name``) must exist.
-
-    Args:
-        model: the ``model`` argument of a trainer (an id, a path, or a model object, which is left alone).
-
-    Raises:
-        FileNotFoundError: the path looks local and does not exist.
-    """
-    if not isinstance(model, (str, os.PathLike)):
-        return
-    name = str(model)
-    looks_local = os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
-    if looks_local and not Path(name).expanduser().exists():
-        raise FileNotFoundError(f"model path '{name}' does not exist: pass an existing model directory or a Hub "
-                                "model id (namespace/name)")
 
 
 # ---------------------------------------------------------------- TRL's verdict
@@ -433,21 +410,3 @@ def check_rows_kept(before, after, name: str, max_length) -> None:
         raise DatasetError(f"{name}: all {dropped} rows are too long for max_length={max_length} (nothing to train "
                            f"on is left after truncation); {fix}")
     notice(f"{name}: {dropped} of {len(before)} rows were dropped as too long for max_length={max_length}; {fix}.")
-
-
-def check_resume_checkpoint(path: str, num_labels: int = 1) -> None:
-    """The checkpoint a run resumes from must pass the ``trl-ext verify`` audit: a truncated or corrupted weights file
-    fails here, in one line naming it, instead of deep inside a loader (or worse, after optimizer states loaded)."""
-    from trl_ext.errors import CheckpointError
-    from trl_ext.saving.verify import ADAPTER_WEIGHTS, FULL_INDEX, FULL_WEIGHTS, audit
-
-    root = Path(path)
-    if root.is_dir() and not any((root / name).exists() for name in (ADAPTER_WEIGHTS, FULL_WEIGHTS, FULL_INDEX)):
-        return  # weights in another format (.bin, FSDP shards): Trainer's own loader checks those
-    report = audit(path, num_labels=num_labels)
-    if not report.ok:
-        earlier = sorted((p for p in Path(path).parent.glob("checkpoint-*") if p.name != Path(path).name
-                          and p.name.split("-")[-1].isdigit()), key=lambda p: int(p.name.split("-")[-1]))
-        hint = f"--resume_from_checkpoint {earlier[-1]}" if earlier else "a new run"
-        raise CheckpointError(f"cannot resume from {path}: {'; '.join(report.problems)}. Nothing was changed; "
-                              f"resume from an earlier checkpoint ({hint}) or start a new run.")

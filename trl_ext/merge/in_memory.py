@@ -14,7 +14,7 @@ import torch
 from accelerate.utils import is_peft_model
 
 from trl_ext.assets import resolve_model
-from trl_ext.data.input_checks import check_model_path
+from trl_ext.data.model_paths import check_model_path
 from trl_ext.errors import MergeError
 from trl_ext.saving import gather, hub_format, verify
 from trl_ext.saving import pipeline as saving

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from trl_ext.assets import resolve_model
-from trl_ext.data.input_checks import check_model_path
+from trl_ext.data.model_paths import check_model_path
 from trl_ext.errors import AdapterError, MergeError, PlanError, UnreadableCheckpoint
 from trl_ext.merge.lora_deltas import Adapter, RowMerger, load_adapter, merge_bias
 from trl_ext.merge.plan import MergePlan, Output, build_plan

@@ -12,12 +12,11 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, set_seed
 
-from trl_ext import patches
-from trl_ext.data import input_checks, vision
-from trl_ext.engines import checkpointing, elastic, fsdp, nodes, quantization, runtime
+from trl_ext import patches, saving
+from trl_ext.data import input_checks, model_paths, vision
+from trl_ext.engines import checkpointing, elastic, fsdp, fsdp_resume, nodes, quantization, rank0_loading, runtime
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
-from trl_ext.saving import commit, gather, hub_format
-from trl_ext.saving import pipeline as saving
+from trl_ext.saving import commit, gather, hub_format, resume_check
 from trl_ext.trainers import compat, configs
 
 
@@ -53,10 +52,10 @@ class TrlExtMixin:
         user_reentrant = checkpointing.take_user_choice(training_args)
         compat.seed_before_model(training_args, bound.arguments.get("peft_config"), self._trl_class.__name__)
         trl_module = sys.modules[self._trl_class.__module__]
-        with (self._around_trl_init(bound), fsdp.rank0_loading(trl_module, training_args),
+        with (self._around_trl_init(bound), rank0_loading.rank0_loading(trl_module, training_args),
               runtime.fsdp_on_cpu(training_args)):
             super().__init__(*bound.args, **bound.kwargs)
-        fsdp.give_meta_parameters_storage(self.model)  # left on meta by rank0_loading on the ranks that do not read
+        rank0_loading.give_meta_parameters_storage(self.model)  # left on meta on the ranks that do not read
         fsdp.wrap_layers_the_model_has(self.accelerator, self.model)
         quantization.match_adapter_dtype(self.args, self.model)
         for model in (self.model, getattr(self, "ref_model", None)):
@@ -81,7 +80,7 @@ class TrlExtMixin:
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
         """Refuse a missing model path, or rows TRL cannot prepare, with one clear line before the model is loaded."""
-        input_checks.check_model_path(bound.arguments.get("model"))
+        model_paths.check_model_path(bound.arguments.get("model"))
         datasets = {"train_dataset": bound.arguments.get("train_dataset")}
         eval_dataset = bound.arguments.get("eval_dataset")
         if isinstance(eval_dataset, dict):
@@ -128,7 +127,7 @@ class TrlExtMixin:
             if path is not None:  # None: Trainer says that no checkpoint was found
                 resume_from_checkpoint = path
                 config = getattr(self.model, "config", None)
-                input_checks.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
+                resume_check.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
                 if self.is_deepspeed_enabled:  # another number of processes: universal checkpoint, same global batch
                     self._elastic_plan = elastic.prepare(self, path)
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
@@ -139,7 +138,7 @@ class TrlExtMixin:
         DeepSpeed resumes from its own states and adapters are not converted: both stay with Trainer."""
         model = model if model is not None else self.model
         if fsdp.is_fsdp2(self.accelerator):  # our Hub-format files, read by each rank for its own shards
-            return fsdp.load_checkpoint_weights(model, resume_from_checkpoint)
+            return fsdp_resume.load_checkpoint_weights(model, resume_from_checkpoint)
         if (self.is_deepspeed_enabled or self.is_fsdp_enabled or is_peft_model(model)
                 or not saving.supports(model) or not hub_format.is_converted(model)):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)

@@ -7,7 +7,7 @@ import sys
 import trl
 
 from trl_ext import patches
-from trl_ext.data import input_checks
+from trl_ext.data import model_paths
 from trl_ext.trainers import configs, reward_head, weight_sync
 from trl_ext.trainers.mixin import TrlExtMixin
 
@@ -51,7 +51,7 @@ class _OnlineRLMixin:
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
         # Rows are prompts (plus reward-function columns): input_checks' SFT/preference formats do not apply.
-        input_checks.check_model_path(bound.arguments.get("model"))
+        model_paths.check_model_path(bound.arguments.get("model"))
 
     def _around_trl_init(self, bound: inspect.BoundArguments):
         return _bounded_weight_sync(sys.modules[self._trl_class.__module__])
