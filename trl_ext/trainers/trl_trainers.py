@@ -60,10 +60,8 @@ class _OnlineRLMixin:
 class GRPOTrainer(_OnlineRLMixin, TrlExtMixin, trl.GRPOTrainer):
     __doc__ = trl.GRPOTrainer.__doc__
     _config_class, _default_run_suffix = configs.GRPOConfig, "GRPO"
-    _trl_class = trl.GRPOTrainer
 
 
 class RLOOTrainer(_OnlineRLMixin, TrlExtMixin, trl.RLOOTrainer):
     __doc__ = trl.RLOOTrainer.__doc__
     _config_class, _default_run_suffix = configs.RLOOConfig, "RLOO"
-    _trl_class = trl.RLOOTrainer
