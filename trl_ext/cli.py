@@ -49,29 +49,16 @@ def _merge(args: argparse.Namespace) -> int:
     """Merge a LoRA adapter into its base and save a standalone model, streamed tensor by tensor without loading the
     model (reward models stay reward models)."""
     from trl_ext.errors import CheckpointError, MergeError
-    from trl_ext.merge.in_memory import merge
-    from trl_ext.merge.streamed import merge_streamed
+    from trl_ext.merge.front import merge_adapter
 
     if len(args.adapter) > 1:
         print(f"error: {len(args.adapter)} adapters given; merge one at a time: --adapter {args.adapter[0]} --out M1, "
               f"then --adapter {args.adapter[1]} --base M1 --out M2", file=sys.stderr)
         return 1
-    in_memory = None
-    if args.dequantize_base:  # a quantized base has to be loaded and dequantized
-        in_memory = "--dequantize-base: merging in memory (the base is loaded and dequantized)"
-    elif _lora_on_parameters(args.adapter[0]):  # its deltas land on tensors the checkpoint splits (one per expert)
-        in_memory = ("LoRA on parameters (PEFT target_parameters, fused MoE experts): merging in memory, where "
-                     "transformers converts the merged experts back to the checkpoint's per-expert tensors")
     try:
-        if in_memory:
-            print(in_memory, file=sys.stderr)
-            out = merge(args.adapter[0], args.out, base=args.base, dtype=args.dtype,
-                        max_shard_size=args.max_shard_size, dequantize_base=args.dequantize_base)
-            report = None
-        else:
-            report = merge_streamed(args.adapter[0], args.out, base=args.base, dtype=args.dtype,
-                                    max_shard_size=args.max_shard_size)
-            out = report.path
+        out, report = merge_adapter(args.adapter[0], args.out, base=args.base, dtype=args.dtype,
+                                    max_shard_size=args.max_shard_size, dequantize_base=args.dequantize_base,
+                                    say=lambda line: print(line, file=sys.stderr))
     except (MergeError, CheckpointError, OSError) as exc:  # OSError: a base or adapter path that is not there
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -79,17 +66,6 @@ def _merge(args: argparse.Namespace) -> int:
         print(report.summary())
     print(f"merged model saved to {out}: load it with from_pretrained('{out}')")
     return 0
-
-
-def _lora_on_parameters(adapter: str) -> bool:
-    """The adapter's config names PEFT ``target_parameters`` (an unreadable config is the merge's to report)."""
-    import json
-    from pathlib import Path
-
-    try:
-        return bool(json.loads((Path(adapter) / "adapter_config.json").read_text()).get("target_parameters"))
-    except (OSError, ValueError):
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

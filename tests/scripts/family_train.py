@@ -24,7 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 import trl_ext
 from tests.families import FAMILIES, family_path
 from trl_ext.assets import load_default_dataset
-from trl_ext.merge.in_memory import iter_merged_weights
+from trl_ext.merge.weights import iter_merged_weights
 from trl_ext.saving.gather import is_dtensor
 
 PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None):
     if cli.iter_merged:
         from safetensors.torch import save_file
 
-        from trl_ext.merge.in_memory import iter_merged_weights
+        from trl_ext.merge.weights import iter_merged_weights
 
         merged = dict(iter_merged_weights(trainer.model))
         report["adapter_still_unmerged"] = not any(getattr(m, "merged", False) for m in trainer.model.modules())

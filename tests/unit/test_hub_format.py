@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from tests.families import FAMILIES, family_path
 from trl_ext.errors import CheckpointError
-from trl_ext.merge.in_memory import iter_merged_weights
-from trl_ext.saving import hub_format, shards
+from trl_ext.merge.weights import iter_merged_weights
+from trl_ext.saving import hub_format, safetensors_header, shards
 from trl_ext.saving import pipeline as saving
 from trl_ext.saving.verify import audit
 
@@ -35,7 +35,7 @@ def mixtral():
 
 
 def test_dtype_table_is_safetensors_own():
-    assert {code: dtype for dtype, code in shards.DTYPE_CODES.items()} == safetensors.torch._TYPES
+    assert {code: dtype for dtype, code in safetensors_header.DTYPE_CODES.items()} == safetensors.torch._TYPES
 
 
 def test_plan_is_what_save_pretrained_writes_and_groups_one_module(mixtral):

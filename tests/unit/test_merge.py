@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from trl_ext.cli import main as cli
-from trl_ext.merge.in_memory import iter_merged_weights
+from trl_ext.merge.weights import iter_merged_weights
 from trl_ext.saving import pipeline as saving
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26]])

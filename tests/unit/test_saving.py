@@ -18,7 +18,7 @@ from transformers import (
 
 from trl_ext.errors import CheckpointError
 from trl_ext.saving import pipeline as saving
-from trl_ext.saving import shards
+from trl_ext.saving import safetensors_header, shards
 from trl_ext.saving.verify import audit, check_written
 from trl_ext.trainers import mixin
 
@@ -160,7 +160,7 @@ def test_check_written_catches_changed_bytes_and_missing_tensors(tmp_path):
     assert problems_with(good) == ""
     header = writer.written["model.safetensors"].header
     # A header that is not the one written is parsed in full, to name what differs (here: b saved as float16).
-    other = shards._header([specs[0], shards.TensorSpec("b", (4, 2), torch.float16)], {"format": "pt"})
+    other = safetensors_header.encode([specs[0], shards.TensorSpec("b", (4, 2), torch.float16)], {"format": "pt"})
     assert "b: written ([4, 2], 'F16'), trained ([2, 2], 'F32')" in problems_with(other + good[len(header):])
     assert "cannot be read back" in problems_with(good[:-4])  # truncated
     nan = bytearray(good)

@@ -41,6 +41,17 @@ def deepspeed_keeps_frozen_params_on_recompute() -> bool:
         return Version(deepspeed.__version__) >= Version(DEEPSPEED_FIX_VERSION)
 
 
+def checkpointing_on(args) -> bool:
+    """Whether the config turns checkpointing on: ``activation_checkpointing`` from transformers 5.23, the older
+    ``gradient_checkpointing`` before it (5.23 keeps that name as an alias, copied at init)."""
+    return bool(getattr(args, "activation_checkpointing", getattr(args, "gradient_checkpointing", False)))
+
+
+def checkpointing_kwargs(args) -> dict | None:
+    """``activation_checkpointing_kwargs``, or ``gradient_checkpointing_kwargs`` before transformers 5.23."""
+    return getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
+
+
 def fsdp_checkpoints(args) -> bool:
     """True when FSDP's own activation checkpointing is on (``fsdp_activation_checkpointing`` in the accelerate
     config, or ``fsdp_config["activation_checkpointing"]``). It wraps each decoder layer non-reentrantly; ours is then
@@ -51,7 +62,7 @@ def fsdp_checkpoints(args) -> bool:
     from_args = bool((getattr(args, "fsdp_config", None) or {}).get("activation_checkpointing"))
     if not (from_launcher or from_args) or not fsdp.requested(args):
         return False
-    if args.activation_checkpointing:
+    if checkpointing_on(args):
         args.activation_checkpointing = args.gradient_checkpointing = False
         notice("FSDP's activation checkpointing is on (fsdp_activation_checkpointing): it checkpoints every decoder "
                "layer, non-reentrant, so gradient_checkpointing is turned off to avoid checkpointing twice.")
@@ -87,8 +98,8 @@ def take_user_choice(args):
 
     Call before TRL's ``__init__``. Returns True/False for an explicit choice, None when unset.
     """
-    kwargs = args.activation_checkpointing_kwargs
-    if not args.activation_checkpointing or not kwargs or "use_reentrant" not in kwargs:
+    kwargs = checkpointing_kwargs(args)
+    if not checkpointing_on(args) or not kwargs or "use_reentrant" not in kwargs:
         return None
     choice = bool(kwargs["use_reentrant"])
     if not choice:  # TRL warns "forced to True" for an explicit False under PEFT + ZeRO-3; we decide instead
@@ -100,7 +111,7 @@ def take_user_choice(args):
 
 def decide(args, model, user_choice):
     """The ``use_reentrant`` value training will use, or None when checkpointing is off."""
-    if not args.activation_checkpointing:
+    if not checkpointing_on(args):
         return None
     if user_choice is not None:
         return user_choice
@@ -121,7 +132,7 @@ def apply(args, use_reentrant) -> None:
     """Write the decision where transformers reads it when it enables checkpointing at train time."""
     if use_reentrant is None:
         return
-    kwargs = {**(args.activation_checkpointing_kwargs or {}), "use_reentrant": use_reentrant}
+    kwargs = {**(checkpointing_kwargs(args) or {}), "use_reentrant": use_reentrant}
     args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs = kwargs
 
 
@@ -152,7 +163,7 @@ class CheckpointingPolicy(TrainerCallback):
         self.use_reentrant = use_reentrant
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is None or not args.activation_checkpointing:
+        if model is None or not checkpointing_on(args):
             return
         if not self.use_reentrant:
             remove_input_require_grads_hooks(model)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from trl_ext.assets import resolve_model
 from trl_ext.data.model_paths import check_model_path
 from trl_ext.errors import AdapterError, MergeError, PlanError, UnreadableCheckpoint
+from trl_ext.merge import inputs
 from trl_ext.merge.lora_deltas import Adapter, RowMerger, load_adapter, merge_bias
 from trl_ext.merge.plan import MergePlan, Output, build_plan
 from trl_ext.saving import commit, hub_format, verify
@@ -33,7 +33,6 @@ from trl_ext.saving.shards import ShardStreamWriter, index_json, plan_shards
 BLOCK_BYTES = 8 * 2**20  # one read and write of a copied tensor
 MERGE_BLOCK_BYTES = 2 * 2**20  # rows merged at once: the check's float64 copy of them; the delta and block are smaller
 PROBE_MAX_BYTES = 256 * 2**20  # bases up to this size also get the end-to-end check (both models loaded)
-PROBE_LENGTH = 16
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -124,35 +123,10 @@ def weight_files(base: Path) -> list[Path]:
     if list(base.glob("pytorch_model*.bin")):
         raise MergeError(f"the base {base} has PyTorch .bin weights: the streamed merge reads safetensors only (a "
                          ".bin pickle is loaded whole). Convert it once (from_pretrained + save_pretrained) or merge "
-                         "in memory with trl_ext.merge.in_memory.merge")
+                         "in memory with trl_ext.merge.merge")
     if (base / verify.ADAPTER_WEIGHTS).exists():
         raise MergeError(f"{base} is a PEFT adapter, not a base model; pass the model it was trained on as --base")
     raise MergeError(f"no model.safetensors or {verify.FULL_INDEX} in {base}")
-
-
-def _adapter_dirs(adapter: Path) -> None:
-    if not (adapter / "adapter_config.json").exists():
-        raise MergeError(f"{adapter} is not a PEFT adapter: adapter_config.json is missing")
-    others = sorted(p.name for p in adapter.iterdir() if (p / "adapter_config.json").exists())
-    if others:
-        raise MergeError(f"{adapter} holds several adapters (the default and {', '.join(others)}); merge one at a "
-                         f"time: --adapter {adapter / others[0]} --out M1, then the next with --base M1")
-
-
-def _head_outputs(adapter: Path) -> int:
-    """Rows of the classification head saved with a SEQ_CLS adapter (1 for a reward model)."""
-    from peft.utils import load_peft_weights
-
-    file = adapter / verify.ADAPTER_WEIGHTS
-    if file.exists():
-        shapes = {n: s.spec.shape for n, s in SafetensorsReader([file]).tensors.items()}
-    else:
-        shapes = {n: tuple(t.shape) for n, t in load_peft_weights(str(adapter), device="cpu").items()}
-    for name, shape in shapes.items():
-        short = name.removeprefix("base_model.model.")
-        if short.split(".")[0] in verify.HEAD_NAMES and short.endswith("weight") and "lora_" not in short:
-            return shape[0]
-    return 1
 
 
 def _meta_model(config, sequence_classification: bool) -> torch.nn.Module:
@@ -172,16 +146,6 @@ def _meta_model(config, sequence_classification: bool) -> torch.nn.Module:
             except ValueError:  # an Auto class without this model type
                 continue
     raise MergeError(f"transformers has no model class for {config.model_type} ({config.architectures})")
-
-
-def _refuse_quantized(base: str, config) -> None:
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        raise MergeError(
-            f"the base {base} is a quantized checkpoint ({method}): merging into quantized weights loses the adapter's "
-            "precision. Merge into the full-precision base (--base <its original model>), or pass --dequantize-base "
-            "to load it and dequantize it first (in memory).")
 
 
 def _pieces(out: Output, reader: SafetensorsReader, adapter: Adapter) -> Iterator[torch.Tensor]:
@@ -294,20 +258,11 @@ def _probe_outputs(job: _Inputs, merged: Path) -> float:
         reference.resize_token_embeddings(job.plan.vocab_size)
     reference = PeftModel.from_pretrained(reference, job.adapter).eval()
     model = arch.from_pretrained(merged).eval()
-    text = config.get_text_config()
-    special = {v for k, v in {**config.to_dict(), **text.to_dict()}.items()
-               if isinstance(v, int) and (k.endswith("_token_id") or k.endswith("_token_index"))}
-    ids = [i for i in range(3, min(text.vocab_size, 4096)) if i not in special][: 2 * PROBE_LENGTH]
-    ids = torch.tensor(ids + ids[: 2 * PROBE_LENGTH - len(ids)]).view(2, PROBE_LENGTH)
+    ids = inputs.probe_ids(config)
     with torch.no_grad():
-        want = reference(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
-        got = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
-    diff = (got - want).abs().max().item()
-    tolerance = 1e-4 if (job.cast or job.new_dtype) == torch.float32 else 5e-2
-    if not diff <= tolerance:
-        raise MergeError(f"the merged model's outputs differ from the adapter model's by {diff:.3g} (tolerance "
-                         f"{tolerance}); nothing was written")
-    return diff
+        want = reference(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        got = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    return inputs.check_outputs(got, want, job.cast or job.new_dtype)
 
 
 def _config_dtype(config) -> torch.dtype:
@@ -320,22 +275,17 @@ def _gather_inputs(adapter_dir: Path, base: str | None, dtype: str) -> _Inputs:
     """Find and read the base and the adapter, refusing what cannot be merged (``MergeError``, one line)."""
     from transformers import AutoConfig
 
-    _adapter_dirs(adapter_dir)
-    adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    name = resolve_model(base or adapter_config.get("base_model_name_or_path"))
-    if not name:
-        raise MergeError("the adapter does not record its base model; pass --base")
+    adapter_config = inputs.adapter_config(adapter_dir)
+    name = inputs.base_name(adapter_config, base)
     base_dir = locate_base(name)
     try:
         config = AutoConfig.from_pretrained(base_dir)
     except (OSError, ValueError) as exc:
         raise MergeError(f"cannot read the base's config.json in {base_dir}: {exc}".splitlines()[0]) from exc
-    _refuse_quantized(name, config)
+    inputs.refuse_quantized(name, config)
     files = weight_files(base_dir)
-    num_labels = _head_outputs(adapter_dir) if adapter_config.get("task_type") == "SEQ_CLS" else None
-    report = verify.audit(str(adapter_dir), base=None, num_labels=num_labels or 1)
-    if not report.ok:
-        raise MergeError("the adapter is damaged or does not fit this base model:\n" + report.format())
+    num_labels = inputs.head_outputs(adapter_dir, adapter_config)
+    inputs.audit_adapter(adapter_dir, None, num_labels)
     meta_config = copy.deepcopy(config)
     if num_labels is not None:
         meta_config.num_labels = num_labels
@@ -420,8 +370,7 @@ def merge_streamed(adapter: str, out: str, base: str | None = None, dtype: str =
     """
     started = time.monotonic()
     out_dir = Path(out)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise MergeError(f"{out_dir} already exists and is not empty; nothing was changed. Choose a new --out.")
+    inputs.check_out_dir(out_dir)
     job = _gather_inputs(Path(adapter), base, dtype)
     target = out_dir.absolute()
     staging = target.with_name(f".{target.name}{commit.PARTIAL_SUFFIX}")

@@ -9,7 +9,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 
 from trl_ext.errors import CheckpointError
 from trl_ext.saving import gather, hub_format
-from trl_ext.saving.shards import DTYPE_CODES, TensorSpec, plan_shards
+from trl_ext.saving.safetensors_header import DTYPE_CODES
+from trl_ext.saving.shards import TensorSpec, plan_shards
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
 

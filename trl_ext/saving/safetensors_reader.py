@@ -6,7 +6,6 @@ tensors read one by one and dropped left RSS 770 MB higher). Here ``safe_open`` 
 page is touched), and the data is read with ``os.preadv`` into buffers the caller owns and frees.
 """
 
-import json
 import os
 import struct
 from collections.abc import Iterator
@@ -16,7 +15,9 @@ from pathlib import Path
 import torch
 
 from trl_ext.errors import UnreadableCheckpoint
-from trl_ext.saving.shards import DTYPE_CODES, TensorSpec
+from trl_ext.saving import safetensors_header
+from trl_ext.saving.safetensors_header import DTYPE_CODES
+from trl_ext.saving.shards import TensorSpec
 
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
@@ -36,16 +37,6 @@ class StoredTensor:
         return self.spec.nbytes // self.spec.shape[0] if self.spec.shape and self.spec.shape[0] else self.spec.nbytes
 
 
-def _header(path: Path) -> tuple[dict, int]:
-    """The parsed JSON header and the offset where the data section starts."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise UnreadableCheckpoint(f"{path}: shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", raw)
-        return json.loads(f.read(length)), 8 + length
-
-
 class SafetensorsReader:
     """The tensors of one or more safetensors files, in file order and, within a file, in data order.
 
@@ -57,25 +48,22 @@ class SafetensorsReader:
     """
 
     def __init__(self, files: list[Path]):
-        from safetensors import safe_open
 
         self.tensors: dict[str, StoredTensor] = {}
         self.metadata: dict[str, str] = {}
         for path in files:
             try:
-                with safe_open(str(path), framework="pt"):  # safetensors' own validation of the header
-                    pass
-                header, start = _header(path)
-            except Exception as exc:  # noqa: BLE001 - OSError, bad JSON, and safetensors' SafetensorError (an Exception)
+                with open(path, "rb", buffering=0) as f:
+                    header = safetensors_header.read(f.fileno())
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
                 raise UnreadableCheckpoint(f"{path.name}: cannot be read as safetensors ({exc})") from exc
-            self.metadata.update(header.pop("__metadata__", None) or {})
-            for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-                dtype = DTYPES.get(entry["dtype"])
+            self.metadata.update(header.metadata)
+            for name, entry in header.entries.items():
+                dtype = DTYPES.get(entry.code)
                 if dtype is None:
-                    raise UnreadableCheckpoint(f"{path.name}: {name} has dtype {entry['dtype']}, which this reader "
+                    raise UnreadableCheckpoint(f"{path.name}: {name} has dtype {entry.code}, which this reader "
                                                f"does not handle (it reads {', '.join(sorted(DTYPES))})")
-                spec = TensorSpec(name, tuple(entry["shape"]), dtype)
-                self.tensors[name] = StoredTensor(spec, path, start + entry["data_offsets"][0])
+                self.tensors[name] = StoredTensor(TensorSpec(name, tuple(entry.shape), dtype), path, entry.begin)
         self._fds: dict[Path, int] = {}
 
     def __contains__(self, name: str) -> bool:

@@ -6,10 +6,8 @@ the tensor it is given: no shard buffer, no consolidated state dict. The files a
 (https://github.com/huggingface/safetensors#format), read by ``safe_open`` and ``from_pretrained``.
 """
 
-import json
 import math
 import os
-import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,14 +15,8 @@ from pathlib import Path
 import torch
 from transformers.utils.hub import convert_file_size_to_int
 
-# Every dtype safetensors writes (its ``safetensors.torch._TYPES``; a unit test keeps the two equal).
-DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL", torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-}
+from trl_ext.saving import safetensors_header
+
 # Each tensor's first bytes are kept by the writer and compared with the file after the save. 4 KiB catches misplaced
 # or unwritten data as well as more would; 64 KiB re-read most of a LoRA adapter (a quarter of its save time).
 PREFIX_BYTES = 4 * 1024
@@ -88,17 +80,6 @@ class WrittenFile:
     prefixes: dict[str, bytes] = field(default_factory=dict)
 
 
-def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
-    entries, offset = {"__metadata__": metadata}, 0
-    for spec in specs:
-        entries[spec.name] = {"dtype": DTYPE_CODES[spec.dtype], "shape": list(spec.shape),
-                              "data_offsets": [offset, offset + spec.nbytes]}
-        offset += spec.nbytes
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw
-
-
 class ShardStreamWriter:
     """Writes the planned files in order; ``write`` must receive the tensors in plan order.
 
@@ -141,7 +122,7 @@ class ShardStreamWriter:
             self._close_file()
             self._file = open(self.directory / filename, "wb")
             self._filename = filename
-            self.written[filename].header = _header(self._plan[filename], self.metadata)
+            self.written[filename].header = safetensors_header.encode(self._plan[filename], self.metadata)
             self._file.write(self.written[filename].header)
         self._written, self._prefix = 0, bytearray()
         return spec

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from trl_ext.errors import NONFINITE, CheckpointError
-from trl_ext.saving.shards import DTYPE_CODES, PREFIX_BYTES, WrittenFile
+from trl_ext.saving import safetensors_header
+from trl_ext.saving.safetensors_header import DTYPE_CODES
+from trl_ext.saving.shards import PREFIX_BYTES, WrittenFile
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS, FULL_INDEX = "model.safetensors", "model.safetensors.index.json"
 HEAD_NAMES = ("score", "classifier", "v_head")  # reward / classification heads across architectures
-ITEM_BITS = {code: dtype.itemsize * 8 for dtype, code in DTYPE_CODES.items()}  # other codes: size not checked
 EXPONENT_BITS = {"F64": (np.uint64, 0x7FF0000000000000), "F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00),
                  "BF16": (np.uint16, 0x7F80)}  # for the NaN/inf check
 # What a file that is not valid safetensors raises while being read (bad JSON is a ValueError).
@@ -63,36 +64,14 @@ class Report:
 def read_safetensors(path: Path) -> tuple[dict[str, tuple[list[int], str]], dict[str, bytes]]:
     """One file's tensors, {name: (shape, dtype code)}, and the first ``PREFIX_BYTES`` of each one's data.
 
-    The header is checked as ``safe_open`` checks it (sizes match shapes, offsets contiguous, nothing truncated);
-    only the prefixes of the data are read. Raises one of ``UNREADABLE`` for a broken file.
+    The header is checked as ``safe_open`` checks it (``safetensors_header.read``); only the prefixes of the data are
+    read. Raises one of ``UNREADABLE`` for a broken file.
     """
     with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
-        if size < 8:
-            raise ValueError(f"{size} bytes, shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        if length > size - 8:
-            raise ValueError(f"the header claims {length} bytes, the file holds {size - 8}")
-        header = json.loads(os.pread(fd, length, 8))
-        header.pop("__metadata__", None)
-        start, tensors, prefixes, spans = 8 + length, {}, {}, []
-        for name, entry in header.items():
-            shape, code, (begin, end) = list(entry["shape"]), entry["dtype"], entry["data_offsets"]
-            bits = ITEM_BITS.get(code)
-            if bits is not None and (end - begin) * 8 != math.prod(shape) * bits:
-                raise ValueError(f"{name}: {end - begin} bytes for a {code} tensor of shape {shape}")
-            spans.append((begin, end, name))
-            tensors[name] = (shape, code)
-        position = 0
-        for begin, end, name in sorted(spans):
-            if begin != position:
-                raise ValueError(f"{name}: its data starts at byte {begin}, the previous tensor ends at {position}")
-            position = end
-        if position != size - start:
-            raise ValueError(f"the tensors need {position} bytes of data, the file holds {size - start} (truncated?)")
-        for begin, end, name in spans:
-            prefixes[name] = os.pread(fd, min(end - begin, PREFIX_BYTES), start + begin)
+        header = safetensors_header.read(f.fileno())
+        tensors = {name: (e.shape, e.code) for name, e in header.entries.items()}
+        prefixes = {name: os.pread(f.fileno(), min(e.end - e.begin, PREFIX_BYTES), e.begin)
+                    for name, e in header.entries.items()}
     return tensors, prefixes
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from trl.generation.vllm_generation import VLLMGeneration
 
-from trl_ext.merge.in_memory import iter_merged_weights
+from trl_ext.merge.weights import iter_merged_weights
 
 
 def engine_dtype(generation: VLLMGeneration) -> torch.dtype | None:
