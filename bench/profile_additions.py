@@ -33,7 +33,7 @@ import trl  # noqa: E402
 
 import trl_ext  # noqa: E402
 from trl_ext.engines import checkpointing, runtime
-from trl_ext.saving import gather, shards, verify
+from trl_ext.saving import gather, shards, verify, written_check
 from trl_ext.saving import pipeline as saving
 from trl_ext.saving import plan as save_plan
 from trl_ext.trainers import configs, mixin, reward_head
@@ -216,12 +216,12 @@ def main():
     timers.wrap(saving, "_write_metadata", "metadata files", group="phase")
     timers.wrap(saving, "_verify", "verification", group="phase")
     timers.wrap(saving, "commit", "commit (rename)", group="phase")
-    timers.wrap(verify, "_read_as_planned", "  read back header + 4 KiB/tensor", group="verify")
+    timers.wrap(written_check, "_read_as_planned", "  read back header + 4 KiB/tensor", group="verify")
     timers.wrap(verify, "read_safetensors", "  parse a header that differs", group="verify")
     timers.wrap(verify, "_nonfinite", "  NaN/inf check", group="verify")
     timers.wrap(verify, "_check_adapter", "  adapter checks", group="verify")
     timers.wrap(verify, "_check_full", "  full-model checks", group="verify")
-    timers.wrap(verify, "check_adapter_config", "  adapter_config.json check", group="verify")
+    timers.wrap(written_check, "check_adapter_config", "  adapter_config.json check", group="verify")
 
     workload_args = argparse.Namespace(steps=cli.steps, seq_len=128, hidden=256, layers=4, batch=4, trainer=None,
                                        gc=False)

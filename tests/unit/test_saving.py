@@ -19,7 +19,8 @@ from transformers import (
 from trl_ext.errors import CheckpointError
 from trl_ext.saving import pipeline as saving
 from trl_ext.saving import safetensors_header, shards
-from trl_ext.saving.verify import audit, check_written
+from trl_ext.saving.verify import audit
+from trl_ext.saving.written_check import check_written
 from trl_ext.trainers import mixin
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])

@@ -26,7 +26,7 @@ from trl_ext.errors import AdapterError, MergeError, PlanError, UnreadableCheckp
 from trl_ext.merge import inputs
 from trl_ext.merge.lora_deltas import Adapter, RowMerger, load_adapter, merge_bias
 from trl_ext.merge.plan import MergePlan, Output, build_plan
-from trl_ext.saving import commit, hub_format, verify
+from trl_ext.saving import commit, hub_format, verify, written_check
 from trl_ext.saving.safetensors_reader import SafetensorsReader
 from trl_ext.saving.shards import ShardStreamWriter, index_json, plan_shards
 
@@ -379,7 +379,7 @@ def merge_streamed(adapter: str, out: str, base: str | None = None, dtype: str =
     try:
         staging.mkdir(parents=True)
         shard_plan, writer, worst = _write_files(job, staging, max_shard_size, progress)
-        problems = verify.check_written(str(staging), shard_plan, writer.written, None, job.num_labels or 1)
+        problems = written_check.check_written(str(staging), shard_plan, writer.written, None, job.num_labels or 1)
         writer.wait()  # every file on disk before the outcome is decided
         if problems:
             keep_staging = True

@@ -21,7 +21,7 @@ import torch
 from accelerate.utils import is_peft_model
 
 from trl_ext.errors import NONFINITE, CheckpointError
-from trl_ext.saving import gather, hub_format, verify
+from trl_ext.saving import gather, hub_format, verify, written_check
 from trl_ext.saving.commit import PARTIAL_SUFFIX, commit
 from trl_ext.saving.plan import DEFAULT_MAX_SHARD_SIZE, check_dtypes, plan_weight_sets
 from trl_ext.saving.shards import ShardStreamWriter, TensorSpec, index_json
@@ -123,7 +123,7 @@ def _verify(model, directory: Path, weight_sets, written) -> list[str]:
     num_labels = getattr(config, "num_labels", 1)
     problems = []
     for ws, files in zip(weight_sets, written):
-        problems += verify.check_written(str(directory / ws.subdir), ws.plan, files, ws.peft_config, num_labels)
+        problems += written_check.check_written(str(directory / ws.subdir), ws.plan, files, ws.peft_config, num_labels)
     return problems
 
 

@@ -19,8 +19,7 @@ import torch
 
 from trl_ext.errors import NONFINITE, CheckpointError
 from trl_ext.saving import safetensors_header
-from trl_ext.saving.safetensors_header import DTYPE_CODES
-from trl_ext.saving.shards import PREFIX_BYTES, WrittenFile
+from trl_ext.saving.shards import PREFIX_BYTES
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS, FULL_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -108,7 +107,16 @@ def _read_files(files: list[Path], report: Report) -> tuple[dict, dict]:
     return tensors, prefixes
 
 
-def _weight_files(root: Path, report: Report) -> list[Path]:
+def weight_files(root: Path, report: Report) -> list[Path]:
+    """The checkpoint's weight files (adapter, index shards, or one file), recording its kind on ``report``.
+
+    Args:
+        root: the checkpoint directory.
+        report: the audit's report; missing files are added to its problems.
+
+    Returns:
+        The files that exist.
+    """
     if (root / ADAPTER_WEIGHTS).exists():
         report.kind = "adapter"
         return [root / ADAPTER_WEIGHTS]
@@ -307,8 +315,18 @@ def _check_full(root: Path, tensors: dict, report: Report, base: str | None, num
                             adapter=False)
 
 
-def _check_contents(root: Path, tensors: dict, prefixes: dict, report: Report, base: str | None,
-                    num_labels: int) -> None:
+def check_contents(root: Path, tensors: dict, prefixes: dict, report: Report, base: str | None,
+                   num_labels: int) -> None:
+    """The audit of what the files hold: empty placeholders, NaN or inf, then the adapter or full-model checks.
+
+    Args:
+        root: the checkpoint directory.
+        tensors: ``{name: (shape, dtype code)}`` of every weight file.
+        prefixes: each tensor's first bytes.
+        report: where the problems go.
+        base: a base model to check shapes against, or None.
+        num_labels: the outputs a classification head must have.
+    """
     report.num_tensors = len(tensors)
     empty = sorted(n for n, (shape, _) in tensors.items() if math.prod(shape) == 0)
     if empty:
@@ -343,87 +361,9 @@ def audit(path: str, base: str | None = None, num_labels: int = 1) -> Report:
     if not root.is_dir():
         report.problems.append("not a directory")
         return report
-    tensors, prefixes = _read_files(_weight_files(root, report), report)
-    _check_contents(root, tensors, prefixes, report, base, num_labels)
+    tensors, prefixes = _read_files(weight_files(root, report), report)
+    check_contents(root, tensors, prefixes, report, base, num_labels)
     return report
-
-
-def _read_as_planned(path: Path, specs: list, record: WrittenFile) -> dict[str, bytes] | None:
-    """The fast path for a file just written: if it holds exactly the header that was written and the size that
-    header implies, its tensors are the planned ones; only their prefixes are read. None otherwise."""
-    if not record.header:
-        return None
-    sizes = [s.nbytes for s in specs]
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        if os.fstat(fd).st_size != len(record.header) + sum(sizes):
-            return None
-        if os.pread(fd, len(record.header), 0) != record.header:
-            return None
-        prefixes, offset = {}, len(record.header)
-        for spec, size in zip(specs, sizes):
-            prefixes[spec.name] = os.pread(fd, min(size, PREFIX_BYTES), offset)  # one read per tensor
-            offset += size
-    return prefixes
-
-
-def check_written(path: str, plan: dict, written: dict[str, WrittenFile], peft_config=None,
-                  num_labels: int = 1) -> list[str]:
-    """After a save, before it is committed: each file holds exactly the planned tensors (names, full shapes,
-    dtypes), each tensor's first bytes are the bytes that were written (``written``: the writer's record of each
-    file), and the audit's checks pass. Reads each header and ``PREFIX_BYTES`` per tensor; a header that is not the
-    one written is parsed in full, to say what differs."""
-    root = Path(path)
-    report = Report(str(path))
-    files = sorted(f.name for f in _weight_files(root, report))
-    if not report.problems and files != sorted(plan):
-        report.problems.append(f"the weight files are {files}, the save planned {sorted(plan)}")
-    tensors, prefixes = {}, {}
-    for filename, specs in plan.items():
-        expected = {s.name: (list(s.shape), DTYPE_CODES[s.dtype]) for s in specs}
-        record = written.get(filename, WrittenFile())
-        try:
-            read = _read_as_planned(root / filename, specs, record)
-            found, read = (expected, read) if read is not None else read_safetensors(root / filename)
-        except UNREADABLE as exc:
-            report.problems.append(f"{filename}: cannot be read back ({exc})")
-            continue
-        missing = sorted(set(expected) - set(found))
-        extra = sorted(set(found) - set(expected))
-        wrong = sorted(n for n in set(expected) & set(found) if found[n] != expected[n])
-        changed = [n for n, prefix in record.prefixes.items() if n in read and read[n] != prefix]
-        if missing:
-            report.problems.append(f"{filename}: {len(missing)} tensors missing, e.g. {missing[0]}")
-        if extra:
-            report.problems.append(f"{filename}: {len(extra)} unexpected tensors, e.g. {extra[0]}")
-        for name in wrong[:5]:
-            report.problems.append(f"{name}: written {found[name]}, trained {expected[name]}")
-        if changed:
-            report.problems.append(f"{filename}: bytes differ from the trained values for {', '.join(changed[:5])}")
-        tensors.update(found)
-        prefixes.update(read)
-    _check_contents(root, tensors, prefixes, report, None, num_labels)
-    if peft_config is not None:
-        report.problems += check_adapter_config(path, peft_config)
-    return report.problems
-
-
-def check_adapter_config(path: str, trained) -> list[str]:
-    """``adapter_config.json`` must describe the adapter that was trained (``trained``: its PEFT config)."""
-    config_path = Path(path) / "adapter_config.json"
-    if not config_path.exists():
-        return ["adapter_config.json was not written"]
-    written = json.loads(config_path.read_text())
-    problems = []
-    for key in ("peft_type", "task_type", "target_modules", "modules_to_save", "r", "lora_alpha"):
-        want = getattr(trained, key, None)
-        want = getattr(want, "value", want)  # enums (PeftType, TaskType) are written as strings
-        have = written.get(key)
-        if isinstance(want, (set, list, tuple)) or isinstance(have, list):
-            want, have = sorted(want or []), sorted(have or [])
-        if want != have:
-            problems.append(f"adapter_config.json: {key} is {have!r}, the trained adapter has {want!r}")
-    return problems
 
 
 def verify_or_raise(path: str, **kwargs) -> Report:
