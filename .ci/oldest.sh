@@ -9,7 +9,7 @@ python3 -m venv .venv-oldest
 # name for every DeepSpeed version: keep this venv's builds apart from the newest's.
 export TORCH_EXTENSIONS_DIR="$PWD/.venv-oldest/torch_extensions"
 .venv-oldest/bin/pip install -q torch==2.13.0 -e ".[test]" \
-    "trl==1.14.2" "transformers==5.23.0" "accelerate==1.15.0" "peft==0.21.0" "deepspeed==0.19.2"
+    "trl==1.14.2" "transformers==5.10.4" "accelerate==1.13.0" "peft==0.20.0" "deepspeed==0.19.2"
 # Build DeepSpeed's CPU comm op now, once, rather than inside the first test's launch timeout
 .venv-oldest/bin/python -c "from deepspeed.accelerator import get_accelerator as a
 a().create_op_builder('ShareMemCommBuilder').load()"
