@@ -1,7 +1,8 @@
 """One benchmark run (launched by bench/checkpointing.py): SFT + LoRA on a random Llama, one GC mode.
 
-Prints a JSON line with rank 0's median step time and peak memory growth during training: RSS on CPU,
-``torch.cuda.max_memory_allocated`` on a GPU. With ``--probe`` (CPU) it also reports rank 0's peak RSS per phase of a
+Prints a JSON line with rank 0's median step time, peak memory growth during training (RSS on CPU,
+``torch.cuda.max_memory_allocated`` on a GPU) and parameter elements all-gathered per step (ZeRO-3 or FSDP2,
+bench/_gather_count.py). With ``--probe`` (CPU) it also reports rank 0's peak RSS per phase of a
 step (forward, backward, optimizer step) and, under ZeRO-3, what is gathered while each decoder layer is recomputed
 in the backward: how many parameters are AVAILABLE in total and in the layers after it (already backpropagated).
 """
@@ -17,6 +18,7 @@ import time
 
 import psutil
 import torch
+from _gather_count import GatherCount  # bench/, beside this script
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
@@ -52,10 +54,10 @@ class StepTimer(TrainerCallback):
 class Probe(TrainerCallback):
     """Rank 0's peak RSS per phase (sampled every 5 ms and at every hook) and ZeRO-3 gathering during recompute."""
 
-    def __init__(self):
+    def __init__(self, gathers: GatherCount):
         self.phase, self.base, self.peak = "idle", None, {}
         # per recompute of a layer: (layer, gathered numel after it, gathered numel in total)
-        self.recompute, self.gathers = [], {}
+        self.recompute, self.gathers = [], gathers
         self.layers, self.steps, self.stop, self.recomputing = [], 0, threading.Event(), None
 
     def sample(self):
@@ -71,6 +73,7 @@ class Probe(TrainerCallback):
     def set_phase(self, phase):
         self.sample()
         self.phase, self.recomputing = phase, None
+        self.gathers.phase = phase
 
     def gathered(self, module):
         return sum(p.ds_numel for p in module.parameters() if getattr(p, "ds_status", None) is not None
@@ -108,17 +111,6 @@ class Probe(TrainerCallback):
                 return step(engine, *a, **k)
 
             DeepSpeedEngine.step = timed_step
-            from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
-
-            gather = PPC._PartitionedParameterCoordinator__all_gather_params
-
-            def counted_gather(coordinator, params, forward):  # numel all-gathered per phase
-                if self.steps >= 2:
-                    fetched = sum(p.ds_numel for p in params if p.ds_status.name == "NOT_AVAILABLE")
-                    self.gathers[self.phase] = self.gathers.get(self.phase, 0) + fetched
-                return gather(coordinator, params, forward)
-
-            PPC._PartitionedParameterCoordinator__all_gather_params = counted_gather
         except ImportError:
             pass
         self.base = psutil.Process().memory_info().rss
@@ -130,6 +122,8 @@ class Probe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.set_phase("idle")
         self.steps += 1
+        if self.steps == 2:  # warm-up steps (first allocations, DeepSpeed's trace) are not counted
+            self.gathers.per_phase = {}
 
     def report(self):
         self.stop.set()
@@ -137,7 +131,7 @@ class Probe(TrainerCallback):
         per_layer = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.layers[0].parameters())
         out = {"peak_mb": {k: (v - self.base) / 2**20 for k, v in self.peak.items()},
                "params": total, "layer_params": per_layer,
-               "gathered_per_step": {k: v / max(self.steps - 2, 1) for k, v in self.gathers.items()}}
+               "gathered_per_step": {k: v / max(self.steps - 2, 1) for k, v in self.gathers.per_phase.items()}}
         if self.recompute:
             out["recompute_later_max"] = max(r[1] for r in self.recompute)
             out["recompute_gathered_max"] = max(r[2] for r in self.recompute)
@@ -172,10 +166,11 @@ def main():
     args = SFTConfig(output_dir=out, max_steps=cli.steps, per_device_train_batch_size=2, max_length=cli.seq_len,
                      learning_rate=1e-4, logging_steps=1000, save_strategy="no", report_to="none", seed=0,
                      **MODES[cli.mode])
-    timer, probe = StepTimer(), Probe()
+    timer, gathers = StepTimer(), GatherCount()
+    probe = Probe(gathers)
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                          peft_config=None if cli.full else LoraConfig(r=8, target_modules="all-linear"),
-                         callbacks=[timer] + ([probe] if cli.probe else []))
+                         callbacks=[timer, gathers] + ([probe] if cli.probe else []))
     trainer.train()
     if torch.cuda.is_available():
         growth = torch.cuda.max_memory_allocated() - timer.gpu_at_start
@@ -184,6 +179,8 @@ def main():
     if trainer.accelerator.is_main_process:
         steady = timer.times[2:] or timer.times  # skip warm-up steps
         result = {"mode": cli.mode, "step_s": statistics.median(steady), "peak_growth_mb": max(growth, 0) / 2**20,
+                  "gathered_per_step": statistics.median(gathers.per_step[2:] or gathers.per_step),
+                  "model_numel": sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters()),
                   "pid": os.getpid()}
         if cli.probe:
             result["probe"] = probe.report()

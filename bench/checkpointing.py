@@ -5,7 +5,8 @@
     python bench/checkpointing.py --gpu_0p5b        # one GPU, single process, ~0.5B model in bf16
 
 Runs are interleaved (none, reentrant, non-reentrant, none, ...) and the median of the repeats is reported.
-Memory is rank 0's peak RSS growth during training (activations and their recomputation dominate it here).
+Memory is rank 0's peak RSS growth during training (activations and their recomputation dominate it here); the
+all-gathered elements are rank 0's per optimizer step (ZeRO-3's coordinator or FSDP2's unshard), a count.
 """
 
 import argparse
@@ -59,11 +60,15 @@ def main():
                 sys.exit(f"{mode} run failed ({run.returncode}):\n{run.output[-3000:]}")
             results[mode].append(json.loads(lines[-1][6:]))
             print(f"repeat {repeat + 1} {mode:<14} step {results[mode][-1]['step_s']:.3f}s  "
-                  f"peak +{results[mode][-1]['peak_growth_mb']:.0f} MiB", flush=True)
+                  f"peak +{results[mode][-1]['peak_growth_mb']:.0f} MiB  all-gathered "
+                  f"{results[mode][-1]['gathered_per_step'] / 1e6:.2f}M elements per step "
+                  f"({results[mode][-1]['gathered_per_step'] / results[mode][-1]['model_numel']:.2f}x the model)",
+                  flush=True)
             if "probe" in results[mode][-1]:
                 print("  probe " + json.dumps(results[mode][-1]["probe"]), flush=True)
 
-    print_ratio_table(results, {"step_s": "step (s)", "peak_growth_mb": "peak growth (MiB)"}, "reentrant")
+    print_ratio_table(results, {"step_s": "step (s)", "peak_growth_mb": "peak growth (MiB)",
+                                "gathered_per_step": "all-gathered per step (elements)"}, "reentrant")
 
 if __name__ == "__main__":
     main()

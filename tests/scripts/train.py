@@ -25,6 +25,7 @@ from trl_ext.saving import shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shared with bench/_loading_worker.py
 import _weight_reads as weight_reads  # noqa: E402
+from _gather_count import GatherCount, model_numel  # noqa: E402
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -274,7 +275,10 @@ def main(argv: list[str] | None = None):
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if cli.lora else None
     recorder = RecordCheckpointing()
     counter = CountSteps()
-    callbacks = [recorder, counter] + ([KillAtStep(cli.kill_at_step, cli.kill_rank)] if cli.kill_at_step else [])
+    gathers = GatherCount()
+    callbacks = [recorder, counter, gathers]
+    if cli.kill_at_step:
+        callbacks.append(KillAtStep(cli.kill_at_step, cli.kill_rank))
     trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                           peft_config=peft_config, callbacks=callbacks)
     if cli.record_loading:
@@ -307,6 +311,7 @@ def main(argv: list[str] | None = None):
     report["global_step"] = trainer.state.global_step
     report["log_history"] = trainer.state.log_history
     report["steps_run_here"] = counter.steps
+    report["gathered"] = {"per_step": gathers.per_step, "model": model_numel(trainer.model)}
     with open(os.path.join(cli.output_dir, f"seen_rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(seen, f)
     if (cli.save_steps or cli.resume or cli.resume_from) and trainer.is_deepspeed_enabled:

@@ -81,3 +81,38 @@ def test_no_module_but_patches_changes_a_library_directly():
                         call == "setattr" and node.args and _root(node.args[0]) in libraries):
                     found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} calls {call}")
     assert not found, found
+
+
+def test_a_recomputed_frozen_weight_goes_to_the_innermost_running_module_that_contains_it(monkeypatch):
+    """ZeRO-3's recompute attribution (patch ``recompute-owner``), on a model shaped like a LoRA decoder layer: while
+    ``mlp.down_proj.lora_B``'s backward triggers the recompute, a frozen attention weight belongs to the layer and the
+    frozen ``down_proj`` weight to ``down_proj``, not to lora_B (DeepSpeed's choice, released before their backward)."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
+    from torch import nn
+
+    monkeypatch.setattr(coordinator_module, "update_recompute_parameters",
+                        coordinator_module.update_recompute_parameters)  # restored after the test
+    monkeypatch.setattr(coordinator_module, "print_rank_0", lambda *a, **k: None)  # needs a process group
+    layer = nn.Module()
+    layer.attn = nn.Linear(2, 2)
+    layer.mlp = nn.Module()
+    layer.mlp.down_proj = nn.Linear(2, 2)
+    layer.mlp.down_proj.lora_B = nn.Linear(2, 2)
+    model = nn.Sequential(layer)
+    for ds_id, module in enumerate(model.modules()):
+        module.ds_id, module.ds_recompute_parameters = ds_id, set()
+    for ds_id, param in enumerate(model.parameters()):
+        param.requires_grad_(False)
+        param.ds_id, param.ds_active_sub_modules = ds_id, set()
+    running = [model, layer, layer.mlp, layer.mlp.down_proj, layer.mlp.down_proj.lora_B]
+    coordinator = type("Coordinator", (), {})()
+    coordinator._PartitionedParameterCoordinator__active_backward_submodules = {m.ds_id: m for m in running}
+
+    assert patches.keep_recomputed_params_for_their_module(model, coordinator)
+    innermost = layer.mlp.down_proj.lora_B  # what DeepSpeed passes: the innermost running backward submodule
+    coordinator_module.update_recompute_parameters(innermost, layer.attn.weight)
+    coordinator_module.update_recompute_parameters(innermost, layer.mlp.down_proj.weight)
+    assert layer.ds_recompute_parameters == {layer.attn.weight}
+    assert layer.attn.weight.ds_active_sub_modules == {layer.ds_id}  # released when the layer's backward ends
+    assert layer.mlp.down_proj.ds_recompute_parameters == {layer.mlp.down_proj.weight}
+    assert innermost.ds_recompute_parameters == set()

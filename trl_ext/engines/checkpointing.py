@@ -4,10 +4,11 @@ Why: non-reentrant checkpointing is PyTorch's recommendation (no input-require-g
 ``torch.compile``). TRL 1.16 forces reentrant for PEFT + ZeRO-3 because older DeepSpeed re-partitioned frozen
 parameters during the recompute ("CheckpointError: Recomputed values ... have different metadata"). DeepSpeed
 >= 0.19.3 (PR #8148) keeps them gathered, so we only fall back where that fix is missing.
-That fix hands each frozen parameter a recompute gathers to the backward submodule running at the time and frees it
-when that one finishes, so under PEFT + ZeRO-3 every frozen weight is all-gathered a second time (0.93x the model per
-step); on CPU that costs no step time and, with large buffers returned to the OS, 1.04x reentrant's peak memory
-(bench/README.md, "Why non-reentrant costs more"). Non-reentrant stays; the remedy belongs in DeepSpeed.
+That fix hands each frozen parameter a recompute gathers to the backward submodule running at the time (a lora_B)
+and frees it when that one finishes, so every frozen weight was all-gathered a second time by its own module's
+backward (0.93x the model per step). ``patches.keep_recomputed_params_for_their_module`` hands it instead to the
+innermost running backward submodule that contains it, so non-reentrant gathers what reentrant gathers (bench/README.md,
+"Non-reentrant checkpointing without the extra all-gather").
 """
 
 import functools
@@ -155,9 +156,20 @@ def layer_settings(model) -> dict[str, object]:
     return settings
 
 
+def zero3_offload(optimizer):
+    """DeepSpeed's ZeRO-3 parameter offload (which holds the parameter coordinator) behind accelerate's optimizer
+    wrapper, or None outside ZeRO-3."""
+    for _ in range(3):
+        offload = getattr(optimizer, "parameter_offload", None)
+        if offload is not None:
+            return offload
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
+
+
 class CheckpointingPolicy(TrainerCallback):
-    """At train start, after transformers enabled checkpointing: drop the hook, and prove every layer got the
-    setting."""
+    """At train start, after transformers enabled checkpointing: drop the hook, keep ZeRO-3's recomputed frozen
+    weights for their own backward, and prove every layer got the setting."""
 
     def __init__(self, use_reentrant: bool):
         self.use_reentrant = use_reentrant
@@ -167,6 +179,9 @@ class CheckpointingPolicy(TrainerCallback):
             return
         if not self.use_reentrant:
             remove_input_require_grads_hooks(model)
+            offload = zero3_offload(kwargs.get("optimizer"))
+            if offload is not None and deepspeed_keeps_frozen_params_on_recompute():
+                patches.keep_recomputed_params_for_their_module(offload.module, offload.get_param_coordinator())
         settings = layer_settings(model)
         wrong = sorted(name for name, value in settings.items() if value is not self.use_reentrant)
         if not settings or wrong:
