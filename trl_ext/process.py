@@ -1,6 +1,8 @@
-"""This process as the launcher started it: its rank and the world size (readable before any process group), and
-the one-line notices trl_ext prints."""
+"""This process as the launcher started it: its rank and the world size (readable before any process group), the
+one-line notices trl_ext prints, and a clean exit for its gloo process group."""
 
+import atexit
+import functools
 import logging
 import os
 
@@ -21,3 +23,22 @@ def notice(message: str) -> None:
     """One-line notice, printed once per process (rank 0 only when distributed)."""
     if env_rank() == 0:
         logger.warning(f"[trl_ext] {message}")
+
+
+def _destroy_gloo_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
+@functools.cache
+def destroy_gloo_group_at_exit() -> None:
+    """Destroy the default process group at exit when it is gloo's (registered once per process).
+
+    A process that exits with a live gloo group can abort at interpreter shutdown ("terminate called without an active
+    exception", SIGABRT): gloo's threads still hold tensors when the interpreter is torn down (pytorch#190489; the
+    fix proposed in torch, pytorch PR#179291, registers the same exit hook and was not merged). A launch whose
+    training succeeded then fails. The hook runs while the interpreter is whole; a group already destroyed is left.
+    """
+    atexit.register(_destroy_gloo_group)

@@ -16,6 +16,7 @@ from trl_ext import patches, saving
 from trl_ext.data import input_checks, model_paths, vision
 from trl_ext.engines import checkpointing, elastic, fsdp, fsdp_resume, nodes, quantization, rank0_loading, runtime
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
+from trl_ext.process import destroy_gloo_group_at_exit
 from trl_ext.saving import commit, gather, hub_format, resume_check
 from trl_ext.trainers import compat, configs
 
@@ -56,6 +57,7 @@ class TrlExtMixin:
         with (self._around_trl_init(bound), rank0_loading.rank0_loading(trl_module, training_args),
               runtime.fsdp_on_cpu(training_args)):
             super().__init__(*bound.args, **bound.kwargs)
+        destroy_gloo_group_at_exit()  # the process group exists now; see process.py
         rank0_loading.give_meta_parameters_storage(self.model)  # left on meta on the ranks that do not read
         fsdp.wrap_layers_the_model_has(self.accelerator, self.model)
         quantization.match_adapter_dtype(self.args, self.model)
