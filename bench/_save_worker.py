@@ -1,7 +1,9 @@
-"""One save under 2-process ZeRO-3: trl_ext's save path or transformers' Trainer.save_model (plain TRL).
+"""One save under ZeRO-3 or FSDP2: trl_ext's save path (every rank writes), the same with one writing rank (as before
+every rank wrote), or transformers' Trainer.save_model (plain TRL).
 
-Trains one step (so the DeepSpeed engine exists, as in a real run), then saves while a thread samples rank 0's
-RSS every 2 ms. Prints ``BENCH {json}`` on rank 0: save wall time and peak RSS growth over the pre-save level.
+Trains one step (so the engine exists, as in a real run), then saves while a thread samples rank 0's RSS every 2 ms.
+Prints ``BENCH {json}`` on rank 0: save wall time, peak RSS growth over the pre-save level, and the bytes of weights
+each rank wrote (trl_ext).
 Before the baseline, free heap memory is handed back to the OS (``malloc_trim``): otherwise a save could reuse
 memory the training step freed and look smaller than it is.
 """
@@ -35,13 +37,19 @@ class PeakRSS(threading.Thread):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["trl_ext", "transformers"], required=True)
+    parser.add_argument("--impl", choices=["trl_ext", "trl_ext-one-writer", "transformers"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_shard_size", required=True)
     cli = parser.parse_args()
 
-    trainer_cls = trl_ext.SFTTrainer if cli.impl == "trl_ext" else trl.SFTTrainer
+    trainer_cls = trl.SFTTrainer if cli.impl == "transformers" else trl_ext.SFTTrainer
+    written = count_written_bytes()
+    if cli.impl == "trl_ext-one-writer":  # every file to the first rank, at the user's shard size
+        from trl_ext.saving import pipeline
+
+        pipeline.split_for_writers = lambda ws, writers, max_shard_size: ws
+        pipeline.assign_files = lambda plan, ranks: {filename: ranks[0] for filename in plan}
     args = trl_ext.SFTConfig(output_dir=cli.output_dir, max_steps=1, per_device_train_batch_size=1,
                              report_to="none", save_strategy="no", gradient_checkpointing=False,
                              max_length=32, max_shard_size=cli.max_shard_size)
@@ -64,10 +72,26 @@ def main():
     elapsed = time.perf_counter() - start
     monitor.running = False
     monitor.join()
+    per_rank = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(per_rank, written["bytes"])
     if trainer.accelerator.is_main_process:
         params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.model.parameters())
         print("BENCH " + json.dumps({"save_s": elapsed, "peak_growth_mb": (monitor.peak - base) / 2**20,
-                                     "params": params}), flush=True)
+                                     "params": params, "written_per_rank": per_rank}), flush=True)
+
+
+def count_written_bytes() -> dict:
+    """Bytes of weights this rank writes through trl_ext's shard writer."""
+    from trl_ext.saving import shards
+
+    written, end = {"bytes": 0}, shards.ShardStreamWriter.end
+
+    def counting_end(self):
+        written["bytes"] += self._queue[self._position][1].nbytes
+        end(self)
+
+    shards.ShardStreamWriter.end = counting_end
+    return written
 
 
 def _with_shard_size(save_pretrained, max_shard_size):

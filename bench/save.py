@@ -1,6 +1,7 @@
-"""Saving a full model under 2-process ZeRO-3 on CPU: trl_ext's save path vs transformers' Trainer.save_model.
+"""Saving a full model under ZeRO-3 (or FSDP2) on CPU: trl_ext's save path, where every rank writes, against the same
+path with one writing rank (as before) and transformers' Trainer.save_model.
 
-    python bench/save.py [--repeats 2] [--layers 12] [--moe] [--fsdp2]
+    python bench/save.py [--repeats 2] [--layers 12] [--moe] [--fsdp2] [--processes 4]
 
 The model is a random Llama with hidden 768, 12 layers and a 32k vocabulary (134M parameters, 537 MB in fp32), in
 the embedded model's format. Both sides train one step under ZeRO-3 (gather flag on, as transformers' path needs)
@@ -24,7 +25,7 @@ from _harness import (  # bench/_harness.py, beside this script
     write_accelerate_config,
 )
 
-IMPLS = ["transformers", "trl_ext"]
+IMPLS = ["transformers", "trl_ext-one-writer", "trl_ext"]
 
 
 def build_model(directory: Path, layers: int, moe: bool) -> tuple[int, int]:
@@ -62,6 +63,7 @@ def main():
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE, whose experts are converted on save")
     parser.add_argument("--fsdp2", action="store_true", help="under FSDP2 instead of DeepSpeed ZeRO-3")
+    parser.add_argument("--processes", type=int, default=2)
     cli = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-save-"))
@@ -70,7 +72,7 @@ def main():
     print(f"model: {model_bytes / 1e6:.0f} MB; max_shard_size {shard}"
           + (f"; largest converted group (one layer's experts) {group_bytes / 2**20:.0f} MiB" if cli.moe else ""),
           flush=True)
-    config = write_accelerate_config(work / "configs", "fsdp2" if cli.fsdp2 else "zero3")
+    config = write_accelerate_config(work / "configs", "fsdp2" if cli.fsdp2 else "zero3", cli.processes)
     if cli.fsdp2:  # transformers writes loadable weights under FSDP only from a full state dict
         config.write_text(config.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
     worker = Path(__file__).with_name("_save_worker.py")
@@ -85,10 +87,13 @@ def main():
                 sys.exit(f"{impl} run failed ({run.returncode}):\n{run.output[-3000:]}")
             results[impl].append(json.loads(lines[-1][6:]))
             r = results[impl][-1]
-            print(f"repeat {repeat + 1} {impl:<13} save {r['save_s']:.2f}s  peak +{r['peak_growth_mb']:.0f} MiB  "
-                  f"({r['params'] / 1e6:.0f}M params)", flush=True)
+            r["busiest_share"] = max(r["written_per_rank"]) / model_bytes  # 0 for transformers (not counted)
+            print(f"repeat {repeat + 1} {impl:<18} save {r['save_s']:.2f}s  peak +{r['peak_growth_mb']:.0f} MiB  "
+                  f"({r['params'] / 1e6:.0f}M params); bytes written per rank / model: "
+                  f"{[round(b / model_bytes, 3) for b in r['written_per_rank']]}", flush=True)
 
-    print_ratio_table(results, {"save_s": "save (s)", "peak_growth_mb": "peak growth (MiB)"}, "transformers")
+    print_ratio_table(results, {"save_s": "save (s)", "peak_growth_mb": "peak growth (MiB)",
+                                "busiest_share": "busiest rank's bytes / model"}, "trl_ext-one-writer")
 
 if __name__ == "__main__":
     main()

@@ -42,37 +42,40 @@ class SharedRuns:
         self.root, self.done, self.started = root, {}, 0
         self.outputs: dict[Path, str] = {}  # a run's output directory -> its launch's combined output
 
-    def get(self, script: str, backend: str, args: list[str], timeout: float = 300, **zero) -> Path:
+    def get(self, script: str, backend: str, args: list[str], timeout: float = 300, num_processes: int = 2,
+            **zero) -> Path:
         """The output directory of ``script ARGS --output_dir OUT`` under ``backend``, launched on first use."""
-        key = (script, backend, tuple(args), tuple(sorted(zero.items())))
+        key = (script, backend, tuple(args), tuple(sorted(zero.items())), num_processes)
         if key not in self.done:
             directory = self._directory()
             out = directory / "out"
             self.outputs[out] = self._launch(script, [*args, "--output_dir", str(out)], directory, backend, timeout,
-                                             **zero)
+                                             num_processes, **zero)
             self.done[key] = out
         return self.done[key]
 
-    def many(self, script: str, backend: str, runs: list[list[str]], timeout: float = 600) -> None:
+    def many(self, script: str, backend: str, runs: list[list[str]], timeout: float = 600,
+             num_processes: int = 2) -> None:
         """Make those of ``runs`` (argument lists of ``script``) not made yet in one launch (``run_many.py``);
         ``get`` then finds them."""
-        todo = [args for args in runs if (script, backend, tuple(args), ()) not in self.done]
+        todo = [args for args in runs if (script, backend, tuple(args), (), num_processes) not in self.done]
         if not todo or os.environ.get(ONE_RUN_PER_LAUNCH):  # then ``get`` launches each run when a test asks
             return
         directory = self._directory()
         outs = [directory / f"out{i}" for i in range(len(todo))]
         argvs = [[*args, "--output_dir", str(out)] for args, out in zip(todo, outs)]
-        output = self._launch("run_many.py", [script, json.dumps(argvs)], directory, backend, timeout)
+        output = self._launch("run_many.py", [script, json.dumps(argvs)], directory, backend, timeout, num_processes)
         for args, out in zip(todo, outs):
-            self.done[script, backend, tuple(args), ()] = out
+            self.done[script, backend, tuple(args), (), num_processes] = out
             self.outputs[out] = output
 
     def _directory(self) -> Path:
         self.started += 1  # a fresh directory even after a failed launch
         return self.root / f"run{self.started}"
 
-    def _launch(self, script: str, args: list[str], directory: Path, backend: str, timeout: float, **zero) -> str:
-        config = write_accelerate_config(directory / "configs", backend, **zero)
+    def _launch(self, script: str, args: list[str], directory: Path, backend: str, timeout: float,
+                num_processes: int = 2, **zero) -> str:
+        config = write_accelerate_config(directory / "configs", backend, num_processes, **zero)
         result = accelerate_launch(SCRIPTS / script, args, config, timeout)
         assert not result.timed_out, f"launch timed out after {timeout}s:\n{result.output[-4000:]}"
         assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.output[-6000:]}"

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -89,6 +90,31 @@ def kill_during_save(save_number: int) -> None:
     shards.ShardStreamWriter.end = write_then_die
 
 
+WRITES: dict = {}  # the run in progress: {"out": its output directory, save: bytes}
+
+
+def record_writes(out: Path) -> None:
+    """Count the bytes this rank writes into each save's weight files, in ``writes_rank{R}.json``: {save: bytes}.
+    (Patched once per process: ``run_many.py`` runs several trainings in one.)"""
+    WRITES.clear()
+    WRITES["out"] = out
+    if getattr(shards.ShardStreamWriter.end, "counts_writes", False):
+        return
+    end = shards.ShardStreamWriter.end
+
+    def counting_end(self):
+        spec = self._queue[self._position][1]
+        end(self)
+        if "out" in WRITES:
+            save = re.search(r"(checkpoint-\d+|final)", str(self.directory)).group(1)
+            WRITES[save] = WRITES.get(save, 0) + spec.nbytes
+            counts = {k: v for k, v in WRITES.items() if k != "out"}
+            (WRITES["out"] / f"writes_rank{env_rank()}.json").write_text(json.dumps(counts))
+
+    counting_end.counts_writes = True
+    shards.ShardStreamWriter.end = counting_end
+
+
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=TRAINERS, required=True)
@@ -105,8 +131,13 @@ def main(argv: list[str] | None = None):
                         help="also write trl_ext.merge.iter_merged_weights (all ranks iterate) to "
                         "iter_merged.safetensors")
     parser.add_argument("--gather_whole", action="store_true", help="use the GatheredParameters path for every param")
+    parser.add_argument("--record_writes", action="store_true", help="each rank's bytes written per save")
     cli = parser.parse_args(argv)
     out = Path(cli.output_dir)
+    WRITES.clear()
+    if cli.record_writes:
+        out.mkdir(parents=True, exist_ok=True)
+        record_writes(out)
     if cli.gather_whole:  # the path taken for NVMe-offloaded or quantized partitions, or several writers
         saving.gather._streamable = lambda param, world: False
     if cli.kill_during_save:

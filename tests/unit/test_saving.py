@@ -127,7 +127,8 @@ def test_failed_write_leaves_previous_save_untouched(tmp_path, tiny_model_path, 
 
 
 def test_failed_verification_commits_nothing_and_keeps_files_for_inspection(tmp_path, tiny_model_path, monkeypatch):
-    monkeypatch.setattr(saving, "_verify", lambda *a: ["model.layers.0.mlp.up_proj.weight: written (0,), trained (..)"])
+    monkeypatch.setattr(saving.written_check, "check_directory",
+                        lambda *a: ["model.layers.0.mlp.up_proj.weight: written (0,), trained (..)"])
     with pytest.raises(CheckpointError, match="(?s)failed verification.*up_proj"):
         saving.save(AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -1,6 +1,7 @@
 """The streaming safetensors writer: files that safetensors and transformers read back bit for bit."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -89,3 +90,26 @@ def test_header_is_aligned_json(tmp_path):
     assert size % 8 == 0
     header = json.loads(raw[8 : 8 + size])
     assert header["w"] == {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}
+
+
+def test_files_are_shared_between_writers_balanced_by_bytes():
+    from trl_ext.saving.plan import WeightSet, assign_files, split_for_writers
+
+    specs = [TensorSpec(f"t{i}", (n,), torch.float32) for i, n in enumerate([900, 100, 300, 300, 300, 300, 200, 600])]
+    units = [types.SimpleNamespace(outputs=[s]) for s in specs]
+    whole = WeightSet("", units, plan_shards(specs, "50GB"))
+    assert len(whole.plan) == 1
+    split = split_for_writers(whole, writers=2, max_shard_size="50GB", min_shard_size=1)
+    assert len(split.plan) >= 2 * 2 and all(sum(s.nbytes for s in f) <= 3000 * 4 / 8 or len(f) == 1
+                                            for f in split.plan.values())
+    assert [s for f in split.plan.values() for s in f] == specs  # same tensors, same order
+    owner = assign_files(split.plan, [0, 1])
+    load = [sum(s.nbytes for f, fs in split.plan.items() for s in fs if owner[f] == r) for r in (0, 1)]
+    assert min(load) > 0 and max(load) <= 1.25 * sum(load) / 2
+    assert split_for_writers(whole, writers=1) is whole  # one writer: the user's shard size
+
+
+def test_a_converted_unit_never_straddles_two_files():
+    specs = [TensorSpec(n, (100,), torch.float32) for n in "abcde"]
+    plan = plan_shards(specs, 800, together=[1, 3, 1])  # b, c, d converted together: 1200 bytes, one file
+    assert [[s.name for s in f] for f in plan.values()] == [["a"], ["b", "c", "d"], ["e"]]

@@ -1,12 +1,17 @@
 """The one save path, as a sequence of steps: plan, stage, stream the weights, verify, agree, commit.
 
 Used by the trainers for the final save and for every intermediate checkpoint. ``save`` reads top to bottom: the
-plan (``plan_weight_sets``: names, shapes and files, the same on every rank), the staging directory with the
-configuration files (``_stage``), the weights streamed from ZeRO-3 partitions or FSDP2 shards to one writing rank
-(``_write_weights``, through ``gather.stream`` into ``shards.ShardStreamWriter``, so the writer never holds the model,
-a shard or a whole large tensor), the written files re-opened and checked (``_check_staged``, ``verify``), every
-rank's outcome agreed (``_raise_if_any_failed``: a failure on one rank never hangs the others), and the rename into
-place (``commit.commit``). Each step returns its error rather than raising, so that every rank reaches the agreement.
+plan (``plan_weight_sets``: names, shapes and files, the same on every rank; ``split_for_writers`` and
+``assign_files``: which rank writes which file), the staging directory with the configuration files (``_stage``, by
+each copy's first rank), the weights streamed from ZeRO-3 partitions or FSDP2 shards to the rank that writes their
+file (``_write_weights``, through ``gather.stream`` into ``shards.ShardStreamWriter``, so no rank holds the model, a
+shard or a whole large tensor), each rank's files re-opened and checked (``_check_own_files``), then the directory as a
+whole (``_check_directory``), every rank's outcome agreed (``_raise_if_any_failed``: a failure on one rank never
+hangs the others), and the rename into place (``commit.commit``). Each step returns its error rather than raising, so
+that every rank reaches the agreement.
+
+Under ZeRO-3 and FSDP2 every rank writes: one copy of the checkpoint is shared by all ranks (storage every node
+sees), or each node's ranks write that node's copy (node-local storage, ``save_on_each_node``).
 """
 
 import contextlib
@@ -23,7 +28,13 @@ from accelerate.utils import is_peft_model
 from trl_ext.errors import NONFINITE, CheckpointError
 from trl_ext.saving import gather, hub_format, verify, written_check
 from trl_ext.saving.commit import PARTIAL_SUFFIX, commit
-from trl_ext.saving.plan import DEFAULT_MAX_SHARD_SIZE, check_dtypes, plan_weight_sets
+from trl_ext.saving.plan import (
+    DEFAULT_MAX_SHARD_SIZE,
+    assign_files,
+    check_dtypes,
+    plan_weight_sets,
+    split_for_writers,
+)
 from trl_ext.saving.shards import ShardStreamWriter, TensorSpec, index_json
 
 logger = logging.getLogger("trl_ext")
@@ -118,15 +129,6 @@ def _write_metadata(model, directory: Path, weight_sets, processing_class, train
         torch.save(training_args, directory / "training_args.bin")
 
 
-def _verify(model, directory: Path, weight_sets, written) -> list[str]:
-    config = model.get_base_model().config if is_peft_model(model) else model.config
-    num_labels = getattr(config, "num_labels", 1)
-    problems = []
-    for ws, files in zip(weight_sets, written):
-        problems += written_check.check_written(str(directory / ws.subdir), ws.plan, files, ws.peft_config, num_labels)
-    return problems
-
-
 class _Guarded:
     """Passes tensors to the writer until it fails once; then only records why. The writing rank must keep taking
     part in the collective transfers after a local failure (disk full, say), or the other ranks would hang."""
@@ -181,15 +183,23 @@ def _errors_on_all_ranks(error: str | None) -> list[str]:
     return [e for e in everyone if e]
 
 
+def _copies(leaders: list[int], world: int) -> list[list[int]]:
+    """The ranks that write each copy of the checkpoint: all ranks for one copy; with one copy per node (each led by
+    the node's first rank, as torchrun numbers ranks), each leader and the ranks after it up to the next leader."""
+    bounds = [0, *leaders[1:], world]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(len(leaders))]
+
+
 def save(model, output_dir: str, *, processing_class=None, training_args=None,
          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool | None = None) -> None:
     """Save ``model`` (a transformers model or a PEFT model, possibly ZeRO-3 or FSDP2 sharded) to ``output_dir``.
 
     PEFT models are written as the adapter only (``adapter_model.safetensors`` + ``adapter_config.json``); other
     models as sharded safetensors with an index, in the Hub's layout. Under ZeRO-3 and FSDP2 call it on every rank:
-    the ranks send their partitions to the writer, and every rank raises if any of them failed. With whole parameters
-    (DDP, ZeRO-1/2, one process) only the writing rank does anything, with no collective call, so a save guarded by
-    ``if trainer.is_world_process_zero()`` works as it does with transformers.
+    every rank writes some of the files (balanced by bytes), receiving only the partitions of the tensors in its own
+    files, and every rank raises if any of them failed. With whole parameters (DDP, ZeRO-1/2, one process) only the
+    writing rank does anything, with no collective call, so a save guarded by ``if trainer.is_world_process_zero()``
+    works as it does with transformers.
 
     Args:
         model: the model to save.
@@ -197,8 +207,10 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
         processing_class: a tokenizer or processor to save with the weights (optional).
         training_args: the run's ``TrainingArguments``, saved as ``training_args.bin``; its ``should_save`` picks the
             writing rank when ``is_writer`` is None.
-        max_shard_size: the largest safetensors file of a full model, as in ``save_pretrained``.
-        is_writer: whether this rank writes the files (default: ``training_args.should_save``, else rank 0).
+        max_shard_size: the largest safetensors file of a full model, as in ``save_pretrained``. Under ZeRO-3 and
+            FSDP2 files may be smaller, so that every rank has some to write (``split_for_writers``).
+        is_writer: whether this rank leads a copy of the checkpoint: stages it, writes its configuration files and
+            commits it (default: ``training_args.should_save``, else rank 0).
 
     Raises:
         errors.CheckpointError: the save failed or its files failed verification; nothing was committed and the
@@ -211,17 +223,45 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     collective = _distributed() and any(gather.is_partitioned(p) for p in model.parameters())
     if not collective and not is_writer:
         return
-    weight_sets = plan_weight_sets(model, max_shard_size)
+    rank = torch.distributed.get_rank() if collective else 0
+    copies = _copies(_ranks_where(is_writer), torch.distributed.get_world_size()) if collective else [[0]]
+    if not copies:  # no rank saves (the trainer's should_save is False everywhere)
+        return
+    mine = next(ranks for ranks in copies if rank in ranks)
+    per_copy = min(len(ranks) for ranks in copies)  # the same plan on every rank, whatever its copy
+    weight_sets = [split_for_writers(ws, per_copy, max_shard_size)
+                   for ws in plan_weight_sets(model, max_shard_size)]
     check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
+    owners = [[assign_files(ws.plan, ranks) for ranks in copies] for ws in weight_sets]
     target = Path(output_dir).absolute()
     staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
     started = time.monotonic()
 
     # Each step returns its error instead of raising: every rank must reach the agreement below, or others hang.
     error = _stage(model, target, staging, weight_sets, processing_class, training_args) if is_writer else None
-    error, writers = _write_weights(model, staging, weight_sets, collective, is_writer, error)
-    unverified = _check_staged(model, target, staging, weight_sets, writers) if is_writer and not error else None
-    error = error or unverified or _synced(writers, staging)
+    if collective:  # the other writers open files in the staging directory: it must exist, or all stop here
+        everyone = _errors_on_all_ranks(error)  # a collective: every rank calls it
+        error = error or "; ".join(dict.fromkeys(everyone)) or None
+    writers = []
+    if error is None:
+        error, writers = _write_weights(model, staging, weight_sets, owners, copies.index(mine), rank, collective)
+    error = error or _synced(writers, staging)
+    unverified, checked = _check_own_files(target, staging, writers) if not error else (None, {})
+    error = error or unverified
+    if collective:  # every rank's files and their checks, on the rank that leads its copy
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, (error, checked))
+        if is_writer and not error:
+            error = next((everyone[r][0] for r in mine if everyone[r][0]), None)
+            unverified = error if getattr(error, "kind", None) in ("verification", NONFINITE) else None
+            checked = {}
+            for r in mine:
+                for subdir, (tensors, prefixes) in everyone[r][1].items():
+                    checked.setdefault(subdir, ({}, {}))
+                    checked[subdir][0].update(tensors)
+                    checked[subdir][1].update(prefixes)
+    if is_writer and not error:
+        unverified = error = _check_directory(model, target, staging, weight_sets, checked)
     if is_writer and error and not unverified:  # files that failed verification are kept for inspection
         shutil.rmtree(staging, ignore_errors=True)
     _raise_if_any_failed(error, collective)
@@ -233,7 +273,8 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
 
 
 def _stage(model, target: Path, staging: Path, weight_sets, processing_class, training_args) -> str | None:
-    """Writer: an empty staging directory beside ``target``, with the configuration files. Returns the error."""
+    """A copy's first rank: an empty staging directory beside ``target``, with the configuration files. Returns the
+    error."""
     try:
         shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted save
         for ws in weight_sets:
@@ -249,18 +290,31 @@ def _stage(model, target: Path, staging: Path, weight_sets, processing_class, tr
     return None
 
 
-def _write_weights(model, staging: Path, weight_sets, collective: bool, is_writer: bool,
-                   error: str | None) -> tuple[str | None, list[ShardStreamWriter]]:
-    """Every rank: each weight set's tensors streamed into its planned files on the writer (a writer that already
-    failed keeps taking part, writing nothing). Returns the error and the writer's file writers, still syncing."""
-    writing_ranks, writers = _ranks_where(is_writer) if collective else [0], []
-    for ws in weight_sets:
-        writer = ShardStreamWriter(staging / ws.subdir, ws.plan) if is_writer else None
+def _units_by_file(ws) -> dict[str, list]:
+    """Each planned file's units, in plan order (a unit's outputs share a file)."""
+    file_of = {spec.name: filename for filename, specs in ws.plan.items() for spec in specs}
+    by_file = {filename: [] for filename in ws.plan}
+    for unit in ws.units:
+        by_file[file_of[unit.outputs[0].name]].append(unit)
+    return by_file
+
+
+def _write_weights(model, staging: Path, weight_sets, owners, copy_index: int, rank: int,
+                   collective: bool) -> tuple[str | None, list[tuple[ShardStreamWriter, dict]]]:
+    """Every rank: each file's tensors streamed to the rank that writes it (with one copy, only to that rank; with a
+    copy per node, gathered whole by each node's writer). A writer that already failed keeps taking part, writing
+    nothing. Returns the error and this rank's file writers with their plans, still syncing."""
+    error, writers = None, []
+    for ws, ws_owners in zip(weight_sets, owners):
+        files = {f: specs for f, specs in ws.plan.items() if ws_owners[copy_index][f] == rank}
+        writer = ShardStreamWriter(staging / ws.subdir, files) if files else None
         sink = _Guarded(writer, error) if writer is not None else None
-        _stream_units(model, ws.units, sink, collective, writing_ranks[0] if len(writing_ranks) == 1 else None)
+        for filename, units in _units_by_file(ws).items():
+            writer_rank = ws_owners[0][filename] if len(ws_owners) == 1 else None
+            _stream_units(model, units, sink if filename in files else None, collective, writer_rank)
         if sink is None:
             continue
-        writers.append(writer)
+        writers.append((writer, files))
         error = sink.error
         if error is None:
             try:
@@ -272,14 +326,36 @@ def _write_weights(model, staging: Path, weight_sets, collective: bool, is_write
     return error, writers
 
 
-def _check_staged(model, target: Path, staging: Path, weight_sets, writers) -> str | None:
-    """Writer: the staged files re-opened and checked against the plan and the trained model. Returns the error."""
+def _check_own_files(target: Path, staging: Path, writers) -> tuple[str | None, dict]:
+    """The files this rank wrote, re-opened and checked against the plan. Returns the error, and per weight-set
+    directory each tensor's ``(shape, dtype)`` and first bytes, for the directory's check."""
+    problems, checked = [], {}
+    for writer, files in writers:
+        try:
+            found = written_check.check_files(writer.directory, files, writer.written)
+        except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+            found = ([f"the checks themselves failed: {type(exc).__name__}: {exc}"], {}, {})
+        problems += found[0]
+        checked[str(writer.directory.relative_to(staging))] = found[1:]
+    return (_unverified(target, staging, problems) if problems else None), checked
+
+
+def _check_directory(model, target: Path, staging: Path, weight_sets, checked: dict) -> str | None:
+    """A copy's first rank, once every file passed its writer's check: each directory as a whole, against the plan
+    and the trained model (``checked``: every file's tensors, per directory). Returns the error."""
+    config = model.get_base_model().config if is_peft_model(model) else model.config
+    problems = []
     try:
-        problems = _verify(model, staging, weight_sets, [writer.written for writer in writers])
+        for ws in weight_sets:
+            tensors, prefixes = checked.get(str((staging / ws.subdir).relative_to(staging)), ({}, {}))
+            problems += written_check.check_directory(str(staging / ws.subdir), ws.plan, tensors, prefixes,
+                                                      ws.peft_config, getattr(config, "num_labels", 1))
     except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
         problems = [f"the checks themselves failed: {type(exc).__name__}: {exc}"]
-    if not problems:
-        return None
+    return _unverified(target, staging, problems) if problems else None
+
+
+def _unverified(target: Path, staging: Path, problems: list) -> verify.Problem:
     diverged = [p for p in problems if getattr(p, "kind", None) == NONFINITE]  # NaN or inf: training diverged
     return verify.Problem(f"the checkpoint for {target} failed verification; nothing was committed and the previous "
                           f"contents are untouched. The files are kept in {staging} for inspection.\n  "
@@ -290,7 +366,7 @@ def _check_staged(model, target: Path, staging: Path, weight_sets, writers) -> s
 def _synced(writers, staging: Path) -> str | None:
     """Every file on disk (or its fsync error) before anything is committed or removed."""
     error = None
-    for writer in writers:
+    for writer, _ in writers:
         try:
             writer.wait()
         except OSError as exc:

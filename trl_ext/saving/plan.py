@@ -10,7 +10,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from trl_ext.errors import CheckpointError
 from trl_ext.saving import gather, hub_format
 from trl_ext.saving.safetensors_header import DTYPE_CODES
-from trl_ext.saving.shards import TensorSpec, plan_shards
+from trl_ext.saving.shards import TensorSpec, parse_size, plan_shards
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
 
@@ -47,11 +47,17 @@ def _adapter_weight_sets(model) -> list[WeightSet]:
     return sets
 
 
+def _file_plan(units: list[hub_format.Unit], max_shard_size) -> dict[str, list[TensorSpec]]:
+    """Files of at most ``max_shard_size``; a converted unit's outputs share a file (one rank converts and writes)."""
+    return plan_shards([s for u in units for s in u.outputs], max_shard_size,
+                       together=[len(u.outputs) for u in units])
+
+
 def _full_weight_set(model, max_shard_size) -> WeightSet:
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
     tensors = [(n, t) for n, t in gather.state_tensors(model).items() if n not in ignored]
     units = hub_format.plan(model, tensors)  # the names, shapes and layout save_pretrained writes
-    return WeightSet("", units, plan_shards([s for u in units for s in u.outputs], max_shard_size))
+    return WeightSet("", units, _file_plan(units, max_shard_size))
 
 
 def plan_weight_sets(model, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[WeightSet]:
@@ -82,3 +88,53 @@ def check_dtypes(weight_sets: list[WeightSet]) -> None:
         raise CheckpointError(f"saving failed: safetensors cannot store {', '.join(unknown)}; nothing was "
                                      "written. Cast those tensors to a supported dtype (e.g. model.to(torch.float32)) "
                                      "before saving.")
+
+
+# Files smaller than this are not split further for more writers: below it, opening and syncing a file costs more than
+# the bytes it takes from the busiest writer.
+MIN_PARALLEL_SHARD_SIZE = 256 * 2**20
+FILES_PER_WRITER = 4  # with the largest file at most a quarter of a writer's share, the busiest writes <= 1.25x
+
+
+def split_for_writers(ws: WeightSet, writers: int, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                      min_shard_size: int = MIN_PARALLEL_SHARD_SIZE) -> WeightSet:
+    """``ws`` with files small enough that ``writers`` ranks share the writing evenly.
+
+    Shard boundaries may differ from one save to another, as ``max_shard_size`` allows: the names, shapes, dtypes and
+    metadata stay what ``save_pretrained`` writes. An adapter stays one file (PEFT reads one), so one rank writes it.
+
+    Args:
+        ws: a weight set from ``plan_weight_sets``.
+        writers: the ranks that write this copy of the checkpoint.
+        max_shard_size: the user's largest file; files are never larger.
+        min_shard_size: files are not made smaller than this to add writers (bytes).
+
+    Returns:
+        The weight set with its file plan recomputed (``ws`` itself when nothing changes).
+    """
+    if ws.peft_config is not None or writers <= 1:
+        return ws
+    total = sum(s.nbytes for specs in ws.plan.values() for s in specs)
+    limit = min(parse_size(max_shard_size), max(total / (FILES_PER_WRITER * writers), min_shard_size))
+    return WeightSet(ws.subdir, ws.units, _file_plan(ws.units, limit), ws.peft_config)
+
+
+def assign_files(plan: dict[str, list[TensorSpec]], ranks: list[int]) -> dict[str, int]:
+    """Each file to one of ``ranks``, balanced by bytes: largest file first, to the rank with the fewest bytes so far
+    (ties to the lowest rank). The same on every rank, from the plan alone.
+
+    Args:
+        plan: file name -> its tensors.
+        ranks: the writing ranks of one copy of the checkpoint.
+
+    Returns:
+        file name -> the rank that writes it.
+    """
+    load = {rank: 0 for rank in ranks}
+    owner = {}
+    sizes = {f: sum(s.nbytes for s in specs) for f, specs in plan.items()}
+    for filename in sorted(plan, key=lambda f: (-sizes[f], f)):
+        rank = min(ranks, key=lambda r: (load[r], r))
+        owner[filename] = rank
+        load[rank] += sizes[filename]
+    return owner

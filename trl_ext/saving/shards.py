@@ -41,21 +41,28 @@ def parse_size(size: float | str) -> int | float:
     return int(size) if size.strip().isdigit() else convert_file_size_to_int(size.strip())
 
 
-def plan_shards(specs: list[TensorSpec], max_shard_size: int | str,
-                prefix: str = "model") -> dict[str, list[TensorSpec]]:
+def plan_shards(specs: list[TensorSpec], max_shard_size: int | str, prefix: str = "model",
+                together: list[int] | None = None) -> dict[str, list[TensorSpec]]:
     """Split ``specs`` (kept in order) into files of at most ``max_shard_size`` bytes; a bigger tensor gets its own.
 
     File names follow transformers: ``model.safetensors`` for one file, ``model-00001-of-00003.safetensors`` else.
+    ``together``: the sizes of consecutive runs of ``specs`` that must share a file (a converted unit's outputs,
+    written by one rank); by default each tensor stands alone.
     """
     limit = parse_size(max_shard_size)
+    runs, start = [], 0
+    for length in together or [1] * len(specs):
+        runs.append(specs[start : start + length])
+        start += length
     groups: list[list[TensorSpec]] = [[]]
     size = 0
-    for spec in specs:
-        if groups[-1] and size + spec.nbytes > limit:
+    for run in runs:
+        nbytes = sum(spec.nbytes for spec in run)
+        if groups[-1] and size + nbytes > limit:
             groups.append([])
             size = 0
-        groups[-1].append(spec)
-        size += spec.nbytes
+        groups[-1].extend(run)
+        size += nbytes
     if len(groups) == 1:
         return {f"{prefix}.safetensors": groups[0]}
     n = len(groups)

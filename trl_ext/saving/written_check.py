@@ -30,18 +30,16 @@ def _read_as_planned(path: Path, specs: list, record: WrittenFile) -> dict[str, 
     return prefixes
 
 
-def check_written(path: str, plan: dict, written: dict[str, WrittenFile], peft_config=None,
-                  num_labels: int = 1) -> list[str]:
-    """After a save, before it is committed: each file holds exactly the planned tensors (names, full shapes,
-    dtypes), each tensor's first bytes are the bytes that were written (``written``: the writer's record of each
-    file), and the audit's checks pass. Reads each header and ``PREFIX_BYTES`` per tensor; a header that is not the
-    one written is parsed in full, to say what differs."""
-    root = Path(path)
-    report = verify.Report(str(path))
-    files = sorted(f.name for f in verify.weight_files(root, report))
-    if not report.problems and files != sorted(plan):
-        report.problems.append(f"the weight files are {files}, the save planned {sorted(plan)}")
-    tensors, prefixes = {}, {}
+def check_files(root: Path, plan: dict, written: dict[str, WrittenFile]) -> tuple[list[str], dict, dict]:
+    """The files this rank wrote (``plan``: those files only): each holds exactly the planned tensors (names, full
+    shapes, dtypes), and each tensor's first bytes are the bytes that were written (``written``: the writer's record
+    of each file). Reads each header and ``PREFIX_BYTES`` per tensor; a header that is not the one written is parsed
+    in full, to say what differs.
+
+    Returns:
+        The problems, and what ``check_directory`` needs: ``{name: (shape, dtype code)}`` and each tensor's prefix.
+    """
+    problems, tensors, prefixes = [], {}, {}
     for filename, specs in plan.items():
         expected = {s.name: (list(s.shape), DTYPE_CODES[s.dtype]) for s in specs}
         record = written.get(filename, WrittenFile())
@@ -49,26 +47,45 @@ def check_written(path: str, plan: dict, written: dict[str, WrittenFile], peft_c
             read = _read_as_planned(root / filename, specs, record)
             found, read = (expected, read) if read is not None else verify.read_safetensors(root / filename)
         except verify.UNREADABLE as exc:
-            report.problems.append(f"{filename}: cannot be read back ({exc})")
+            problems.append(f"{filename}: cannot be read back ({exc})")
             continue
         missing = sorted(set(expected) - set(found))
         extra = sorted(set(found) - set(expected))
         wrong = sorted(n for n in set(expected) & set(found) if found[n] != expected[n])
         changed = [n for n, prefix in record.prefixes.items() if n in read and read[n] != prefix]
         if missing:
-            report.problems.append(f"{filename}: {len(missing)} tensors missing, e.g. {missing[0]}")
+            problems.append(f"{filename}: {len(missing)} tensors missing, e.g. {missing[0]}")
         if extra:
-            report.problems.append(f"{filename}: {len(extra)} unexpected tensors, e.g. {extra[0]}")
+            problems.append(f"{filename}: {len(extra)} unexpected tensors, e.g. {extra[0]}")
         for name in wrong[:5]:
-            report.problems.append(f"{name}: written {found[name]}, trained {expected[name]}")
+            problems.append(f"{name}: written {found[name]}, trained {expected[name]}")
         if changed:
-            report.problems.append(f"{filename}: bytes differ from the trained values for {', '.join(changed[:5])}")
+            problems.append(f"{filename}: bytes differ from the trained values for {', '.join(changed[:5])}")
         tensors.update(found)
         prefixes.update(read)
+    return problems, tensors, prefixes
+
+
+def check_directory(path: str, plan: dict, tensors: dict, prefixes: dict, peft_config=None,
+                    num_labels: int = 1) -> list[str]:
+    """The whole directory, once every file passed ``check_files``: the weight files are the planned ones, and the
+    ``verify`` audit's checks pass on every tensor (``tensors``, ``prefixes``: ``check_files``' results, merged)."""
+    root = Path(path)
+    report = verify.Report(str(path))
+    files = sorted(f.name for f in verify.weight_files(root, report))
+    if not report.problems and files != sorted(plan):
+        report.problems.append(f"the weight files are {files}, the save planned {sorted(plan)}")
     verify.check_contents(root, tensors, prefixes, report, None, num_labels)
     if peft_config is not None:
         report.problems += check_adapter_config(path, peft_config)
     return report.problems
+
+
+def check_written(path: str, plan: dict, written: dict[str, WrittenFile], peft_config=None,
+                  num_labels: int = 1) -> list[str]:
+    """After a save by one writer, before it is committed: ``check_files`` on every file, then ``check_directory``."""
+    problems, tensors, prefixes = check_files(Path(path), plan, written)
+    return problems + check_directory(path, plan, tensors, prefixes, peft_config, num_labels)
 
 
 def check_adapter_config(path: str, trained) -> list[str]:
