@@ -14,7 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState
 
-PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--fail_save", "--gather_whole")
+PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--fail_save", "--gather_whole",
+            "--signal_during_save")
 
 if __name__ == "__main__":
     script = importlib.import_module(Path(sys.argv[1]).stem)  # beside this file, on sys.path

@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
 from trl_ext.engines.checkpointing import layer_settings
+from trl_ext.process import env_rank
 from trl_ext.saving import shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shared with bench/_loading_worker.py
@@ -94,6 +95,34 @@ class KillAtStep(TrainerCallback):
             print(f"[train.py] rank {args.process_index} SIGKILLs itself at step {self.step} (t={time.time():.3f})",
                   flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SignalAtStep(TrainerCallback):
+    """A scheduler preempting the job: ``signum`` to this process while optimizer step ``step`` runs, on every rank or
+    only on ``rank``."""
+
+    def __init__(self, step: int, rank: int | None, signum: int):
+        self.step, self.rank, self.signum = step, rank, signum
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step and self.rank in (None, args.process_index):
+            print(f"[train.py] rank {args.process_index} gets signal {self.signum} in step {self.step}", flush=True)
+            os.kill(os.getpid(), self.signum)
+
+
+def signal_during_save(step: int, rank: int | None, signum: int) -> None:
+    """``signum`` to this process (every rank, or only ``rank``) once the first tensor of checkpoint-``step`` is
+    written: a preemption that arrives during a save."""
+    end, sent = shards.ShardStreamWriter.end, []
+
+    def write_then_signal(self):
+        end(self)
+        if f"checkpoint-{step}" in str(self.directory) and not sent and rank in (None, env_rank()):
+            sent.append(True)
+            print(f"[train.py] rank {env_rank()} gets signal {signum} while checkpoint-{step} is written", flush=True)
+            os.kill(os.getpid(), signum)
+
+    shards.ShardStreamWriter.end = write_then_signal
 
 
 class CountSteps(TrainerCallback):
@@ -232,6 +261,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--kill_during_save", type=int, default=0,
                         help="SIGKILL every rank while checkpoint-N is written")
     parser.add_argument("--fail_save", type=int, default=0, help="the writer fails (--fail_errno) on checkpoint-N")
+    parser.add_argument("--signal_at_step", type=int, default=0, help="send --signal while step N runs")
+    parser.add_argument("--signal_during_save", type=int, default=0, help="send --signal while checkpoint-N is written")
+    parser.add_argument("--signal", default="SIGTERM", choices=["SIGTERM", "SIGUSR1"])
+    parser.add_argument("--signal_rank", type=int, default=None, help="only this rank gets the signal")
     parser.add_argument("--fail_errno", default="ENOSPC", choices=["ENOSPC", "EACCES"])
     parser.add_argument("--load_in_4bit", action="store_true", help="QLoRA: a BitsAndBytesConfig in model_init_kwargs")
     parser.add_argument("--bnb_4bit_quant_type", default="nf4", choices=["nf4", "fp4"])
@@ -279,6 +312,10 @@ def main(argv: list[str] | None = None):
     callbacks = [recorder, counter, gathers]
     if cli.kill_at_step:
         callbacks.append(KillAtStep(cli.kill_at_step, cli.kill_rank))
+    if cli.signal_at_step:
+        callbacks.append(SignalAtStep(cli.signal_at_step, cli.signal_rank, getattr(signal, cli.signal)))
+    if cli.signal_during_save:
+        signal_during_save(cli.signal_during_save, cli.signal_rank, getattr(signal, cli.signal))
     trainer = trainer_cls(model=default_model_path(), args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                           peft_config=peft_config, callbacks=callbacks)
     if cli.record_loading:

@@ -1,7 +1,7 @@
 """TRL's config classes, adapted to the hardware before validation (see ``runtime.adapt_to_hardware``).
 
 They are subclasses: every field, default and CLI flag is TRL's, and ``isinstance(cfg, trl.DPOConfig)`` holds.
-One field is added: ``max_shard_size`` for trl_ext's save path.
+Two fields are added: ``max_shard_size`` for trl_ext's save path, and ``save_on_preemption``.
 """
 
 from dataclasses import dataclass, field
@@ -23,6 +23,12 @@ class _SaveOptions:
         default="50GB",
         metadata={"help": "Largest safetensors file a full-model save writes (e.g. '5GB'). Saving streams tensor by "
                           "tensor, so this does not change memory use."},
+    )
+    save_on_preemption: bool = field(
+        default=True,
+        metadata={"help": "On SIGTERM or SIGUSR1 (a scheduler preempting the job) to any rank, every rank stops at the "
+                          "next step boundary, the checkpoint of that step is saved, and the processes exit with code "
+                          "128 + the signal's number (143 for SIGTERM). False: the signals keep their default action."},
     )
 
 

@@ -14,7 +14,17 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from trl_ext import patches, saving
 from trl_ext.data import input_checks, model_paths, vision
-from trl_ext.engines import checkpointing, elastic, fsdp, fsdp_resume, nodes, quantization, rank0_loading, runtime
+from trl_ext.engines import (
+    checkpointing,
+    elastic,
+    fsdp,
+    fsdp_resume,
+    nodes,
+    preemption,
+    quantization,
+    rank0_loading,
+    runtime,
+)
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
 from trl_ext.process import destroy_gloo_group_at_exit
 from trl_ext.saving import commit, gather, hub_format, resume_check
@@ -80,6 +90,11 @@ class TrlExtMixin:
             self.add_callback(checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
             guard_save_pretrained(self.model)
+        self._preemption = None
+        if preemption.wanted(self.args):  # SIGTERM/SIGUSR1: every rank stops at a step boundary, with a checkpoint
+            preemption.replace_jit_checkpoint(self)
+            self._preemption = preemption.Preemption()
+            self.add_callback(self._preemption)
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
         """Refuse a missing model path, or rows TRL cannot prepare, with one clear line before the model is loaded."""
@@ -133,7 +148,11 @@ class TrlExtMixin:
                 resume_check.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
                 if self.is_deepspeed_enabled:  # another number of processes: universal checkpoint, same global batch
                     self._elastic_plan = elastic.prepare(self, path)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        finally:  # a failed run too gives the signals back their handlers
+            if self._preemption is not None:
+                self._preemption.restore()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Resume a full model saved in the Hub's layout: Trainer loads weights by name without transformers'

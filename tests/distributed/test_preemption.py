@@ -1,0 +1,81 @@
+"""A preempted job (SIGTERM or SIGUSR1, to every rank or to one) saves the checkpoint of the step it stopped at, exits
+on every rank with 128 + the signal's number, and resumes as if it had never stopped.
+
+Each case trains on 2 processes under ZeRO-3 (4 steps, a checkpoint every 2) with the same seed as the uninterrupted
+run (the shared ``zero3_run``), is signalled, and is resumed with ``resume_from_checkpoint=True`` (the three resumes
+in one launch); the resumed run
+must end with the uninterrupted run's weights, optimizer states, scheduler and logged losses (as in
+``test_reliability``). The launch's timeout is the hang detector.
+"""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+from transformers.trainer_utils import get_last_checkpoint
+
+from tests.distributed.test_reliability import ATOL, TRAIN, digest, logged, max_diff, train
+from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
+from trl_ext.assets import default_model_path
+from trl_ext.saving.verify import audit
+
+pytestmark = pytest.mark.slow
+
+# name: trainer, training args, the signal, the checkpoint it must leave
+CASES = {
+    "sft-lora-every-rank-sigterm-mid-step": ("sft", ["--lora"], ["--signal_at_step", "3"], 3),
+    "reward-lora-one-rank-sigusr1-mid-step": (
+        "reward", ["--lora"], ["--signal_at_step", "3", "--signal_rank", "1", "--signal", "SIGUSR1"], 3),
+    # rank 0: the tiny model is one file, which rank 0 writes
+    "sft-full-one-rank-sigterm-mid-save": ("sft", [], ["--signal_during_save", "2", "--signal_rank", "0"], 2),
+}
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """Each case signalled (one launch each), then all resumed in one launch (``run_many.py``)."""
+    tmp = tmp_path_factory.mktemp("preemption")
+    stopped, left = {}, {}
+    for case, (trainer, args, signal_args, saved) in CASES.items():
+        stopped[case] = train(tmp, trainer, case, *args, *signal_args)
+        checkpoint = tmp / case / f"checkpoint-{saved}"  # what the stop left, before the resume adds to it
+        left[case] = (get_last_checkpoint(str(tmp / case)), digest(checkpoint) if checkpoint.is_dir() else None,
+                      audit(str(checkpoint), base=default_model_path()))
+    argvs = [["--trainer", trainer, *args, *TRAIN, "--resume", "--output_dir", str(tmp / case)]
+             for case, (trainer, args, _, _) in CASES.items()]
+    config = write_accelerate_config(tmp / "configs", "zero3")
+    resumed = accelerate_launch(SCRIPTS / "run_many.py", ["train.py", json.dumps(argvs)], config, timeout=400)
+    return tmp, stopped, left, resumed
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_preempted_job_saves_exits_and_resumes_as_uninterrupted(preempted, zero3_run, case):
+    trainer, args, signal_args, saved = CASES[case]
+    reference, _ = zero3_run(trainer, "--lora" in args)
+    tmp, stopped, left, resumed = preempted
+    stopped, out = stopped[case], tmp / case
+    assert not stopped.timed_out, f"the job hung after the signal:\n{stopped.output[-4000:]}"
+    name = "SIGUSR1" if "SIGUSR1" in signal_args else "SIGTERM"
+    code = 138 if name == "SIGUSR1" else 143
+    assert f"{name} received: saved {out}/checkpoint-{saved} (step {saved}) and stopped, exit code {code}" in \
+        stopped.output, stopped.output[-4000:]
+    assert stopped.output.count(f"exitcode  : {code}") == 2, stopped.output[-4000:]  # both ranks, the chosen code
+    last, before, report = left[case]
+    assert last == str(out / f"checkpoint-{saved}")
+    assert report.ok, report.format()
+
+    assert resumed.returncode == 0, resumed.output[-6000:]
+    assert digest(out / f"checkpoint-{saved}") == before
+    ref, got = (json.loads((d / "report_rank0.json").read_text()) for d in (reference, out))
+    assert got["global_step"] == ref["global_step"] == 4
+    assert got["steps_run_here"] == 4 - saved, "the run did not resume from the preemption's checkpoint"
+    assert got["scheduler"] == ref["scheduler"] and got["optimizer_steps"] == ref["optimizer_steps"] == [4.0]
+    ref_log, got_log = logged(reference), logged(out)
+    assert [h["step"] for h in got_log] == [1, 2, 3, 4]
+    diffs = {"loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_log, got_log)),
+             "weights": max_diff(*(load_file(d / "trained.safetensors") for d in (reference, out)))}
+    for rank in (0, 1):
+        diffs[f"adam_rank{rank}"] = max_diff(*(load_file(d / f"optimizer_rank{rank}.safetensors")
+                                              for d in (reference, out)))
+    print(f"\n{case}: max abs diff resumed vs uninterrupted: {diffs}")
+    assert all(d <= ATOL for d in diffs.values()), diffs
