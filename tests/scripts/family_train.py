@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+import launched  # tests/scripts/, beside this file
 import torch
 import transformers
 from accelerate.state import AcceleratorState, GradientState
@@ -136,3 +137,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    launched.finish()  # see launched.py

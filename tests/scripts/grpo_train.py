@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 
+import launched  # tests/scripts/, beside this file
 import torch
 from peft import LoraConfig
 from safetensors.torch import save_file
@@ -80,3 +81,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    launched.finish()  # see launched.py

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
+import launched  # tests/scripts/, beside this file
 from accelerate.state import AcceleratorState, GradientState
 
 PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--fail_save", "--gather_whole",
@@ -24,7 +24,4 @@ if __name__ == "__main__":
         script.main(argv)
         for cls in (AcceleratorState, GradientState):  # the next trainer builds its own accelerator
             cls._shared_state.clear()
-    # Exiting with a live gloo group can abort a rank at interpreter shutdown ("terminate called without an active
-    # exception", pytorch#179291): seen once at the end of a shared launch whose runs had all passed.
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    launched.finish()  # see launched.py

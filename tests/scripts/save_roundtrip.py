@@ -14,6 +14,7 @@ import re
 import signal
 from pathlib import Path
 
+import launched  # tests/scripts/, beside this file
 import torch
 from peft import LoraConfig, TaskType
 from transformers import TrainerCallback
@@ -189,3 +190,4 @@ def main(argv: list[str] | None = None):
 
 if __name__ == "__main__":
     main()
+    launched.finish()  # see launched.py

@@ -26,6 +26,7 @@ from trl_ext.saving import shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shared with bench/_loading_worker.py
 import _weight_reads as weight_reads  # noqa: E402
+import launched  # tests/scripts/, beside this file
 from _gather_count import GatherCount, model_numel  # noqa: E402
 
 TRAINERS = {
@@ -387,3 +388,4 @@ def main(argv: list[str] | None = None):
 
 if __name__ == "__main__":
     main()
+    launched.finish()  # see launched.py

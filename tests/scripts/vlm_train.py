@@ -10,6 +10,7 @@ import json
 import os
 import signal
 
+import launched  # tests/scripts/, beside this file
 import torch
 from peft import LoraConfig
 from transformers import AutoProcessor, TrainerCallback
@@ -92,3 +93,4 @@ def main(argv: list[str] | None = None):
 
 if __name__ == "__main__":
     main()
+    launched.finish()  # see launched.py
