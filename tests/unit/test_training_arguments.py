@@ -30,7 +30,8 @@ def test_conversion_matches_trls_own(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), seed=7, gradient_accumulation_steps=3, report_to="none")
     ours = from_training_arguments(args, trl_ext.SFTConfig, trl.SFTTrainer)
     theirs = trl.SFTConfig(**args.to_dict())  # what trl.SFTTrainer does with it
-    assert ours.to_dict() == {**theirs.to_dict(), "max_shard_size": ours.max_shard_size}
+    assert ours.to_dict() == {**theirs.to_dict(), "max_shard_size": ours.max_shard_size,
+                              "save_on_preemption": ours.save_on_preemption}
 
 
 @pytest.mark.parametrize("trainer_cls, config_name", [(trl_ext.DPOTrainer, "DPOConfig"),
