@@ -1,5 +1,6 @@
-"""A preempted job (SIGTERM or SIGUSR1, to every rank or to one) saves the checkpoint of the step it stopped at, exits
-on every rank with 128 + the signal's number, and resumes as if it had never stopped.
+"""A preempted job (SIGTERM or SIGUSR1, to every rank or to one) saves the checkpoint of the step it stopped at,
+exits with 128 + the signal's number (the first rank to exit; the launcher ends the others), and resumes as if it
+had never stopped.
 
 Each case trains on 2 processes under ZeRO-3 (4 steps, a checkpoint every 2) with the same seed as the uninterrupted
 run (the shared ``zero3_run``), is signalled, and is resumed with ``resume_from_checkpoint=True`` (the three resumes
@@ -9,6 +10,7 @@ must end with the uninterrupted run's weights, optimizer states, scheduler and l
 """
 
 import json
+import re
 
 import pytest
 from safetensors.torch import load_file
@@ -59,7 +61,13 @@ def test_preempted_job_saves_exits_and_resumes_as_uninterrupted(preempted, zero3
     code = 138 if name == "SIGUSR1" else 143
     assert f"{name} received: saved {out}/checkpoint-{saved} (step {saved}) and stopped, exit code {code}" in \
         stopped.output, stopped.output[-4000:]
-    assert stopped.output.count(f"exitcode  : {code}") == 2, stopped.output[-4000:]  # both ranks, the chosen code
+    # The first rank to exit exits with the code; torchrun then sends SIGTERM to the other, which has either exited
+    # with the code already or is finishing its exit (-15 when it arrives after Python has given up its handlers).
+    codes = re.findall(r"exitcode\s*: (-?\d+)", stopped.output)
+    root_cause = stopped.output.split("Root Cause")[-1]
+    assert re.search(rf"exitcode\s*: {code}\b", root_cause), stopped.output[-4000:]
+    assert codes and set(codes) <= {str(code), "-15"}, stopped.output[-4000:]
+    assert stopped.returncode == 1  # torchrun's own code for a failed worker: it does not pass the worker's on
     last, before, report = left[case]
     assert last == str(out / f"checkpoint-{saved}")
     assert report.ok, report.format()

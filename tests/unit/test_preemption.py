@@ -34,7 +34,7 @@ def test_a_signal_saves_the_step_stops_and_exits_with_128_plus_its_number(tmp_pa
     control, exit_code = _run_until_exit(signum, tmp_path)
     assert control.should_save and control.should_training_stop
     assert exit_code == code == preemption.exit_code(signum)
-    assert signal.getsignal(signum) is before  # handlers given back
+    assert signal.getsignal(signum) is before  # handlers given back (here by restore(); a real exit keeps them)
 
 
 def test_a_signal_during_a_save_stops_after_it_without_another_save(tmp_path):

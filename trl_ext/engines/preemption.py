@@ -46,7 +46,7 @@ def replace_jit_checkpoint(trainer) -> None:
 class Preemption(TrainerCallback):
     """Records SIGTERM and SIGUSR1 during training; at each step boundary every rank learns whether any rank got one;
     then the step's checkpoint is saved and every rank exits. ``restore`` gives the signals back their handlers (the
-    trainer calls it when ``train`` ends, however it ends)."""
+    trainer calls it when ``train`` ends, unless it ends in this exit)."""
 
     def __init__(self):
         self.received = 0  # the first signal this rank got
@@ -91,7 +91,8 @@ class Preemption(TrainerCallback):
         notice(f"{name} received: saved {checkpoint} (step {state.global_step}) and stopped, exit code "
                f"{exit_code(self.stopping)}. To continue, run the same command with resume_from_checkpoint=True "
                f"(recipes: --resume_from_checkpoint true).")
-        self.restore()
+        # The handlers stay: the launcher (torchrun) sends SIGTERM to the ranks still running once one has exited,
+        # and each rank must finish its own exit, with this code, rather than die of it.
         sys.exit(exit_code(self.stopping))
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -150,8 +150,8 @@ class TrlExtMixin:
                     self._elastic_plan = elastic.prepare(self, path)
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
-        finally:  # a failed run too gives the signals back their handlers
-            if self._preemption is not None:
+        finally:  # a failed run too gives the signals back their handlers; a preempted one is exiting
+            if self._preemption is not None and not self._preemption.stopping:
                 self._preemption.restore()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
