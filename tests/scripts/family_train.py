@@ -12,10 +12,12 @@ step 2 again). One process set for all runs: start-up costs more than a run.
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-import launched  # tests/scripts/, beside this file
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a file or as tests.scripts.family_train (-m)
+import launched  # noqa: E402 - tests/scripts/, beside this file
+import torch  # noqa: E402
 import transformers
 from accelerate.state import AcceleratorState, GradientState
 from peft import LoraConfig
