@@ -13,6 +13,7 @@ CASES = {
     "sft": (trl.SFTTrainer, trl_ext.SFTTrainer, trl.SFTConfig, "sft"),
     "reward": (trl.RewardTrainer, trl_ext.RewardTrainer, trl.RewardConfig, "reward"),
     "dpo": (trl.DPOTrainer, trl_ext.DPOTrainer, trl.DPOConfig, "preference"),
+    "kto": (trl.KTOTrainer, trl_ext.KTOTrainer, trl.KTOConfig, "unpaired"),
 }
 
 

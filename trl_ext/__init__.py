@@ -1,4 +1,4 @@
-"""trl_ext: TRL's SFT, reward, DPO, GRPO and RLOO trainers, minus the failures that cost days at scale.
+"""trl_ext: TRL's SFT, reward, DPO, KTO, GRPO and RLOO trainers, minus the failures that cost days at scale.
 
     from trl_ext import SFTTrainer, SFTConfig   # instead of: from trl import SFTTrainer, SFTConfig
 """
@@ -10,6 +10,8 @@ from trl_ext.trainers import (
     DPOTrainer,
     GRPOConfig,
     GRPOTrainer,
+    KTOConfig,
+    KTOTrainer,
     RewardConfig,
     RewardTrainer,
     RLOOConfig,
@@ -26,6 +28,8 @@ __all__ = [
     "DPOTrainer",
     "GRPOConfig",
     "GRPOTrainer",
+    "KTOConfig",
+    "KTOTrainer",
     "ModelConfig",
     "RewardConfig",
     "RewardTrainer",

@@ -8,8 +8,9 @@ from datasets import DatasetDict, load_dataset
 DATA_DIR = Path(__file__).parent / "data"
 # sft: conversational "messages"; preference: prompt/chosen/rejected (DPO); reward: chosen/rejected;
 # prompt: prompt/answer (GRPO, RLOO: the answer feeds a verifiable reward), derived from the preference files;
+# unpaired: prompt/completion/label (KTO), the preference files unpaired by TRL;
 # prompt-1digit: its rows whose operands are both under 10, a task space small enough for RL to revisit each prompt.
-DATASET_KINDS = ("sft", "preference", "reward", "prompt", "prompt-1digit")
+DATASET_KINDS = ("sft", "preference", "reward", "unpaired", "prompt", "prompt-1digit")
 DATASET_NAMES = {f"trl-ext/arithmetic-{kind}": kind for kind in DATASET_KINDS}
 
 
@@ -19,6 +20,11 @@ def load_default_dataset(kind: str) -> DatasetDict:
     if kind == "prompt-1digit":  # same split as "prompt", so held-out texts stay out of training (and of SFT's)
         return load_default_dataset("prompt").filter(
             lambda row: all(int(n) < 10 for n in re.findall(r"\d+", row["prompt"][0]["content"])))
+    if kind == "unpaired":
+        from trl.data_utils import unpair_preference_dataset
+
+        return DatasetDict({split: unpair_preference_dataset(rows) for split, rows in
+                            load_default_dataset("preference").items()})
     if kind == "prompt":
         pairs = load_default_dataset("preference")
         return pairs.map(lambda row: {"answer": row["chosen"][0]["content"]}, remove_columns=["chosen", "rejected"])
@@ -27,7 +33,7 @@ def load_default_dataset(kind: str) -> DatasetDict:
 
 
 def load_dataset_by_name(name: str, config: str | None = None) -> DatasetDict:
-    """``trl-ext/arithmetic-{sft,preference,reward,prompt,prompt-1digit}`` load the bundled data and
+    """``trl-ext/arithmetic-{sft,preference,reward,unpaired,prompt,prompt-1digit}`` load the bundled data and
     ``trl-ext/shapes-{sft,preference}`` generate the bundled image data; anything else goes to ``load_dataset``."""
     from trl_ext.assets.shapes import SHAPES_NAMES, load_shapes
 

@@ -48,6 +48,11 @@ class DPOConfig(_HardwareAware, _SaveOptions, trl.DPOConfig):
 
 
 @dataclass
+class KTOConfig(_HardwareAware, _SaveOptions, trl.KTOConfig):
+    __doc__ = trl.KTOConfig.__doc__
+
+
+@dataclass
 class GRPOConfig(_HardwareAware, _SaveOptions, trl.GRPOConfig):
     __doc__ = trl.GRPOConfig.__doc__
 

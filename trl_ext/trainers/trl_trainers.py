@@ -40,6 +40,12 @@ class DPOTrainer(TrlExtMixin, trl.DPOTrainer):
     _dataset_kind = "preference"
 
 
+class KTOTrainer(TrlExtMixin, trl.KTOTrainer):
+    __doc__ = trl.KTOTrainer.__doc__
+    _config_class, _default_run_suffix = configs.KTOConfig, "KTO"
+    _dataset_kind = "unpaired_preference"
+
+
 def _bounded_weight_sync(trl_module):
     """While TRL's constructor runs, it builds our ``VLLMGeneration`` (the bounded, Hub-named weight sync) instead of
     its own: TRL creates the object inline in ``__init__`` and offers no hook to choose its class."""
