@@ -1,4 +1,4 @@
-"""The ``trl-ext`` command."""
+"""trl-ext: TRL's training commands with trl_ext's trainers, and the tools that check and merge what they save."""
 
 import argparse
 import sys
@@ -69,8 +69,16 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trl_ext.launching import trl_cli
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in trl_cli.COMMANDS:  # TRL's command line, TRL's parser: everything after the name is TRL's
+        return trl_cli.run(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="trl-ext", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    for name in trl_cli.COMMANDS:
+        commands.add_parser(name, add_help=False,
+                            help=f"trl {name}, with trl_ext's trainer: the same options and configs")
     commands.add_parser("env", help=_env.__doc__).set_defaults(func=_env)
     commands.add_parser("model", help=_model.__doc__).set_defaults(func=_model)
     verify = commands.add_parser("verify", help=_verify.__doc__, description=_verify.__doc__)

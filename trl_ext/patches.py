@@ -116,8 +116,8 @@ PATCHES: dict[str, Patch] = {
     ),
     "reference-model-broadcast": Patch(
         target="trl.trainer.dpo_trainer.prepare_fsdp",
-        why="TRL prepares DPO's reference model with a bare fully_shard, which never broadcasts rank 0's weights to "
-            "the ranks that rank-0 loading kept on meta",
+        why="TRL prepares DPO's (and KTO's) reference model with a bare fully_shard, which never broadcasts rank 0's "
+            "weights to the ranks that rank-0 loading kept on meta",
         upstream="none filed: trl/trainer/dpo_trainer.py (1.16) calls prepare_fsdp(ref_model, accelerator)",
         remove_when="TRL prepares the reference model through accelerate's fsdp2_prepare_model",
         guard=_has("trl.trainer.dpo_trainer.prepare_fsdp"),
@@ -202,12 +202,15 @@ PATCHES: dict[str, Patch] = {
         guard=lambda: _version("bitsandbytes") is None or _version("bitsandbytes") < Version("0.51"),
     ),
     "dataset-preparation-probe": Patch(
-        target="trl.SFTTrainer._prepare_dataset",
+        target="trl.trainer.sft_trainer.SFTTrainer._prepare_dataset",
         why="TRL's verdict on a dataset comes only from its constructor, after the model is loaded; the probe runs "
-            "_prepare_dataset on an instance built with __new__ holding only what the method reads",
+            "_prepare_dataset on an instance built with __new__ holding only what the method reads, with the "
+            "module's global_then_local_main_first barrier made local (a probe that stops early on one rank would "
+            "leave the others at it)",
         upstream="none: TRL has no public dataset check",
         remove_when="TRL exposes its dataset preparation without building a trainer",
-        guard=_has("trl.SFTTrainer._prepare_dataset", "dataset", "processing_class", "args"),
+        guard=_all(_has("trl.trainer.sft_trainer.SFTTrainer._prepare_dataset", "dataset", "processing_class", "args"),
+                   _has("trl.trainer.sft_trainer.global_then_local_main_first")),
     ),
     "recompute-owner": Patch(
         target="deepspeed.runtime.zero.partitioned_param_coordinator.update_recompute_parameters",
@@ -231,6 +234,25 @@ PATCHES: dict[str, Patch] = {
         upstream="trl#6089",
         remove_when="TRL gives a quantized model's adapter the base's compute dtype under DeepSpeed",
         guard=_has("deepspeed.runtime.zero.partition_parameters.Init"),
+    ),
+    "trl-script-classes": Patch(
+        target="trl.<Name>Trainer and trl.<Name>Config, while one of trl/scripts/<name>.py runs",
+        why="TRL's scripts import their trainer and config from `trl` inside main() and make_parser(); `trl-ext "
+            "<name>` runs those scripts unchanged, so the names must resolve to trl_ext's classes while they run",
+        upstream="none: TRL's scripts take no trainer class (trl/scripts/sft.py, 1.14-1.16)",
+        remove_when="TRL's scripts or CLI accept the trainer class to use",
+        guard=_source_has("trl.scripts.sft.main", "from trl import SFTTrainer"),
+    ),
+    "trl-cli-script": Patch(
+        target="trl.cli.accelerate_launcher.launch_training_script",
+        why="TRL's training command launches trl/scripts/<name>.py by file; `trl-ext <name>` keeps TRL's parsing, "
+            "--accelerate_config presets and launch options, and launches trl_ext's runner of the same script",
+        upstream="none: trl/cli/commands/training.py (1.14-1.16) imports the launcher inside run()",
+        remove_when="TRL's CLI takes the script to launch",
+        guard=_all(_has("trl.cli.accelerate_launcher.launch_training_script", "script_name", "launch_args",
+                        "training_script_args"),
+                   _source_has("trl.cli.commands.training.TrainingCommand.run",
+                               "from ..accelerate_launcher import launch_training_script")),
     ),
 }
 

@@ -20,9 +20,11 @@ across processes) and what the check read, in this process and, through ``CHECKE
 launches, so the recipe's first process, every rank and every trainer do not scan the same rows again.
 """
 
+import contextlib
 import copy
 import inspect
 import os
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -36,6 +38,7 @@ PROBE_ROWS = 16  # rows prepared by TRL before the model is loaded; the rest are
 FORMATS = {
     "sft": [("messages",), ("prompt", "completion"), ("text",), ("conversations",)],
     "preference": [("chosen", "rejected")],
+    "unpaired_preference": [("prompt", "completion", "label"), ("chosen", "rejected")],  # KTO unpairs the second
 }
 CONVERSATION_COLUMNS = ("messages", "conversations")  # always a list of messages, never plain text
 FIX = "fix those rows or filter them out (dataset.filter) before training"
@@ -126,7 +129,8 @@ def prepare_or_explain(prepare: Callable, dataset, name: str, kind: str, text_fi
         prepare: TRL's preparation of a dataset (the trainer's ``_prepare_dataset`` with its other arguments bound).
         dataset: the rows as the user passed them.
         name: the dataset's name in messages (``train_dataset``, ``eval_dataset['test']``).
-        kind: ``"sft"`` or ``"preference"``: the formats the message suggests.
+        kind: a key of ``FORMATS`` (``"sft"``, ``"preference"``, ``"unpaired_preference"``): the formats the
+            message suggests.
         text_field: SFT's ``dataset_text_field``.
         formatting_func: SFT's formatting function, if any (the user's function then decides which columns matter).
         rows: prepare only the first ``rows`` rows (the early check); None for the whole dataset (TRL's own run, where
@@ -188,6 +192,8 @@ def _message_problem(message, column: str) -> str | None:
 
 def _problem(value, column: str) -> str | None:
     """What is wrong with one field, as text or as a conversation (a list of messages); None when nothing is."""
+    if column == "label":  # KTO: whether the completion is desirable
+        return None if isinstance(value, bool) else f"is {repr(value)[:40]}, expected True or False"
     if isinstance(value, str):
         return "is text, expected a list of {'role', 'content'} messages" if column in CONVERSATION_COLUMNS else None
     if isinstance(value, list):
@@ -327,6 +333,10 @@ def _trl_preparation(trl_cls, tokenizer, args, formatting_func) -> Callable | No
             return None  # TRL swaps in a training template of its own
     probe = trl_cls.__new__(trl_cls)  # no __init__: nothing is loaded
     probe.__dict__.update(_tokenizer=tokenizer, chat_template=chat_template, completion_only_loss=False)
+    # KTO's preparation also reads the class weights (for its balance warning) and whether to add the KL rows
+    # (completions shifted between rows: nothing a row can get wrong, so not built here).
+    probe.__dict__.update({name: getattr(args, name) for name in ("desirable_weight", "undesirable_weight")
+                           if hasattr(args, name)}, calculate_KL=False)
     probe_args = copy.copy(args)
     probe_args.dataset_num_proc = None  # a few rows: no worker processes
     parameters = inspect.signature(trl_cls._prepare_dataset).parameters
@@ -334,7 +344,11 @@ def _trl_preparation(trl_cls, tokenizer, args, formatting_func) -> Callable | No
     kwargs = {k: v for k, v in given.items() if k in parameters}
 
     def prepare(dataset):
-        return trl_cls._prepare_dataset(probe, dataset, dataset_name="probe", **kwargs)
+        # TRL's preparation holds every rank at a barrier (global_then_local_main_first); the probe is local, and a
+        # probe that ends early on one rank must not leave the others waiting there.
+        with patches.swapped("dataset-preparation-probe", sys.modules[trl_cls.__module__],
+                             "global_then_local_main_first", contextlib.nullcontext):
+            return trl_cls._prepare_dataset(probe, dataset, dataset_name="probe", **kwargs)
 
     return prepare
 
@@ -354,7 +368,7 @@ def probe_datasets(trl_cls, datasets: dict, args, model=None, processing_class=N
         model: the ``model`` argument (an id, a path or a model), for the tokenizer when none is given.
         processing_class: the ``processing_class`` argument.
         formatting_func: SFT's ``formatting_func``.
-        kind: ``"sft"`` or ``"preference"``, for the message.
+        kind: a key of ``FORMATS``, for the message.
 
     Raises:
         DatasetError: TRL cannot prepare one of the first rows of a dataset.
@@ -362,6 +376,9 @@ def probe_datasets(trl_cls, datasets: dict, args, model=None, processing_class=N
     from datasets import Dataset
 
     datasets = {n: d for n, d in datasets.items() if isinstance(d, Dataset) and len(d)}
+    if kind == "unpaired_preference":
+        for name, dataset in datasets.items():
+            _check_labels(dataset, name)
     if not datasets or (getattr(args, "dataset_kwargs", None) or {}).get("skip_prepare_dataset"):
         return
     if any({"image", "images"} & set(d.column_names) for d in datasets.values()):
@@ -385,6 +402,17 @@ def probe_datasets(trl_cls, datasets: dict, args, model=None, processing_class=N
             except Exception:  # noqa: BLE001 - about the arguments, or this TRL needs more than the stand-in holds
                 return  # TRL's constructor raises it with its own message, or trains
             record_passed(key)
+
+
+def _check_labels(dataset, name: str) -> None:
+    """KTO's ``label`` column: TRL prepares any value and fails only when it batches one that is not a bool, mid-run."""
+    if "label" not in dataset.column_names:
+        return  # paired rows: TRL unpairs them
+    problems = [(row, p) for row, value in enumerate(dataset["label"]) if (p := _problem(value, "label"))]
+    if problems:
+        row, problem = problems[0]
+        raise DatasetError(f"{name}: {len(problems)} bad field(s) in {len(dataset)} rows, first at row {row}: 'label' "
+                           f"{problem}; {FIX}")
 
 
 # ---------------------------------------------------------------- after TRL's preparation

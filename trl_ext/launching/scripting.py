@@ -49,8 +49,8 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[
         notice("eval_strategy is 'no': eval_on_start is switched off too.")
     _check_flags(model_args)
     prepare_output_dir(training_args, recipe, overwrite)
-    _check_model(model_args.model_name_or_path)
-    _check_dataset(script_args, training_args, model_args, recipe, dataset_kind)
+    check_model(model_args.model_name_or_path)
+    check_dataset(script_args, training_args, model_args, recipe, dataset_kind)
     if accelerate_config:  # hand the checked choices on, so every process trains into the same place
         forwarded = [*rest, "--config", recipe_config, "--output_dir", training_args.output_dir]
         if training_args.resume_from_checkpoint:
@@ -114,8 +114,15 @@ def _check_flags(model_args) -> None:
                          "--dtype float32 on CPU.")
 
 
-def _check_model(name: str | None) -> None:
-    """A model that cannot be found fails here, in one line, not in a long traceback from inside the trainer."""
+def check_model(name: str | None) -> None:
+    """A model that cannot be found fails here, in one line, not in a long traceback from inside the trainer.
+
+    Args:
+        name: the model's Hub id or path (or an embedded model's name).
+
+    Raises:
+        UsageError: no model given, or its config does not load.
+    """
     from transformers import AutoConfig
 
     from trl_ext.assets import resolve_model
@@ -129,10 +136,24 @@ def _check_model(name: str | None) -> None:
         raise UsageError(f"cannot load model '{name}': {first}") from None
 
 
-def _check_dataset(script_args, training_args, model_args, recipe: str, kind: str | None) -> None:
+def check_dataset(script_args, training_args, model_args, recipe: str, kind: str | None, load=None) -> None:
     """The dataset loads, has the splits the run uses, its images are readable and fit the model, and TRL can prepare
     its first rows (the trainers check them again, and every row as TRL prepares them; here a bad dataset stops the
-    run before any process is launched)."""
+    run before any process is launched).
+
+    Args:
+        script_args: TRL's ``ScriptArguments`` (dataset name, config and splits).
+        training_args: the trainer's config.
+        model_args: TRL's ``ModelConfig``.
+        recipe: "sft", "reward", "dpo" or "kto" (whose TRL trainer judges the rows), or another name with ``kind``
+            None.
+        kind: a key of ``input_checks.FORMATS``, or None for prompt datasets (GRPO, RLOO).
+        load: ``load(name, config)`` returning the ``DatasetDict`` the run trains on (default: the recipes' loader,
+            which knows the bundled datasets).
+
+    Raises:
+        UsageError: the dataset does not load, lacks a split, or TRL cannot prepare its first rows.
+    """
     import trl
 
     from trl_ext.assets import load_dataset_by_name, resolve_model
@@ -144,7 +165,7 @@ def _check_dataset(script_args, training_args, model_args, recipe: str, kind: st
     if not name:
         raise UsageError("no dataset given: set dataset_name in the recipe config or pass --dataset_name.")
     try:
-        dataset = load_dataset_by_name(name, script_args.dataset_config)
+        dataset = (load or load_dataset_by_name)(name, script_args.dataset_config)
     except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; the user needs the first line only
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"cannot load dataset '{name}': {first}") from None
@@ -158,7 +179,8 @@ def _check_dataset(script_args, training_args, model_args, recipe: str, kind: st
                              f"--dataset_{'test' if hint else 'train'}_split{hint}.")
     if kind is None:
         return  # prompt datasets (GRPO): the trainer and its reward functions interpret the rows
-    trainer = {"sft": trl.SFTTrainer, "reward": trl.RewardTrainer, "dpo": trl.DPOTrainer}[recipe]
+    trainer = {"sft": trl.SFTTrainer, "reward": trl.RewardTrainer, "dpo": trl.DPOTrainer, "kto": trl.KTOTrainer}[recipe]
+    trainer = getattr(trainer, "_trl_class", trainer)  # TRL's own, also while `trl-ext <command>` maps trl's names
     model = resolve_model(model_args.model_name_or_path)
     try:
         for split in splits:

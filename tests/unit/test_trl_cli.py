@@ -1,0 +1,44 @@
+"""``trl-ext <command>``'s front: TRL's parser with trl_ext's configs, the checks before anything is launched, and
+TRL's names given back afterwards. (``tests/distributed/test_trl_cli.py`` runs the commands.)"""
+
+import json
+
+import pytest
+import trl
+
+import trl_ext
+from trl_ext import cli
+from trl_ext.launching import trl_cli
+
+
+def test_help_is_trls_with_trl_ext_fields(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["kto", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--dataset_name", "--desirable_weight", "--use_peft", "--max_shard_size", "--save_on_preemption"):
+        assert option in out, option
+    assert trl.KTOTrainer is not trl_ext.KTOTrainer and trl.KTOConfig is not trl_ext.KTOConfig  # given back
+
+
+def test_names_resolve_to_trl_ext_only_inside_the_block():
+    with trl_cli.trl_ext_classes("sft"):
+        from trl import SFTConfig, SFTTrainer
+
+        assert (SFTTrainer, SFTConfig) == (trl_ext.SFTTrainer, trl_ext.SFTConfig)
+    assert trl.SFTTrainer is trl_ext.SFTTrainer._trl_class
+
+
+@pytest.mark.parametrize("label, problem", [("yes", "'label' is 'yes', expected True or False"),
+                                            (None, "'label' is None, expected True or False")])
+def test_bad_rows_are_refused_before_anything_is_launched(tiny_model_path, tmp_path, monkeypatch, label, problem):
+    rows = [{"prompt": "What is 2+2?", "completion": " 4", "label": True}] * 3
+    rows.append({"prompt": "What is 2+3?", "completion": " 6", "label": label})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    launched = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["kto", "--model_name_or_path", tiny_model_path, "--dataset_name", str(tmp_path),
+                  "--output_dir", str(tmp_path / "out")])
+    assert problem in str(exited.value.code) and "row 3" in str(exited.value.code)
+    assert not launched and not (tmp_path / "out").exists()

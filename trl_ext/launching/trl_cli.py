@@ -1,0 +1,85 @@
+"""``trl-ext sft|dpo|reward|kto|grpo|rloo``: TRL's command line with trl_ext's trainers.
+
+The command is TRL's own (``trl.cli``): the same parser, config files, ``accelerate launch`` options and
+``--accelerate_config`` presets. Two things differ, each a declared patch: TRL's launcher starts trl_ext's runner
+(``trl_script.py``) instead of ``trl/scripts/<name>.py``, and the runner runs that same script with
+``trl.<Name>Trainer`` and ``trl.<Name>Config`` resolving to trl_ext's classes. Before anything is launched, the model
+and the dataset are checked as the recipes check them.
+"""
+
+import contextlib
+from argparse import Namespace
+from pathlib import Path
+
+import trl
+
+from trl_ext import patches
+
+# command -> the prefix of its trainer and config classes in `trl` and `trl_ext`
+COMMANDS = {"sft": "SFT", "dpo": "DPO", "reward": "Reward", "kto": "KTO", "grpo": "GRPO", "rloo": "RLOO"}
+RUNNER = Path(__file__).with_name("trl_script.py")
+DATASET_KINDS = {"sft": "sft", "dpo": "preference", "reward": "preference", "kto": "unpaired_preference"}
+
+
+@contextlib.contextmanager
+def trl_ext_classes(command: str):
+    """Inside the block, ``from trl import <Name>Trainer, <Name>Config`` gives trl_ext's classes (patch
+    ``trl-script-classes``).
+
+    Args:
+        command: a key of ``COMMANDS``.
+    """
+    import trl_ext
+
+    prefix = COMMANDS[command]
+    with contextlib.ExitStack() as stack:
+        for name in (f"{prefix}Trainer", f"{prefix}Config"):
+            stack.enter_context(patches.swapped("trl-script-classes", trl, name, getattr(trl_ext, name)))
+        yield
+
+
+def _check_before_launch(command: str, training_script_args: list[str]) -> None:
+    """The model and the dataset, checked as the recipes check them, before any process starts (one line and exit
+    code 1 on a problem). The dataset is loaded as TRL's script loads it; mixtures and streamed datasets are left to
+    the script."""
+    from datasets import load_dataset
+
+    from trl_ext.launching import scripting
+
+    script = __import__(f"trl.scripts.{command}", fromlist=["make_parser"])
+    parsed = script.make_parser().parse_args_and_config(training_script_args, fail_with_unknown_args=False)
+    script_args, training_args, model_args = parsed[:3]
+    dataset_args = parsed[3] if len(parsed) > 3 and hasattr(parsed[3], "datasets") else None
+    scripting.check_model(model_args.model_name_or_path)
+    if (dataset_args is not None and dataset_args.datasets) or script_args.dataset_streaming:
+        return
+    scripting.check_dataset(script_args, training_args, model_args, command, DATASET_KINDS.get(command),
+                            load=lambda name, config: load_dataset(name, name=config))
+
+
+def _launch_runner(script_name: str, launch_args: list[str], training_script_args: list[str], **kwargs) -> None:
+    """TRL's ``launch_training_script``, launching trl_ext's runner of the same script."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    command = script_name.removesuffix(".py")
+    _check_before_launch(command, training_script_args)
+    launch_command(launch_command_parser().parse_args([*launch_args, str(RUNNER), command, *training_script_args]))
+
+
+def run(command: str, argv: list[str]) -> int:
+    """Run ``trl <command> <argv>`` with trl_ext's trainers.
+
+    Args:
+        command: a key of ``COMMANDS``.
+        argv: everything after the command, as ``trl`` takes it.
+
+    Returns:
+        The exit code (0; a failed launch raises, as under ``trl``).
+    """
+    from trl.cli import accelerate_launcher
+    from trl.cli.commands.base import CommandContext
+    from trl.cli.commands.training import TrainingCommand
+
+    with (trl_ext_classes(command),
+          patches.swapped("trl-cli-script", accelerate_launcher, "launch_training_script", _launch_runner)):
+        return TrainingCommand(command).run(Namespace(command=command), CommandContext(argv=[command, *argv]))
