@@ -22,13 +22,14 @@ import trl_ext
 STEPS = 3
 TRAINERS = {"sft": (trl.SFTTrainer, trl_ext.SFTTrainer, trl.SFTConfig),
             "dpo": (trl.DPOTrainer, trl_ext.DPOTrainer, trl.DPOConfig),
-            "reward": (trl.RewardTrainer, trl_ext.RewardTrainer, trl.RewardConfig)}
+            "reward": (trl.RewardTrainer, trl_ext.RewardTrainer, trl.RewardConfig),
+            "kto": (trl.KTOTrainer, trl_ext.KTOTrainer, trl.KTOConfig)}
 
 
 @dataclass
 class Row:
     id: str
-    trainer: str  # "sft", "dpo" or "reward"
+    trainer: str  # a key of TRAINERS
     rows: list[dict] | Callable  # or model path -> rows
     expect: str = "train"  # "train" or "fail", for both sides
     config: dict = field(default_factory=dict)  # extra config fields
@@ -79,6 +80,10 @@ PREFERENCE_CHAT = [{"prompt": [user(f"{a}+{b}?")], "chosen": [assistant(f"{a + b
                     "rejected": [assistant(f"{a * b}")]} for a, b in SUMS]
 PREFERENCE_CHAT_IMPLICIT = [{"chosen": [user(f"{a}+{b}?"), assistant(f"{a + b}")],
                              "rejected": [user(f"{a}+{b}?"), assistant(f"{a * b}")]} for a, b in SUMS]
+UNPAIRED = [{"prompt": f"{a}+{b}=", "completion": f"{a + b if i % 2 else a * b}", "label": bool(i % 2)}
+            for i, (a, b) in enumerate(SUMS)]
+UNPAIRED_CHAT = [{"prompt": [user(f"{a}+{b}?")], "completion": [assistant(f"{a + b if i % 2 else a * b}")],
+                  "label": bool(i % 2)} for i, (a, b) in enumerate(SUMS)]
 EMPTY_CHOSEN = [*PREFERENCE[:5], {"prompt": "0+0=", "chosen": "", "rejected": "1"}]
 
 # A ChatML template that renders tools and tool calls (the embedded model's own template renders neither).
@@ -174,6 +179,15 @@ ROWS = [
         expect="fail", why="TRL 1.16's DPOTrainer always extracts the prompt from 'chosen'"),
     Row("dpo-plain-training-arguments", "dpo", PREFERENCE, expect="fail", args=plain_training_arguments),
     Row("dpo-model-object", "dpo", PREFERENCE, model=model_object),
+    # --- KTO
+    Row("kto-unpaired", "kto", UNPAIRED),
+    Row("kto-unpaired-conversational", "kto", UNPAIRED_CHAT),
+    Row("kto-paired-explicit-prompt", "kto", PREFERENCE),  # TRL unpairs it
+    Row("kto-paired-conversational-implicit-prompt", "kto", PREFERENCE_CHAT_IMPLICIT),
+    Row("kto-label-not-a-bool", "kto", [{**row, "label": "yes"} for row in UNPAIRED], expect="fail",
+        why="TRL fails when it batches the labels; trl_ext before loading the model"),
+    Row("kto-lora", "kto", UNPAIRED, kwargs=lora()),
+    Row("kto-model-object", "kto", UNPAIRED, model=model_object),
     # --- reward
     Row("reward-implicit-prompt", "reward", PREFERENCE_IMPLICIT),
     Row("reward-explicit-prompt", "reward", PREFERENCE),
