@@ -144,6 +144,8 @@ def qlora(dtype):
     return {"model_init_kwargs": {"dtype": dtype, "quantization_config": quantization}}
 
 
+OFFLOADING = "TRL's activation offloading moves activations with an accelerator's streams: no CPU-only run has one"
+
 ROWS = [
     # --- SFT: dataset formats
     Row("sft-language-modeling-text", "sft", TEXT),
@@ -169,7 +171,25 @@ ROWS = [
     Row("sft-qlora-bf16", "sft", TEXT, config=qlora(torch.bfloat16), kwargs=lora()),
     Row("sft-qlora-fp32", "sft", TEXT, config=qlora(torch.float32), kwargs=lora(), difference="losses",
         why="TRL casts a quantized model's adapter to bf16; trl_ext keeps it in the base's compute dtype (fp32)"),
+    # --- SFT: options that change the training step
+    Row("sft-padding-free", "sft", TEXT, config={"padding_free": True, "max_length": None}),
+    Row("sft-packing-bfd", "sft", TEXT * 2, config={"packing": True, "packing_strategy": "bfd", "max_length": 16}),
+    Row("sft-packing-bfd-split", "sft", TEXT * 2,
+        config={"packing": True, "packing_strategy": "bfd_split", "max_length": 8}),
+    Row("sft-packing-wrapped", "sft", TEXT * 2, config={"packing": True, "packing_strategy": "wrapped",
+                                                       "max_length": 8}),
+    Row("sft-completion-only-loss", "sft", PROMPT_COMPLETION, config={"completion_only_loss": True}),
+    Row("sft-completion-and-prompt-loss", "sft", PROMPT_COMPLETION, config={"completion_only_loss": False}),
+    Row("sft-loss-type-dft", "sft", TEXT, config={"loss_type": "dft"}),
+    Row("sft-activation-offloading", "sft", TEXT, config={"activation_offloading": True}, expect="fail",
+        why=OFFLOADING),
+    Row("sft-activation-offloading-lora", "sft", TEXT, config={"activation_offloading": True}, kwargs=lora(),
+        expect="fail", why=OFFLOADING),
     # --- DPO
+    Row("dpo-loss-type-list", "dpo", PREFERENCE, config={"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}),
+    Row("dpo-padding-free", "dpo", PREFERENCE, config={"padding_free": True}),
+    Row("dpo-activation-offloading-lora", "dpo", PREFERENCE, config={"activation_offloading": True}, kwargs=lora(),
+        expect="fail", why=OFFLOADING),
     Row("dpo-explicit-prompt", "dpo", PREFERENCE),
     Row("dpo-implicit-prompt", "dpo", PREFERENCE_IMPLICIT),
     Row("dpo-conversational-explicit-prompt", "dpo", PREFERENCE_CHAT),
