@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--gc", choices=GC_MODES, default="default")
     parser.add_argument("--grad_accum", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: no checkpoints)")
     parser.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True (the last checkpoint)")
     parser.add_argument("--resume_from", default=None, help="resume_from_checkpoint=PATH")
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None):
     args = config_cls(
         output_dir=cli.output_dir,
         max_steps=cli.max_steps,
-        per_device_train_batch_size=2,
+        per_device_train_batch_size=cli.batch,
         gradient_accumulation_steps=cli.grad_accum,
         learning_rate=1e-3,
         logging_steps=1,
