@@ -3,7 +3,7 @@ under ZeRO-3 (where ``trl`` itself cannot start on CPU: its configs ask for bf16
 trajectory and saves an adapter that plain peft reloads, with save_pretrained's metadata.
 
 The command lines are the ones a user types: the console scripts, a local dataset directory, ``--use_peft``,
-``--accelerate_config <file>``. One fixture runs the five launches once.
+``--accelerate_config <file>``. One fixture runs the six launches once.
 """
 
 import json
@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from tests.harness import REPO, SCRIPTS, run_command, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.assets.datasets import DATA_DIR
+from trl_ext.saving.verify import audit
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +47,15 @@ def runs(tmp_path_factory):
     sft = ["sft", "--model_name_or_path", model, "--dataset_name", _data(tmp / "sft", "sft_train.jsonl")]
     kto = ["kto", "--model_name_or_path", model, "--dataset_name", _data(tmp / "kto", "preference_train.jsonl"),
            *LORA]
+    reward = ["reward", "--model_name_or_path", model, "--dataset_name", _data(tmp / "pairs", "preference_train.jsonl"),
+              *LORA]  # LoRA on every linear layer, no task_type: the head must still be trained and saved whole
     zero3 = write_accelerate_config(tmp / "configs", "zero3")
     commands = {  # name: (command, its arguments); one process unless an accelerate config says otherwise
         "trl-sft": ("trl", [*sft, "--per_device_train_batch_size", "8", "--num_processes", "1"]),
         "trl-ext-sft": ("trl-ext", [*sft, "--per_device_train_batch_size", "8", "--num_processes", "1"]),
         "trl-kto": ("trl", [*kto, "--per_device_train_batch_size", "8", "--num_processes", "1"]),
         "trl-ext-kto": ("trl-ext", [*kto, "--per_device_train_batch_size", "8", "--num_processes", "1"]),
+        "trl-ext-reward": ("trl-ext", [*reward, "--per_device_train_batch_size", "8", "--num_processes", "1"]),
         "trl-ext-kto-zero3": ("trl-ext", [*kto, "--per_device_train_batch_size", "4", "--accelerate_config",
                                           str(zero3), "--num_processes", "2"]),
     }
@@ -99,3 +104,13 @@ def test_trl_ext_kto_under_zero3_trains_the_same_trajectory_and_saves_what_peft_
 def _max_diff(a, b) -> float:
     """Largest |a - b| over two batch x tokens x vocab lists."""
     return max(abs(x - y) for row_a, row_b in zip(a, b) for ta, tb in zip(row_a, row_b) for x, y in zip(ta, tb))
+
+
+def test_trl_ext_reward_trains_and_saves_the_head_whole(runs):
+    tmp, launches = runs
+    assert launches["trl-ext-reward"].returncode == 0, launches["trl-ext-reward"].output[-4000:]
+    report = audit(str(tmp / "trl-ext-reward"), base=default_model_path())
+    assert report.ok, report.format()
+    with safe_open(str(tmp / "trl-ext-reward" / "adapter_model.safetensors"), framework="pt") as f:
+        assert "base_model.model.score.weight" in set(f.keys())  # trained and saved whole, one output
+        assert f.get_slice("base_model.model.score.weight").get_shape()[0] == 1

@@ -28,7 +28,7 @@ class RewardTrainer(TrlExtMixin, trl.RewardTrainer):
         # One output, and a head trained and saved whole under PEFT (see reward_head).
         if isinstance(bound.arguments["model"], str):
             reward_head.allow_new_head(bound.arguments["model"], bound.arguments["args"])
-        return reward_head.head_trained_whole(sys.modules[trl.RewardTrainer.__module__])
+        return reward_head.head_trained_whole(sys.modules[self._trl_class.__module__])
 
     def _after_trl_init(self):
         reward_head.check(self.model)
