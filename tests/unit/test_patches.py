@@ -5,19 +5,26 @@ library alone; and no other module patches a library directly."""
 import ast
 from pathlib import Path
 
+import deepspeed
 import pytest
+from packaging.version import Version
 
 from trl_ext import patches
 
 PACKAGE = Path(patches.__file__).parent
 LIBRARIES = {"trl", "transformers", "accelerate", "peft", "deepspeed", "torch", "bitsandbytes", "safetensors",
              "datasets", "tokenizers"}
+# Patches of something an older release in the supported range does not have yet, so there is nothing to fix there:
+# DeepSpeed < 0.19.3 has no non-reentrant recompute of ZeRO-3 parameters (trl_ext checkpoints reentrant with it).
+NOT_IN_THIS_RELEASE = {"recompute-owner": Version(deepspeed.__version__) < Version("0.19.3")}
 
 
 @pytest.mark.parametrize("name", sorted(patches.PATCHES))
 def test_each_patch_is_declared_and_its_guard_holds_on_the_installed_versions(name):
     patch = patches.PATCHES[name]
     assert patch.target and patch.why and patch.upstream and patch.remove_when
+    if NOT_IN_THIS_RELEASE.get(name):
+        pytest.skip(f"{patch.target} does not exist in this release: nothing to fix")
     assert patch.guard() is True, f"{name}: {patch.target} is not what the patch expects in the installed release"
     print(f"{name}: {patch.target} | upstream: {patch.upstream} | remove when: {patch.remove_when}")
 
@@ -87,6 +94,8 @@ def test_a_recomputed_frozen_weight_goes_to_the_innermost_running_module_that_co
     """ZeRO-3's recompute attribution (patch ``recompute-owner``), on a model shaped like a LoRA decoder layer: while
     ``mlp.down_proj.lora_B``'s backward triggers the recompute, a frozen attention weight belongs to the layer and the
     frozen ``down_proj`` weight to ``down_proj``, not to lora_B (DeepSpeed's choice, released before their backward)."""
+    if NOT_IN_THIS_RELEASE["recompute-owner"]:
+        pytest.skip("DeepSpeed < 0.19.3 has no recompute attribution to fix")
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
     from torch import nn
 
