@@ -32,7 +32,7 @@ from trl_ext.trainers import compat, configs
 
 
 class TrlExtMixin:
-    """Behaviour shared by every trainer (SFT, reward, DPO, GRPO, RLOO). Overrides call ``super()`` and keep TRL's
+    """Behaviour shared by every trainer (SFT, reward, DPO, KTO, GRPO, RLOO). Overrides call ``super()`` and keep TRL's
     signatures."""
 
     _config_class: type  # the trl_ext config used when the caller passes no ``args``
