@@ -69,8 +69,13 @@ class RecordCheckpointing(TrainerCallback):
                          "partition": partition_report(model)}
 
 
-def gathered_trainable(model) -> dict:
-    """Full (gathered) trainable weights, on every rank."""
+def gathered_trainable(model, engine=None) -> dict:
+    """Full (gathered) trainable weights, on every rank. ``engine``: the DeepSpeed engine, whose prefetched
+    (in-flight) gathers are waited for first: DeepSpeed's ``GatheredParameters`` skips a parameter whose status is
+    INFLIGHT and hands back its buffer before the all-gather has filled it (seen once, on DeepSpeed 0.19.2: a
+    weight of 1.7e38 in a run whose losses and Adam states matched to the bit)."""
+    if engine is not None and hasattr(engine, "empty_partition_cache"):
+        engine.empty_partition_cache()  # waits for every in-flight gather, then releases the parameters
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):  # FSDP2: collective per tensor
         return {n: p.full_tensor().detach().cpu().clone().contiguous() for n, p in params.items()}
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None):
         if trainer.accelerator.is_main_process:
             with open(os.path.join(cli.output_dir, f"probes_{cli.save_model}.json"), "w") as f:
                 json.dump(probes, f)
-    weights = gathered_trainable(trainer.model)
+    weights = gathered_trainable(trainer.model, trainer.model_wrapped if trainer.is_deepspeed_enabled else None)
     if cli.record_loading and getattr(trainer, "ref_model", None) is not None:  # FSDP2: collective per tensor
         ref = {n: p.full_tensor().detach().clone().contiguous() for n, p in trainer.ref_model.state_dict().items()}
         if trainer.accelerator.is_main_process:
