@@ -32,6 +32,17 @@ def _destroy_gloo_group() -> None:
         dist.destroy_process_group()
 
 
+def end_together() -> None:
+    """Every process waits for the others, then the gloo group is destroyed: call it on every rank as a script's last
+    step. A rank that leaves while another still works (rank 0 checking the saved model in a subprocess) aborted at
+    its shutdown ("terminate called without an active exception"), twice in one CI run of the recipes."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        _destroy_gloo_group()
+
+
 @functools.cache
 def destroy_gloo_group_at_exit() -> None:
     """Destroy the default process group at exit when it is gloo's (registered once per process), as PyTorch asks of

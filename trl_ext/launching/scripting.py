@@ -17,7 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch
-from trl_ext.process import env_world_size, notice
+from trl_ext.process import end_together, env_world_size, notice
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
@@ -246,10 +246,15 @@ def report_held_out_answers(trainer, start_model: str) -> str | None:
 
 
 def announce_done(trainer, what: str, task: str = "causal", reply: str | None = None) -> None:
-    """Where the saved (and verified) model is, and the next command to use it. ``task``: "causal" or "reward";
-    ``reply``: what that command prints, when the recipe already ran it (``report_held_out_answers``)."""
-    if not trainer.accelerator.is_main_process:
-        return
+    """Where the saved (and verified) model is, and the next command to use it; the recipe's last step, on every rank
+    (the ranks then end together, see ``process.end_together``). ``task``: "causal" or "reward"; ``reply``: what that
+    command prints, when the recipe already ran it (``report_held_out_answers``)."""
+    if trainer.accelerator.is_main_process:
+        _print_done(trainer, what, task, reply)
+    end_together()
+
+
+def _print_done(trainer, what: str, task: str, reply: str | None) -> None:
     out = trainer.args.output_dir
     adapter = (Path(out) / "adapter_config.json").is_file()
     lines = [f"[trl_ext] {what} saved and verified: {out}"]
