@@ -56,8 +56,9 @@ def test_vllm_generation_is_ours_while_trl_builds_the_trainer(monkeypatch):
 
     module = sys.modules[trl.GRPOTrainer.__module__]
     original = module.VLLMGeneration
-    with _bounded_weight_sync(module):
-        assert module.VLLMGeneration is BoundedVLLMGeneration
+    with _bounded_weight_sync(module, request_timeout=7.0):
+        assert module.VLLMGeneration.func is BoundedVLLMGeneration
+        assert module.VLLMGeneration.keywords == {"request_timeout": 7.0}  # vllm_request_timeout reaches the client
     assert module.VLLMGeneration is original
 
 

@@ -66,6 +66,12 @@ class DatasetError(TrlExtError, ValueError):
     kind = "dataset"
 
 
+class ServerError(TrlExtError, ConnectionError):
+    """A vLLM server that did not answer within its bound, or failed a request (server mode of GRPO and RLOO)."""
+
+    kind = "server"
+
+
 class UsageError(SystemExit):
     """Bad input on the command line or in a config: one line on stderr, exit code 1, nothing started or written.
 

@@ -138,6 +138,16 @@ PATCHES: dict[str, Patch] = {
         guard=_all(_has("trl.trainer.grpo_trainer.VLLMGeneration"),
                    _has("trl.generation.vllm_generation.VLLMGeneration._iter_named_params")),
     ),
+    "bounded-vllm-client": Patch(
+        target="trl.generation.vllm_generation.VLLMClient",
+        why="TRL's vLLM client sends requests without a timeout and retries failed reads 5 times: a stalled server "
+            "hangs every rank of the job without a message",
+        upstream="trl#6973 (closed; trl PR#7219, an opt-in timeout for metadata requests only, was not merged)",
+        remove_when="TRL's VLLMClient bounds every request and its weight transfer",
+        guard=_all(_has("trl.generation.vllm_generation.VLLMClient"),
+                   _source_has("trl.generation.vllm_client.VLLMClient.__init__", "self.session = requests.Session()"),
+                   _has("trl.generation.vllm_generation.VLLMGeneration._init_vllm")),
+    ),
     "no-input-require-grads": Patch(
         target="transformers.modeling_utils.PreTrainedModel.enable_input_require_grads",
         why="transformers registers the input-require-grads hook whenever checkpointing is enabled on a PEFT model "

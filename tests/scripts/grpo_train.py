@@ -1,6 +1,9 @@
 """Train trl_ext.GRPOTrainer (LoRA, transformers generation) on the embedded model and arithmetic prompts; record
 what happened in OUTPUT_DIR/report_rank0.json. Single process, or under ``accelerate launch`` (tests/harness.py).
 
+With ``--vllm_server URL``: generation and the weight sync go to that server (vLLM's server mode; see
+tests/vllm_server_standin.py), each wait bounded by ``--request_timeout`` seconds.
+
 With ``--save_model NAME``: the trained adapter is saved to OUTPUT_DIR/NAME, the policy's probe outputs to
 probes_NAME.json, and the weights the vLLM sync would send (every rank walks, rank 0 keeps them) to synced.safetensors.
 """
@@ -36,13 +39,22 @@ def main():
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill_at_step", type=int, default=0)
     parser.add_argument("--save_model", default=None)
+    parser.add_argument("--vllm_server", default=None)
+    parser.add_argument("--request_timeout", type=float, default=600.0)
     cli = parser.parse_args()
+    server = {}
+    if cli.vllm_server:
+        import vllm_nccl_standin
+
+        vllm_nccl_standin.install()
+        server = {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": cli.vllm_server,
+                  "vllm_server_timeout": 30, "vllm_request_timeout": cli.request_timeout}
 
     args = trl_ext.GRPOConfig(
         output_dir=cli.output_dir, max_steps=cli.max_steps, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, learning_rate=5e-3, logging_steps=1, report_to="none", seed=0,
         save_strategy="steps" if cli.save_steps else "no", save_steps=cli.save_steps or 500,
-        gradient_checkpointing=True, dataloader_num_workers=0,
+        gradient_checkpointing=True, dataloader_num_workers=0, **server,
     )
     callbacks = [CountSteps()] + ([KillAtStep(cli.kill_at_step, None)] if cli.kill_at_step else [])
     trainer = trl_ext.GRPOTrainer(

@@ -1,7 +1,8 @@
 """TRL's config classes, adapted to the hardware before validation (see ``runtime.adapt_to_hardware``).
 
 They are subclasses: every field, default and CLI flag is TRL's, and ``isinstance(cfg, trl.DPOConfig)`` holds.
-Two fields are added: ``max_shard_size`` for trl_ext's save path, and ``save_on_preemption``.
+Fields added: ``max_shard_size`` for trl_ext's save path and ``save_on_preemption`` (every config), and
+``vllm_request_timeout`` (GRPO, RLOO).
 """
 
 from dataclasses import dataclass, field
@@ -32,6 +33,19 @@ class _SaveOptions:
     )
 
 
+VLLM_REQUEST_TIMEOUT = 600.0  # seconds; a generation request for a large batch can legitimately take minutes
+
+
+@dataclass
+class _VLLMServerOptions:
+    vllm_request_timeout: float = field(
+        default=VLLM_REQUEST_TIMEOUT,
+        metadata={"help": "Server mode (vllm_mode='server'): seconds to wait for each answer of the vLLM server, and "
+                          "(plus 30 s) for each weight sync. A server that stalls or dies stops training on every "
+                          "rank within this bound, with a message naming the server and the step."},
+    )
+
+
 @dataclass
 class SFTConfig(_HardwareAware, _SaveOptions, trl.SFTConfig):
     __doc__ = trl.SFTConfig.__doc__
@@ -53,12 +67,12 @@ class KTOConfig(_HardwareAware, _SaveOptions, trl.KTOConfig):
 
 
 @dataclass
-class GRPOConfig(_HardwareAware, _SaveOptions, trl.GRPOConfig):
+class GRPOConfig(_HardwareAware, _SaveOptions, _VLLMServerOptions, trl.GRPOConfig):
     __doc__ = trl.GRPOConfig.__doc__
 
 
 @dataclass
-class RLOOConfig(_HardwareAware, _SaveOptions, trl.RLOOConfig):
+class RLOOConfig(_HardwareAware, _SaveOptions, _VLLMServerOptions, trl.RLOOConfig):
     __doc__ = trl.RLOOConfig.__doc__
 
 

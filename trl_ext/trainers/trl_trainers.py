@@ -46,10 +46,12 @@ class KTOTrainer(TrlExtMixin, trl.KTOTrainer):
     _dataset_kind = "unpaired_preference"
 
 
-def _bounded_weight_sync(trl_module):
-    """While TRL's constructor runs, it builds our ``VLLMGeneration`` (the bounded, Hub-named weight sync) instead of
-    its own: TRL creates the object inline in ``__init__`` and offers no hook to choose its class."""
-    return patches.swapped("bounded-weight-sync", trl_module, "VLLMGeneration", weight_sync.BoundedVLLMGeneration)
+def _bounded_weight_sync(trl_module, request_timeout: float = configs.VLLM_REQUEST_TIMEOUT):
+    """While TRL's constructor runs, it builds our ``VLLMGeneration`` (the bounded, Hub-named weight sync, and bounded
+    waits on a vLLM server) instead of its own: TRL creates the object inline in ``__init__`` and offers no hook to
+    choose its class."""
+    generation = weight_sync.BoundedVLLMGeneration.with_timeout(request_timeout)
+    return patches.swapped("bounded-weight-sync", trl_module, "VLLMGeneration", generation)
 
 
 class _OnlineRLMixin:
@@ -60,7 +62,14 @@ class _OnlineRLMixin:
         model_paths.check_model_path(bound.arguments.get("model"))
 
     def _around_trl_init(self, bound: inspect.BoundArguments):
-        return _bounded_weight_sync(sys.modules[self._trl_class.__module__])
+        timeout = getattr(bound.arguments.get("args"), "vllm_request_timeout", configs.VLLM_REQUEST_TIMEOUT)
+        return _bounded_weight_sync(sys.modules[self._trl_class.__module__], timeout)
+
+    def _after_trl_init(self) -> None:
+        super()._after_trl_init()
+        generation = getattr(self, "vllm_generation", None)
+        if isinstance(generation, weight_sync.BoundedVLLMGeneration):  # a server failure names the step it stopped
+            generation.current_step = lambda: self.state.global_step + 1
 
 
 class GRPOTrainer(_OnlineRLMixin, TrlExtMixin, trl.GRPOTrainer):

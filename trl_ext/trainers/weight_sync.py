@@ -7,14 +7,23 @@ the checkpoint names vLLM's ``load_weights`` takes. ``BoundedVLLMGeneration`` re
 ``merge.iter_merged_weights``: gather one module, merge its adapter, yield the names and layout ``save_pretrained``
 writes (which vLLM loads from disk by construction), release. Everything else (colocate and server modes, waking the
 weights from sleep mode before loading, trl#5312 / trl#5142, prefix-cache reset) stays TRL's ``sync_weights``.
+
+In server mode it also bounds every wait on the server (``vllm_server``): its client times out, its NCCL parts run
+under a watchdog, and a failure names the training step.
 """
 
+import contextlib
+import functools
+import sys
 from collections.abc import Iterator
 
 import torch
 from trl.generation.vllm_generation import VLLMGeneration
 
+from trl_ext import patches
+from trl_ext.errors import ServerError
 from trl_ext.merge.weights import iter_merged_weights
+from trl_ext.trainers.configs import VLLM_REQUEST_TIMEOUT
 
 
 def engine_dtype(generation: VLLMGeneration) -> torch.dtype | None:
@@ -50,7 +59,70 @@ class BoundedVLLMGeneration(VLLMGeneration):
 
     FSDP1 (TRL walks its flat parameters module by module) and quantized bases (4-bit weights merge in TRL's
     ``merge_adapter``) keep TRL's walk. Under FSDP2 the bounded walk unshards one FSDP unit at a time.
+
+    Args:
+        *args, **kwargs: TRL's ``VLLMGeneration`` arguments.
+        request_timeout: server mode's bound on each wait for the server, in seconds (``vllm_request_timeout``).
     """
+
+    def __init__(self, *args, request_timeout: float = VLLM_REQUEST_TIMEOUT, **kwargs):
+        self.request_timeout = request_timeout
+        self.current_step = lambda: None  # the trainer sets it: the step a failure is reported at
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def with_timeout(cls, request_timeout: float):
+        """The class as TRL's trainers call it, with ``request_timeout`` bound."""
+        return functools.partial(cls, request_timeout=request_timeout)
+
+    def _at_step(self) -> str:
+        step = self.current_step()
+        return "before training" if step is None else f"at training step {step}"
+
+    def _init_vllm(self):
+        if self.mode != "server":
+            return super()._init_vllm()
+        from trl_ext.trainers import vllm_server  # needs requests, which server mode has
+
+        client = functools.partial(vllm_server.BoundedVLLMClient, request_timeout=self.request_timeout)
+        with (patches.swapped("bounded-vllm-client", sys.modules[VLLMGeneration.__module__], "VLLMClient", client),
+              self._bounded("joining the server's weight-transfer group", nccl=True)):
+            return super()._init_vllm()
+
+    @contextlib.contextmanager
+    def _bounded(self, doing: str, nccl: bool = False):
+        """Server mode, on the process that talks to the server: ``ServerError`` gets the step; with ``nccl``, the
+        block runs under the watchdog, whose bound leaves the block's own HTTP timeouts room to fire first."""
+        if self.mode != "server" or not self.accelerator.is_main_process:
+            yield
+            return
+        from trl_ext.trainers import vllm_server
+
+        bound = self.request_timeout + vllm_server.WATCHDOG_GRACE
+
+        def expired() -> str:
+            client = getattr(self, "vllm_client", None)
+            failure = getattr(client, "last_failure", None)
+            server = getattr(client, "base_url", "the configured address")
+            return (f"the vLLM server at {server} did not finish {doing} within {bound:g} s (vllm_request_timeout "
+                    f"+ {vllm_server.WATCHDOG_GRACE:g} s), {self._at_step()}" + (f"; {failure}" if failure else "")
+                    + ". Ending this process: NCCL's wait cannot be interrupted. Checkpoints already saved are "
+                    "intact; check the server's log, and resume with resume_from_checkpoint=True.")
+
+        try:
+            with vllm_server.watchdog(bound, expired) if nccl else contextlib.nullcontext():
+                yield
+        except ServerError as exc:
+            raise ServerError(f"{exc} While {doing}, {self._at_step()}. Checkpoints already saved are intact; "
+                              f"check the server's log, and resume with resume_from_checkpoint=True.") from None
+
+    def sync_weights(self):
+        with self._bounded("the weight sync", nccl=True):
+            return super().sync_weights()
+
+    def generate(self, *args, **kwargs):
+        with self._bounded("generating"):
+            return super().generate(*args, **kwargs)
 
     def _iter_named_params(self):
         fsdp1 = self._dist.is_fsdp and getattr(self._dist, "fsdp_version", 1) != 2
