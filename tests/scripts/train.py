@@ -36,6 +36,15 @@ TRAINERS = {
 }
 
 
+def retyped(splits, data: str):
+    """The bundled SFT conversations as plain text (``user assistant``) or as prompt-completion text."""
+    def row(messages):
+        prompt, answer = messages[0]["content"], messages[1]["content"]
+        return {"text": f"{prompt} {answer}"} if data == "text" else {"prompt": f"{prompt} ", "completion": answer}
+
+    return splits.map(lambda r: row(r["messages"]), remove_columns=["messages"])
+
+
 def partition_report(model) -> dict:
     params = list(model.parameters())
     partitioned = [p for p in params if hasattr(p, "ds_shape") and p.shape == (0,) and p.ds_numel > 0]
@@ -280,6 +289,9 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--eval_steps", type=int, default=0, help="evaluate on 4 test rows every N steps")
     parser.add_argument("--record_loading", action="store_true", help="write each rank's bytes read from model files "
                         "to weight_reads_rankR.json, and the reference model's gathered weights to ref.safetensors")
+    parser.add_argument("--config_json", default="{}", help="more config fields, as JSON (TRL's training options)")
+    parser.add_argument("--data", default=None, choices=["text", "prompt-completion"],
+                        help="SFT data in another type: plain text, or prompt-completion (default: the trainer's)")
     parser.add_argument("--save_model", default=None, help="trainer.save_model(OUTPUT_DIR/NAME) after training, and "
                         "the trained model's probe outputs to OUTPUT_DIR/probes_NAME.json")
     cli = parser.parse_args(argv)
@@ -291,6 +303,8 @@ def main(argv: list[str] | None = None):
         weight_reads.READS.clear()
     trainer_cls, config_cls, data_kind = TRAINERS[cli.trainer]
     splits = load_default_dataset(data_kind)
+    if cli.data:
+        splits = retyped(splits, cli.data)
     dataset = splits["train"].select(range(cli.rows))
     eval_dataset = splits["test"].select(range(4)) if cli.eval_steps else None
     args = config_cls(
@@ -311,6 +325,7 @@ def main(argv: list[str] | None = None):
         dataloader_num_workers=0,
         **GC_MODES[cli.gc],
         **({"model_init_kwargs": quantized_init_kwargs(cli)} if cli.load_in_4bit else {}),
+        **json.loads(cli.config_json),
     )
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if cli.lora else None
     recorder = RecordCheckpointing()
