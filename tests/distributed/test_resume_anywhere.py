@@ -3,8 +3,10 @@
 A resumed run must equal the uninterrupted one: the same samples in the same order (one id per trained row), the
 same per-step losses, final weights and Adam state. In one process: one uninterrupted run per data setting
 (``dataloader_drop_last`` off and on, packing), checkpointed mid-epoch 0, exactly at an epoch boundary and in later
-epochs, then resumed from each checkpoint. Under ZeRO-3 (LoRA): a 2-process run resumed from mid-epoch 0 on one
-process (2 -> 1, twice the gradient accumulation), and a 1-process run resumed from mid-epoch 1 on two (1 -> 2).
+epochs, then resumed from each checkpoint. Under ZeRO-3 and under FSDP2 (LoRA): a 2-process run resumed from
+mid-epoch 0 on one process (2 -> 1, twice the gradient accumulation), and a 1-process run resumed from mid-epoch 1 on
+two (1 -> 2). FSDP2's one-process side is a plain process (FSDP2 shards across processes): its optimizer states are
+converted between the Trainer's whole file and DCP's shards.
 Same-size ZeRO-3 resumes are in test_reliability.py and test_multinode.py.
 """
 
@@ -101,8 +103,10 @@ TRAIN = ["--trainer", "sft", "--lora", "--rows", "12", "--max_steps", "6", "--sa
 ATOL = 1e-5
 
 
-def run(tmp_path: Path, name: str, processes: int, *args: str) -> Path:
-    config = write_accelerate_config(tmp_path / f"configs{processes}", "zero3", num_processes=processes)
+def run(tmp_path: Path, name: str, processes: int, *args: str, backend: str = "zero3") -> Path:
+    if backend == "fsdp2" and processes == 1:
+        backend = "ddp"  # one plain process
+    config = write_accelerate_config(tmp_path / f"configs-{backend}{processes}", backend, num_processes=processes)
     out = tmp_path / name
     result = accelerate_launch(SCRIPTS / "train.py", [*TRAIN, "--output_dir", str(out), *args], config, timeout=400)
     assert result.returncode == 0 and not result.timed_out, result.output[-6000:]
@@ -170,6 +174,41 @@ def test_zero3_resume_on_two_processes_equals_the_one_process_run(two_process_ru
     assert samples(got, 2) == samples(ref, 1)[4:], "the data did not continue at the next unseen sample"
     diffs = compare(ref, got, 4)
     print(f"\n1 -> 2 at step 4 (epoch 1.33): max abs diff {diffs}")
+    assert all(d <= ATOL for d in diffs.values()), diffs
+
+
+@pytest.fixture(scope="module")
+def fsdp2_two_process_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    return tmp, run(tmp, "ref2", 2, backend="fsdp2")
+
+
+def test_fsdp2_resume_on_one_process_equals_the_two_process_run(fsdp2_two_process_run):
+    """2 -> 1 from mid-epoch 0: DCP's optimizer shards gathered into the one process, accumulation 1 -> 2."""
+    tmp, ref = fsdp2_two_process_run
+    assert (ref / "checkpoint-2" / "optimizer_0").is_dir() and not (ref / "checkpoint-2" / "optimizer.pt").exists()
+    got = run(tmp, "two-to-one", 1, "--resume_from", str(ref / "checkpoint-2"), backend="fsdp2")
+    log = (got / "launch.log").read_text()
+    assert "saved on 2 processes on 1: gradient_accumulation_steps 1 -> 2, to keep the global batch size of 4" in log
+    assert samples(got, 1) == samples(ref, 2)[2:], "the data did not continue at the next unseen sample"
+    diffs = compare(ref, got, 2)
+    print(f"\nFSDP2 2 -> 1 at step 2: max abs diff {diffs}")
+    assert all(d <= ATOL for d in diffs.values()), diffs
+
+
+def test_one_process_run_resumes_under_fsdp2_on_two_processes(fsdp2_two_process_run):
+    """1 -> 2 from mid-epoch 1: the Trainer's whole optimizer file sharded into FSDP2's DTensors."""
+    tmp, _ = fsdp2_two_process_run
+    ref = run(tmp, "ref1", 1, "--grad_accum", "2", backend="fsdp2")
+    assert (ref / "checkpoint-4" / "optimizer.pt").is_file()
+    got = run(tmp, "one-to-two", 2, "--grad_accum", "2", "--resume_from", str(ref / "checkpoint-4"), backend="fsdp2")
+    log = (got / "launch.log").read_text()
+    assert "saved on 1 processes on 2: gradient_accumulation_steps 2 -> 1, to keep the global batch size of 4" in log
+    report = json.loads((got / "report_rank0.json").read_text())
+    assert report["fsdp_sharded"][0] == report["fsdp_sharded"][2]  # every parameter a DTensor
+    assert samples(got, 2) == samples(ref, 1)[4:], "the data did not continue at the next unseen sample"
+    diffs = compare(ref, got, 4)
+    print(f"\nFSDP2 1 -> 2 at step 4 (epoch 1.33): max abs diff {diffs}")
     assert all(d <= ATOL for d in diffs.values()), diffs
 
 

@@ -197,8 +197,17 @@ def optimizer_state(optimizer) -> dict:
     return state
 
 
-def full_optimizer_state(model) -> dict:
-    """Each trainable parameter's whole Adam state under ZeRO, by name: comparable across numbers of processes."""
+def full_optimizer_state(model, optimizer=None) -> dict:
+    """Each trainable parameter's whole Adam state, by name: comparable across numbers of processes and engines.
+    Under ZeRO from DeepSpeed's partitions; otherwise (FSDP2 shards, one process) through torch's full state dict.
+    Collective: every rank calls it."""
+    if optimizer is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {f"{name}.{key}": value.detach().clone().contiguous() for name, per in full.get("state", {}).items()
+                for key, value in per.items() if key in ("exp_avg", "exp_avg_sq")}  # rank 0's; others: empty
     from deepspeed.utils import safe_get_full_optimizer_state
 
     state = {}
@@ -373,8 +382,9 @@ def main(argv: list[str] | None = None):
     report["gathered"] = {"per_step": gathers.per_step, "model": model_numel(trainer.model)}
     with open(os.path.join(cli.output_dir, f"seen_rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(seen, f)
-    if (cli.save_steps or cli.resume or cli.resume_from) and trainer.is_deepspeed_enabled:
-        full = full_optimizer_state(trainer.model_wrapped)  # collective: every rank gathers
+    if cli.save_steps or cli.resume or cli.resume_from:
+        full = (full_optimizer_state(trainer.model_wrapped) if trainer.is_deepspeed_enabled  # collective
+                else full_optimizer_state(trainer.model, trainer.optimizer))
         if trainer.accelerator.is_main_process:
             save_file(full, os.path.join(cli.output_dir, "optimizer_full.safetensors"))
     resumes = cli.save_steps or cli.resume or cli.resume_from

@@ -1,4 +1,5 @@
-"""Resume a DeepSpeed ZeRO checkpoint on another number of processes.
+"""Resume a checkpoint on another number of processes: DeepSpeed ZeRO here; FSDP2 and one process through
+``fsdp_resume`` (weights from the Hub-format files, optimizer states resharded), with the same batch arithmetic.
 
 A ZeRO checkpoint holds one optimizer partition per data-parallel rank, so DeepSpeed can only load it on the world
 size that wrote it. When that changed, the checkpoint is converted once to DeepSpeed's universal checkpoint
@@ -33,7 +34,7 @@ class Plan:
     world_size: int
     global_batch_size: int
     gradient_accumulation_steps: int
-    tag: str  # the checkpoint's DeepSpeed tag (``global_stepN``)
+    tag: str | None  # the checkpoint's DeepSpeed tag (``global_stepN``); None without DeepSpeed state
 
     @property
     def changed(self) -> bool:
@@ -76,6 +77,12 @@ def read_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
             f"{folder} holds the ZeRO states of {len(ranks)} of the {saved_world} processes that saved it (node-local "
             f"storage?): resume on {saved_world} processes, or first copy every node's {tag}/ files into one "
             f"directory.")
+    return _keeping_global_batch(global_batch, saved_world, args, tag)
+
+
+def _keeping_global_batch(global_batch: int, saved_world: int, args, tag: str | None) -> Plan:
+    """The plan that keeps ``global_batch`` on ``args``' processes and per-device batch, or a one-line refusal with
+    the arithmetic (``ValueError``)."""
     per_step = args.world_size * args.per_device_train_batch_size
     if global_batch % per_step:
         raise ValueError(
@@ -85,6 +92,46 @@ def read_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
             f"of {per_step}; resume on a number of processes (or a per-device batch) whose product divides "
             f"{global_batch}.")
     return Plan(saved_world, args.world_size, global_batch, global_batch // per_step, tag)
+
+
+def read_trainer_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
+    """``read_plan`` for a checkpoint without DeepSpeed state (FSDP2, DDP, one process), from the Trainer's own files.
+
+    The saved number of processes is the number of RNG states (``rng_state_<rank>.pth``, or one ``rng_state.pth``);
+    the saved per-device batch and gradient accumulation are in ``training_args.bin``.
+
+    Args:
+        checkpoint: a ``checkpoint-N`` directory written by the Trainer.
+        args: the resumed run's ``TrainingArguments``.
+
+    Returns:
+        The plan (``tag`` None), or None when the checkpoint does not say (no RNG state or training arguments).
+    """
+    folder = Path(checkpoint)
+    ranks = len(list(folder.glob("rng_state_*.pth"))) or (1 if (folder / "rng_state.pth").is_file() else 0)
+    if not ranks or not (folder / "training_args.bin").is_file():
+        return None
+    try:  # the Trainer's own pickle of the arguments (trl_ext's or TRL's config classes)
+        saved = torch.load(folder / "training_args.bin", map_location="cpu", weights_only=False)
+        per_device, accumulation = int(saved.per_device_train_batch_size), int(saved.gradient_accumulation_steps)
+    except Exception:  # noqa: BLE001 - unreadable: resume as Trainer would, with the arguments given
+        return None
+    return _keeping_global_batch(ranks * per_device * accumulation, ranks, args, None)
+
+
+def keep_global_batch(plan: Plan, args) -> str | None:
+    """Set ``args.gradient_accumulation_steps`` to keep the plan's global batch size (before ``Trainer.train``).
+
+    Returns:
+        The one-line notice to print, or None when nothing changed.
+    """
+    if plan.gradient_accumulation_steps == args.gradient_accumulation_steps:
+        return None
+    message = (f"resuming a checkpoint saved on {plan.saved_world_size} processes on {plan.world_size}: "
+               f"gradient_accumulation_steps {args.gradient_accumulation_steps} -> "
+               f"{plan.gradient_accumulation_steps}, to keep the global batch size of {plan.global_batch_size}.")
+    args.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    return message
 
 
 def convert_to_universal(checkpoint: str | os.PathLike, tag: str) -> None:
@@ -131,12 +178,7 @@ def apply(plan: Plan, args, deepspeed_config: dict) -> str | None:
     Returns:
         The one-line notice to print, or None when nothing changed.
     """
-    notice = None
-    if plan.gradient_accumulation_steps != args.gradient_accumulation_steps:
-        notice = (f"resuming a checkpoint saved on {plan.saved_world_size} processes on {plan.world_size}: "
-                  f"gradient_accumulation_steps {args.gradient_accumulation_steps} -> "
-                  f"{plan.gradient_accumulation_steps}, to keep the global batch size of {plan.global_batch_size}.")
-        args.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    notice = keep_global_batch(plan, args)
     deepspeed_config["gradient_accumulation_steps"] = plan.gradient_accumulation_steps
     deepspeed_config["train_batch_size"] = plan.global_batch_size
     if plan.changed:
@@ -170,25 +212,27 @@ def rng_checkpoint(checkpoint: str, plan: Plan, process_index: int):
 
 
 def prepare(trainer, checkpoint: str) -> Plan | None:
-    """Before ``Trainer.train`` resumes ``checkpoint`` under DeepSpeed: plan, convert if the world size changed, and
-    set gradient accumulation. Collective: every rank calls it, and every rank gets the same answer or error.
+    """Before ``Trainer.train`` resumes ``checkpoint``: plan, and where the number of processes changed, keep the
+    global batch (gradient accumulation) and, under DeepSpeed, convert to the universal checkpoint. Collective: every
+    rank calls it, and every rank gets the same answer or error.
 
     Args:
         trainer: the trainer about to resume (its DeepSpeed engine is not built yet).
         checkpoint: the ``checkpoint-N`` directory.
 
     Returns:
-        The plan, or None when ``checkpoint`` holds no ZeRO state.
+        The plan, or None when ``checkpoint`` does not say how it was trained.
     """
     from accelerate.utils import broadcast_object_list, gather_object
 
     args = trainer.args
+    deepspeed = trainer.is_deepspeed_enabled
     # Decided on one rank and broadcast: ranks that look at the files separately could disagree (NFS attribute
     # caching, node-local disks) and then take different collective paths.
     answer = [None, None]
     if args.process_index == 0:
         try:
-            answer = [read_plan(checkpoint, args), None]
+            answer = [read_plan(checkpoint, args) if deepspeed else read_trainer_plan(checkpoint, args), None]
         except (OSError, ValueError, KeyError) as exc:
             answer = [None, str(exc)]
     if args.world_size > 1:
@@ -198,6 +242,11 @@ def prepare(trainer, checkpoint: str) -> Plan | None:
         raise ValueError(error)
     if plan is None:
         return None
+    if not deepspeed:  # FSDP2, DDP, one process: optimizer states are converted when they are loaded (fsdp_resume)
+        message = keep_global_batch(plan, args) if plan.changed else None
+        if message:
+            notice(message)
+        return plan
     if plan.changed:
         # One writer per copy of the checkpoint: each node's local main with save_on_each_node, else the main process.
         writer = args.local_process_index == 0 if args.save_on_each_node else args.process_index == 0

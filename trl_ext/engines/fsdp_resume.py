@@ -1,5 +1,14 @@
-"""Resume an FSDP2 run from a ``checkpoint-N`` that trl_ext wrote in the Hub's layout: each rank reads its own rows."""
+"""Resume from a ``checkpoint-N`` on another number of processes, FSDP2 or one process: weights from the Hub-format
+files trl_ext wrote (each FSDP2 rank reads its own rows), optimizer states across the two layouts.
 
+An FSDP2 checkpoint keeps its optimizer states sharded (DCP, ``optimizer_0/``): FSDP2 on any number of processes
+reads them through DCP, which reshards on load. One process (no FSDP) writes and reads the Trainer's whole
+``optimizer.pt``. Between the two, the states are converted here, keyed by parameter name, and set through torch's
+``set_optimizer_state_dict``, which places each rank's rows.
+"""
+
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -62,3 +71,53 @@ def _load_converted(model, directory: Path) -> None:
                 live.to_local().copy_(distribute_tensor(whole, live.device_mesh, live.placements).to_local())
             else:
                 live.data.copy_(whole)
+
+
+SHARDED_OPTIMIZER = "optimizer_0"  # accelerate's DCP folder (OPTIMIZER_NAME + "_0")
+WHOLE_OPTIMIZER = "optimizer.pt"  # the Trainer's file
+
+
+def needs_conversion(checkpoint: str, sharded_run: bool) -> bool:
+    """Whether ``checkpoint``'s optimizer states are in the other layout than this run reads (FSDP2: sharded)."""
+    folder = Path(checkpoint)
+    has_sharded, has_whole = (folder / SHARDED_OPTIMIZER).is_dir(), (folder / WHOLE_OPTIMIZER).is_file()
+    return (has_whole and not has_sharded) if sharded_run else (has_sharded and not has_whole)
+
+
+def _by_name(model, optimizer, whole: dict) -> dict:
+    """The Trainer's ``optimizer.pt`` (states keyed by position) keyed by parameter name, as torch's
+    ``set_optimizer_state_dict`` takes it. Positions follow the optimizer's groups, which the resumed Trainer builds
+    from the same named parameters in the same order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = [i for group in whole["param_groups"] for i in group["params"]]
+    if len(saved) != len(ordered):
+        raise ValueError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model trains "
+                         f"{len(ordered)}: resume with the same model, adapter and trainable parameters.")
+    name_of = dict(zip(saved, ordered, strict=True))
+    groups = [{**g, "params": [name_of[i] for i in g["params"]]} for g in whole["param_groups"]]
+    return {"state": {name_of[i]: state for i, state in whole["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer_converted(model, optimizer, checkpoint: str, sharded_run: bool) -> None:
+    """Load ``checkpoint``'s optimizer states written in the other layout (see the module docstring).
+
+    Args:
+        model: the model being trained (FSDP2-sharded when ``sharded_run``).
+        optimizer: its torch optimizer (not accelerate's wrapper).
+        checkpoint: the ``checkpoint-N`` directory.
+        sharded_run: whether this run is FSDP2 (states to shard) or one process (states to gather).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    folder = Path(checkpoint)
+    if sharded_run:  # the whole states, on every rank (each keeps its rows); adapters' states are small
+        whole = torch.load(folder / WHOLE_OPTIMIZER, map_location="cpu", weights_only=True)
+        state = _by_name(model, optimizer, whole)
+    else:  # DCP's shards read whole in this process (no process group), then set by name
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(folder / SHARDED_OPTIMIZER), os.path.join(tmp, "optimizer.pt"))
+            state = torch.load(os.path.join(tmp, "optimizer.pt"), map_location="cpu", weights_only=False)["optimizer"]
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -146,8 +146,8 @@ class TrlExtMixin:
                 resume_from_checkpoint = path
                 config = getattr(self.model, "config", None)
                 resume_check.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
-                if self.is_deepspeed_enabled:  # another number of processes: universal checkpoint, same global batch
-                    self._elastic_plan = elastic.prepare(self, path)
+                # another number of processes: the same global batch; DeepSpeed's universal checkpoint
+                self._elastic_plan = elastic.prepare(self, path)
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         finally:  # a failed run too gives the signals back their handlers; a preempted one is exiting
@@ -196,8 +196,18 @@ class TrlExtMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        """Trainer's, reading the sharded optimizer states written above under FSDP2."""
-        if checkpoint is None or not fsdp.is_fsdp2(self.accelerator):
+        """Trainer's, reading the sharded optimizer states written above under FSDP2; states written in the other
+        layout (a one-process checkpoint resumed under FSDP2, or the reverse) are converted (``fsdp_resume``)."""
+        sharded = fsdp.is_fsdp2(self.accelerator)
+        if (checkpoint is not None and not self.is_deepspeed_enabled
+                and fsdp_resume.needs_conversion(checkpoint, sharded)):
+            from transformers.trainer import SCHEDULER_NAME
+
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds torch's
+            fsdp_resume.load_optimizer_converted(self.model, optimizer, checkpoint, sharded)
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            return None
+        if checkpoint is None or not sharded:
             return super()._load_optimizer_and_scheduler(checkpoint)
         with patches.sharded_optimizer_states(self.accelerator):
             return super()._load_optimizer_and_scheduler(checkpoint)
