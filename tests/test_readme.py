@@ -49,6 +49,13 @@ def test_readme_main_command(tmp_path):
         assert 0.3 < answered_before < 0.9 and answered_after > answered_before, answers.group()
         reply = re.search(r"^\[trl_ext\] it prints: \[\{'generated_text': '(.*)'\}\]$", result.output, re.M)
         assert reply and reply.group(1).strip().isdigit(), result.output[-2000:]  # a bare number, right or not
+        # the try-it command prints what the run said it prints (greedy: the same every time)
+        try_it = re.search(r"^\[trl_ext\] try it: (python -c .*)$", result.output, re.M).group(1)
+        tried = run_command(["bash", "-c", f". .venv/bin/activate && {try_it}"], timeout=300)
+        assert tried.returncode == 0 and tried.output.strip().splitlines()[-1] == reply.group(0).split(": ", 1)[1]
+        # quiet: third-party warnings raised every step are filtered (3,774 stderr lines before, 46 after)
+        warning_lines = [line for line in result.output.splitlines() if "Warning:" in line]
+        assert len(warning_lines) <= 10, warning_lines[:20]
     finally:
         if run_dir and Path(run_dir.group(1)).parent.name == "outputs":  # the demo's own per-run directory
             shutil.rmtree(REPO / run_dir.group(1), ignore_errors=True)

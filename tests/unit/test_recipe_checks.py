@@ -68,3 +68,17 @@ def test_resume_finds_the_last_complete_checkpoint(tmp_path):
     _, training_args, _ = parse("--output_dir", str(out), "--resume_from_checkpoint", "true")
     assert training_args.resume_from_checkpoint == str(out / "checkpoint-4")
     assert "is not a checkpoint" in refused("--output_dir", str(out), "--resume_from_checkpoint", str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["data/my_prefs.jsonl", "prefs.csv", "./data", "/no/such/dir", "a/b/c"])
+def test_a_local_dataset_path_that_does_not_exist_is_refused_at_once(name, tmp_path, monkeypatch):
+    """No Hub retries (23 s offline, then "Couldn't reach ... on the Hub"): one line naming the path and the
+    working directory."""
+    from trl_ext.data.model_paths import check_dataset_path
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"dataset '{name}' does not exist \\(looked in {tmp_path}\\)"):
+        check_dataset_path(name)
+    (tmp_path / "prefs.csv").write_text("a\n1\n")
+    check_dataset_path("prefs.csv")  # an existing file, and Hub ids, pass
+    check_dataset_path("trl-lib/ultrafeedback_binarized")

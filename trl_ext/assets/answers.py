@@ -39,7 +39,9 @@ def check(start_model: str, trained_model: str) -> dict:
     before, after = (greedy_accuracy(model_class.from_pretrained(path), tokenizer, rows["prompt"], answers)
                      for model_class, path in ((AutoModelForCausalLM, start_model), (trained_class, trained_model)))
     chat = [{"role": "user", "content": TRY_IT_PROMPT}]
-    reply = pipeline("text-generation", trained_model)(chat, max_new_tokens=8, return_full_text=False)
+    # greedy, as the printed command: the model's generation config may sample, and the line must be reproducible
+    reply = pipeline("text-generation", trained_model)(chat, max_new_tokens=8, do_sample=False,
+                                                       return_full_text=False)
     return {"before": before, "after": after, "prompts": len(answers), "reply": str(reply)}
 
 

@@ -35,6 +35,7 @@ def adapt_to_hardware(args) -> None:
 
     - bf16/fp16 requested where the hardware cannot run them -> fp32. TRL's configs default to bf16, which fails on
       CPU with "Your setup doesn't support bf16/gpu".
+    - No accelerator -> no pinned memory for the dataloader (there is nothing to copy to).
     - A multi-process launch without a GPU -> the gloo backend, and (without DeepSpeed) accelerate's CPU mode. Without
       them accelerate finds no backend, or sets up no data parallelism, and each process trains alone.
     """
@@ -62,6 +63,8 @@ def adapt_to_hardware(args) -> None:
         why = ("no bf16-capable GPU" if "fp16" not in " ".join(changed) else "no GPU")
         notice(f"{' and '.join(dict.fromkeys(c.split(' ')[0] for c in changed))} is not supported on this hardware "
                f"({why}): training in fp32 instead (turned off: {', '.join(changed)}).")
+    if not has_accelerator() and args.dataloader_pin_memory:
+        args.dataloader_pin_memory = False  # nothing to pin for; torch warns once per dataloader (24 lines a run)
     if is_distributed_launch() and not has_accelerator():
         if args.ddp_backend is None:
             args.ddp_backend = "gloo"

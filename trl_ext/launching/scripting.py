@@ -158,12 +158,17 @@ def check_dataset(script_args, training_args, model_args, recipe: str, kind: str
 
     from trl_ext.assets import load_dataset_by_name, resolve_model
     from trl_ext.data.input_checks import probe_datasets
+    from trl_ext.data.model_paths import check_dataset_path
     from trl_ext.data.vision import check_image_dataset, is_vision_model
     from trl_ext.errors import DatasetError
 
     name = script_args.dataset_name
     if not name:
         raise UsageError("no dataset given: set dataset_name in the recipe config or pass --dataset_name.")
+    try:
+        check_dataset_path(name)
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
     try:
         dataset = (load or load_dataset_by_name)(name, script_args.dataset_config)
     except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; the user needs the first line only
@@ -270,13 +275,14 @@ def _print_done(trainer, what: str, task: str, reply: str | None) -> None:
                 "{'type': 'text', 'text': 'What colour is the shape?'}]}]")
         lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; from trl_ext.assets import "
                      f"load_shapes; print(pipeline('image-text-to-text', '{out}')(text={chat}, max_new_tokens=8, "
-                     "return_full_text=False))\"")
+                     "do_sample=False, return_full_text=False))\"")
     else:
         from trl_ext.assets.answers import TRY_IT_PROMPT
 
         chat = f"[{{'role': 'user', 'content': '{TRY_IT_PROMPT}'}}]"
         lines.append(f"[trl_ext] try it: python -c \"from transformers import pipeline; "
-                     f"print(pipeline('text-generation', '{out}')({chat}, max_new_tokens=8, return_full_text=False))\"")
+                     f"print(pipeline('text-generation', '{out}')({chat}, max_new_tokens=8, do_sample=False, "
+                     "return_full_text=False))\"")
         if reply is not None:  # the run ends on an answer a person can check
             lines.append(f"[trl_ext] it prints: {reply}")
     print("\n" + "\n".join(lines), flush=True)

@@ -20,6 +20,7 @@ from trl_ext.engines import (
     fsdp,
     fsdp_resume,
     nodes,
+    noise,
     preemption,
     quantization,
     rank0_loading,
@@ -40,6 +41,7 @@ class TrlExtMixin:
     _fused_lm_head = True  # TRL computes this trainer's loss through its fused LM head (trl >= 1.15)
 
     def __init__(self, *args, **kwargs):
+        noise.quiet_known_noise()  # third-party warnings raised every step about calls the user did not make
         self._storage: nodes.Storage | None = None  # output_dir's storage across nodes, known once train() starts
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         training_args = bound.arguments.get("args")
