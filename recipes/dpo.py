@@ -23,9 +23,16 @@ accelerate launch recipes/dpo.py --config accelerate_configs/zero3.yaml --config
 Continue a stopped run: add `--output_dir <its dir> --resume_from_checkpoint true` (its last complete checkpoint).
 """
 
-from trl import get_peft_config, get_quantization_config
 
-from trl_ext import DPOConfig, DPOTrainer, ModelConfig, ScriptArguments, TrlParser
+from trl_ext import (
+    DPOConfig,
+    DPOTrainer,
+    ModelConfig,
+    ScriptArguments,
+    TrlParser,
+    get_peft_config,
+    get_quantization_config,
+)
 from trl_ext.assets import DATASET_NAMES, load_dataset_by_name, resolve_model
 from trl_ext.data.vision import freeze_vision_tower
 from trl_ext.launching.scripting import announce_done, parse_recipe_args, report_eval, report_held_out_answers

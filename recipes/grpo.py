@@ -28,9 +28,16 @@ Continue a stopped run: add `--output_dir <its dir> --resume_from_checkpoint tru
 import re
 
 import torch
-from trl import get_peft_config, get_quantization_config
 
-from trl_ext import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser
+from trl_ext import (
+    GRPOConfig,
+    GRPOTrainer,
+    ModelConfig,
+    ScriptArguments,
+    TrlParser,
+    get_peft_config,
+    get_quantization_config,
+)
 from trl_ext.assets import load_dataset_by_name, resolve_model
 from trl_ext.launching.scripting import announce_done, parse_recipe_args
 from trl_ext.saving.gather import gathered

@@ -24,9 +24,16 @@ accelerate launch recipes/reward.py --config accelerate_configs/zero3.yaml --con
 Continue a stopped run: add `--output_dir <its dir> --resume_from_checkpoint true` (its last complete checkpoint).
 """  # noqa: E501 (the command above stays one copy-paste line)
 
-from trl import get_peft_config, get_quantization_config
 
-from trl_ext import ModelConfig, RewardConfig, RewardTrainer, ScriptArguments, TrlParser
+from trl_ext import (
+    ModelConfig,
+    RewardConfig,
+    RewardTrainer,
+    ScriptArguments,
+    TrlParser,
+    get_peft_config,
+    get_quantization_config,
+)
 from trl_ext.assets import load_dataset_by_name, resolve_model
 from trl_ext.launching.scripting import announce_done, parse_recipe_args, report_eval
 

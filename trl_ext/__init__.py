@@ -3,7 +3,11 @@
     from trl_ext import SFTTrainer, SFTConfig   # instead of: from trl import SFTTrainer, SFTConfig
 """
 
-from trl import ModelConfig, ScriptArguments, TrlParser
+from trl_ext.engines.noise import quiet_known_logs
+
+quiet_known_logs()  # before trl imports peft, which imports bitsandbytes (see engines/noise.py)
+
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 from trl_ext.trainers import (
     DPOConfig,
@@ -40,4 +44,6 @@ __all__ = [
     "ScriptArguments",
     "TrlExtMixin",
     "TrlParser",
+    "get_peft_config",
+    "get_quantization_config",
 ]

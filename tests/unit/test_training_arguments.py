@@ -7,6 +7,7 @@ from datasets import Dataset
 from transformers import TrainingArguments
 
 import trl_ext
+from trl_ext.engines.runtime import has_accelerator
 from trl_ext.trainers.configs import from_training_arguments
 
 SFT_ROWS = [{"text": "1+1=2"}] * 4
@@ -31,7 +32,9 @@ def test_conversion_matches_trls_own(tmp_path):
     ours = from_training_arguments(args, trl_ext.SFTConfig, trl.SFTTrainer)
     theirs = trl.SFTConfig(**args.to_dict())  # what trl.SFTTrainer does with it
     assert ours.to_dict() == {**theirs.to_dict(), "max_shard_size": ours.max_shard_size,
-                              "save_on_preemption": ours.save_on_preemption}
+                              "save_on_preemption": ours.save_on_preemption,
+                              # off without an accelerator (nothing to pin for), like bf16 (runtime.adapt_to_hardware)
+                              "dataloader_pin_memory": theirs.dataloader_pin_memory and has_accelerator()}
 
 
 @pytest.mark.parametrize("trainer_cls, config_name", [(trl_ext.DPOTrainer, "DPOConfig"),

@@ -7,6 +7,7 @@ libraries' other ones, is left as it is: no global ``ignore``.
 """
 
 import functools
+import logging
 import warnings
 
 # (message regex, category, module that raises it, why it says nothing to a user)
@@ -25,3 +26,27 @@ def quiet_known_noise() -> None:
     """Filter the warnings in ``KNOWN`` for this process (once; the filters match nothing else)."""
     for message, category, module, _ in KNOWN:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+# (logger, message prefix, why it says nothing to a user)
+KNOWN_LOGS = (
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community",
+     "logged at import on CPUs with AVX512-BF16 when the optional `kernels` package is absent; bitsandbytes then uses "
+     "its own CPU kernel, and trl_ext keeps 4-bit layers off that packed path anyway (engines/quantization.py)"),
+)
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@functools.cache
+def quiet_known_logs() -> None:
+    """Drop the log records in ``KNOWN_LOGS`` (once; before the library that logs them is imported)."""
+    for name, prefix, _ in KNOWN_LOGS:
+        logging.getLogger(name).addFilter(_DropPrefix(prefix))

@@ -63,7 +63,7 @@ def adapt_to_hardware(args) -> None:
         why = ("no bf16-capable GPU" if "fp16" not in " ".join(changed) else "no GPU")
         notice(f"{' and '.join(dict.fromkeys(c.split(' ')[0] for c in changed))} is not supported on this hardware "
                f"({why}): training in fp32 instead (turned off: {', '.join(changed)}).")
-    if not has_accelerator() and args.dataloader_pin_memory:
+    if not has_accelerator() and getattr(args, "dataloader_pin_memory", False):
         args.dataloader_pin_memory = False  # nothing to pin for; torch warns once per dataloader (24 lines a run)
     if is_distributed_launch() and not has_accelerator():
         if args.ddp_backend is None:

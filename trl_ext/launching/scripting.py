@@ -32,6 +32,16 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[
     Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    # --help: the recipe's own options first, then TRL's (hundreds of lines) as argparse lists them
+    parser.usage = (f"%(prog)s [--config RECIPE.yaml] [--config accelerate_configs/NAME.yaml [--num_processes N]] "
+                    f"[--overwrite_output_dir] [TRL's {recipe} options, below]")
+    parser.description = (
+        "--config RECIPE.yaml: a recipe config (TRL's YAML; default: recipes/configs/<recipe>.yaml, the embedded tiny "
+        "model and data). --config accelerate_configs/NAME.yaml: run under that accelerate config; the recipe launches "
+        "its processes itself, so a refused input ends on its one line (under `accelerate launch`, accelerate adds "
+        "its own report). Both --config may be given. --num_processes N: with an accelerate config. "
+        "--overwrite_output_dir: replace an output_dir that holds another run. Every option below is TRL's; on the "
+        "command line it overrides the config.")
     accelerate_config, recipe_config, rest = launch.split_configs(argv)
     num_processes, rest = launch.take_option(rest, "num_processes")
     overwrite = "--overwrite_output_dir" in rest
