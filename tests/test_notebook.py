@@ -52,6 +52,8 @@ def test_quickstart_runs_twice_in_one_kernel(tmp_path, monkeypatch):
             assert report.ok and report.kind == kind, report.format()
         assert "'processes': 2, 'zero_stage': 3" in text  # the launch cell really ran on 2 ZeRO-3 processes
         assert "'partitioned': '0 of" not in text
+        assert "Launching training on" not in text  # accelerate's guess ("2 CUDAs" on CPU); trl_ext says what runs
+        assert "[trl_ext] launch: 2 processes, DeepSpeed ZeRO-3" in text
     reward_config = next(runs[1].glob("reward-*")) / "adapter_config.json"
     assert '"SEQ_CLS"' in reward_config.read_text()
     sft_cell = next(c for c in nb.cells if c.cell_type == "code" and "SFT with LoRA" in c.source)

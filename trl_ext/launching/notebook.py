@@ -25,6 +25,7 @@ import functools
 import json
 import os
 import pickle
+import sys
 import tempfile
 from pathlib import Path
 
@@ -110,6 +111,33 @@ def _run_and_report(function, result_dir: str):
     return run
 
 
+class _DropBanner:
+    """A stream that forwards everything except accelerate's "Launching training on ..." line, which names the
+    accelerator type accelerate guessed ("2 CUDAs" on a CPU-only machine); the line above it says what runs."""
+
+    def __init__(self, stream):
+        self.stream, self.dropping = stream, False
+
+    def write(self, text: str) -> int:
+        if text.startswith("Launching training on"):
+            self.dropping = True  # print() writes the newline separately
+            return len(text)
+        if self.dropping and text == "\n":
+            self.dropping = False
+            return len(text)
+        self.dropping = False
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def _without_launcher_banner():
+    with contextlib.redirect_stdout(_DropBanner(sys.stdout)):
+        yield
+
+
 def launch(function, *args, num_processes: int = 2, zero_stage: int | None = None,
            deepspeed: dict | str | None = None):
     """Run ``function(*args)`` in ``num_processes`` new processes and return rank 0's return value.
@@ -169,7 +197,8 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
         what = f"DeepSpeed ZeRO-{ds_config['zero_optimization']['stage']}" if ds_config else "data parallel (DDP)"
         where = "" if torch.cuda.is_available() else " on CPU (gloo)"
         print(f"[trl_ext] launch: {num_processes} processes, {what}{where}", flush=True)
-        with _environment(env), patches.accelerate_state_set_aside(), patches.no_import_check():
+        with (_environment(env), patches.accelerate_state_set_aside(), patches.no_import_check(),
+              _without_launcher_banner()):
             notebook_launcher(_run_and_report(function, scratch), args=args, num_processes=num_processes,
                               use_port=str(get_free_port()))  # a fresh port: a second launch never collides
         result_file = Path(scratch) / _RESULT_FILE
