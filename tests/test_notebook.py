@@ -62,3 +62,6 @@ def test_quickstart_runs_twice_in_one_kernel(tmp_path, monkeypatch):
     accuracy = re.search(r"held-out answer accuracy: 0.00 -> ([\d.]+)", _text(vlm_cell))
     assert accuracy and float(accuracy.group(1)) >= 0.3, _text(vlm_cell)  # 0.66 measured
     assert any("image/png" in out.get("data", {}) for out in vlm_cell.outputs)  # the test image and its answer
+    dpo_cell = next(c for c in nb.cells if c.cell_type == "code" and "DPOTrainer(" in c.source)
+    moved = re.search(r"rewards/accuracies: 0.000 before training, ([\d.]+) after", _text(dpo_cell))
+    assert moved and float(moved.group(1)) >= 0.6, _text(dpo_cell)  # 0.788 measured: a change a person can see
