@@ -5,6 +5,11 @@ import os
 from pathlib import Path
 
 
+def _looks_local(name: str) -> bool:
+    """Absolute, ``./``, ``../`` or ``~``, or deeper than a Hub id's ``namespace/name``."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+
+
 def check_model_path(model) -> None:
     """A model given as a local path (absolute, ``./``, ``~``, or deeper than ``namespace/name``) must exist.
 
@@ -17,8 +22,7 @@ def check_model_path(model) -> None:
     if not isinstance(model, (str, os.PathLike)):
         return
     name = str(model)
-    looks_local = os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
-    if looks_local and not Path(name).expanduser().exists():
+    if _looks_local(name) and not Path(name).expanduser().exists():
         raise FileNotFoundError(f"model path '{name}' does not exist: pass an existing model directory or a Hub "
                                 "model id (namespace/name)")
 
@@ -37,8 +41,7 @@ def check_dataset_path(name: str) -> None:
     Raises:
         FileNotFoundError: the path looks local and does not exist (the message names it and the working directory).
     """
-    looks_local = (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
-                   or name.lower().endswith(DATA_FILE_SUFFIXES))
+    looks_local = _looks_local(name) or name.lower().endswith(DATA_FILE_SUFFIXES)
     if looks_local and not Path(name).expanduser().exists():
         raise FileNotFoundError(f"dataset '{name}' does not exist (looked in {os.getcwd()}): pass an existing file or "
                                 "directory, or a Hub dataset id (namespace/name)")
