@@ -142,6 +142,21 @@ def samples(out: Path, processes: int) -> list[list[int]]:
     return [sorted(batches[i] + batches[i + 1]) for i in range(0, len(batches), 2)]
 
 
+TWO_TO_ONE = "saved on 2 processes on 1: gradient_accumulation_steps 1 -> 2, to keep the global batch size of 4"
+ONE_TO_TWO = "saved on 1 processes on 2: gradient_accumulation_steps 2 -> 1, to keep the global batch size of 4"
+
+
+def assert_continues(ref: Path, got: Path, processes: tuple[int, int], step: int, notice: str, label: str) -> None:
+    """The resumed run ``got`` (resumed at ``step``) said ``notice``, trained on the samples ``ref`` trained on after
+    ``step``, and ended within ``ATOL`` of it; ``processes``: (ref's, got's)."""
+    assert notice in (got / "launch.log").read_text()
+    assert samples(got, processes[1]) == samples(ref, processes[0])[step:], \
+        "the data did not continue at the next unseen sample"
+    diffs = compare(ref, got, step)
+    print(f"\n{label}: max abs diff {diffs}")
+    assert all(d <= ATOL for d in diffs.values()), diffs
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3")
@@ -152,12 +167,7 @@ def test_zero3_resume_on_one_process_equals_the_two_process_run(two_process_run)
     """2 -> 1 from mid-epoch 0, through the epoch boundary: universal checkpoint, accumulation 1 -> 2."""
     tmp, ref = two_process_run
     got = run(tmp, "two-to-one", 1, "--resume_from", str(ref / "checkpoint-2"))
-    log = (got / "launch.log").read_text()
-    assert "saved on 2 processes on 1: gradient_accumulation_steps 1 -> 2, to keep the global batch size of 4" in log
-    assert samples(got, 1) == samples(ref, 2)[2:], "the data did not continue at the next unseen sample"
-    diffs = compare(ref, got, 2)
-    print(f"\n2 -> 1 at step 2: max abs diff {diffs}")
-    assert all(d <= ATOL for d in diffs.values()), diffs
+    assert_continues(ref, got, (2, 1), 2, TWO_TO_ONE, "2 -> 1 at step 2")
     # Converted once, beside the original, which is untouched; an unconvertible world size is refused first
     assert (ref / "checkpoint-2" / "global_step2_universal" / "zero").is_dir()
     assert (ref / "checkpoint-2" / "latest").read_text() == "global_step2"
@@ -169,12 +179,7 @@ def test_zero3_resume_on_two_processes_equals_the_one_process_run(two_process_ru
     ref = run(tmp, "ref1", 1, "--grad_accum", "2")
     # the same command as the saved run's, on 2 processes
     got = run(tmp, "one-to-two", 2, "--grad_accum", "2", "--resume_from", str(ref / "checkpoint-4"))
-    log = (got / "launch.log").read_text()
-    assert "saved on 1 processes on 2: gradient_accumulation_steps 2 -> 1, to keep the global batch size of 4" in log
-    assert samples(got, 2) == samples(ref, 1)[4:], "the data did not continue at the next unseen sample"
-    diffs = compare(ref, got, 4)
-    print(f"\n1 -> 2 at step 4 (epoch 1.33): max abs diff {diffs}")
-    assert all(d <= ATOL for d in diffs.values()), diffs
+    assert_continues(ref, got, (1, 2), 4, ONE_TO_TWO, "1 -> 2 at step 4 (epoch 1.33)")
 
 
 @pytest.fixture(scope="module")
@@ -188,12 +193,7 @@ def test_fsdp2_resume_on_one_process_equals_the_two_process_run(fsdp2_two_proces
     tmp, ref = fsdp2_two_process_run
     assert (ref / "checkpoint-2" / "optimizer_0").is_dir() and not (ref / "checkpoint-2" / "optimizer.pt").exists()
     got = run(tmp, "two-to-one", 1, "--resume_from", str(ref / "checkpoint-2"), backend="fsdp2")
-    log = (got / "launch.log").read_text()
-    assert "saved on 2 processes on 1: gradient_accumulation_steps 1 -> 2, to keep the global batch size of 4" in log
-    assert samples(got, 1) == samples(ref, 2)[2:], "the data did not continue at the next unseen sample"
-    diffs = compare(ref, got, 2)
-    print(f"\nFSDP2 2 -> 1 at step 2: max abs diff {diffs}")
-    assert all(d <= ATOL for d in diffs.values()), diffs
+    assert_continues(ref, got, (2, 1), 2, TWO_TO_ONE, "FSDP2 2 -> 1 at step 2")
 
 
 def test_one_process_run_resumes_under_fsdp2_on_two_processes(fsdp2_two_process_run):
@@ -202,14 +202,9 @@ def test_one_process_run_resumes_under_fsdp2_on_two_processes(fsdp2_two_process_
     ref = run(tmp, "ref1", 1, "--grad_accum", "2", backend="fsdp2")
     assert (ref / "checkpoint-4" / "optimizer.pt").is_file()
     got = run(tmp, "one-to-two", 2, "--grad_accum", "2", "--resume_from", str(ref / "checkpoint-4"), backend="fsdp2")
-    log = (got / "launch.log").read_text()
-    assert "saved on 1 processes on 2: gradient_accumulation_steps 2 -> 1, to keep the global batch size of 4" in log
     report = json.loads((got / "report_rank0.json").read_text())
     assert report["fsdp_sharded"][0] == report["fsdp_sharded"][2]  # every parameter a DTensor
-    assert samples(got, 2) == samples(ref, 1)[4:], "the data did not continue at the next unseen sample"
-    diffs = compare(ref, got, 4)
-    print(f"\nFSDP2 1 -> 2 at step 4 (epoch 1.33): max abs diff {diffs}")
-    assert all(d <= ATOL for d in diffs.values()), diffs
+    assert_continues(ref, got, (1, 2), 4, ONE_TO_TWO, "FSDP2 1 -> 2 at step 4 (epoch 1.33)")
 
 
 class _Args:  # what read_plan reads from TrainingArguments
