@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The oldest supported combination (README, "Tested versions"; the lower bounds in pyproject.toml) in a second
+# The oldest supported combination (docs/versions.md; the lower bounds in pyproject.toml) in a second
 # virtual environment: the tests marked `compat` (every unit test, one 2-process ZeRO-3 save/reload, one resume
 # against the uninterrupted run, and DeepSpeed 0.19.2's checkpointing fallback). Run from the README's test command.
 set -euo pipefail

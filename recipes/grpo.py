@@ -1,5 +1,5 @@
 """GRPO with trl_ext: TRL's GRPO, with ZeRO-3-safe saving, exact resume, CPU fallbacks, and a vLLM weight sync that
-gathers one module at a time and sends the checkpoint's own names (see the README's GRPO section).
+gathers one module at a time and sends the checkpoint's own names (see docs/grpo.md).
 
 The tiny config trains the SFT-warmed embedded model on the bundled single-digit sums with a verifiable reward (the
 right sum, plus a smaller reward for answering with a bare number), generating with transformers on CPU (~5 minutes),

@@ -18,7 +18,7 @@ WEIGHTS = (".safetensors", ".safetensors.index.json")
 METADATA = (".json", ".jinja", ".txt", ".model", ".md", ".py")
 TRAINER_FILES = {"trainer_state.json", "zero_to_fp32.py", "zero_to_torch.py"}  # DeepSpeed copies its scripts in
 # PEFT keeps the first two as sets and writes them in iteration order (it changes with PYTHONHASHSEED); trl_ext writes
-# them sorted, so that every rank and every run writes the same file (README, "Saving"). PEFT applies
+# them sorted, so that every rank and every run writes the same file (docs/saving.md). PEFT applies
 # target_parameters in sorted order and does not keep the order it read when it saves again. Each load of a SEQ_CLS
 # adapter appends "classifier" and "score" to modules_to_save again: compared as sets.
 UNORDERED = {"target_modules", "modules_to_save", "target_parameters"}

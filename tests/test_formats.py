@@ -3,8 +3,8 @@
 One row per format or argument type. Each row builds the same trainer twice, once from ``trl`` and once from
 ``trl_ext``, with the same arguments (fresh objects for each side), and trains a few steps. Both train or both fail;
 where both train, the per-step losses are equal (fp32 on CPU, same seed; TRL's configs with ``bf16=False``). The few
-rows where trl_ext deliberately differs say so in ``difference`` and are listed in the README's "Deliberate
-differences from TRL". To add a row, append a ``Row`` to ``ROWS``.
+rows where trl_ext deliberately differs say so in ``difference`` and are listed in docs/differences.md
+("Deliberate differences"). To add a row, append a ``Row`` to ``ROWS``.
 """
 
 import json
@@ -250,7 +250,7 @@ def test_trains_or_fails_as_trl_does(row, tiny_model_path, tmp_path):
     got = train("trl_ext", row, tiny_model_path, str(tmp_path / "trl_ext"))
 
     if row.difference == "TRL fails":
-        assert isinstance(expected, Exception), f"TRL trains now ({row.why}): drop the README's difference"
+        assert isinstance(expected, Exception), f"TRL trains now ({row.why}): drop its row in docs/differences.md"
         assert not isinstance(got, Exception), got
         return
     outcome = {"trl": "fail" if isinstance(expected, Exception) else "train",

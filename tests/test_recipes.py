@@ -197,7 +197,7 @@ def test_vlm_sft_recipe_as_written_under_zero3_and_its_try_it_line(tmp_path):
 def test_grpo_recipe_single_process(tmp_path):
     """The GRPO recipe on its tiny config, a few steps: it trains, saves a verified model that reloads, and prints
     held-out accuracy, sampled and greedy, before and after. Learning itself is not asserted: the config's full run
-    takes minutes (its measured numbers are in the config and the README's GRPO section)."""
+    takes minutes (its measured numbers are in the config and docs/grpo.md)."""
     out = tmp_path / "grpo"
     result = run_recipe("grpo", "--output_dir", str(out), "--max_steps", "3", "--logging_steps", "1")
     assert not result.timed_out and result.returncode == 0, result.output[-6000:]

@@ -125,7 +125,7 @@ PATCHES: dict[str, Patch] = {
     "reward-head-peft-config": Patch(
         target="trl.trainer.reward_trainer.get_peft_model",
         why="with target_modules='all-linear' and no task_type TRL LoRA-wraps the reward head, whose random weights "
-            "are never trained or saved (README, report F2)",
+            "are never trained or saved (docs/fixes.md, report F2)",
         upstream="none filed: TRL 1.16 has no hook between loading the model and wrapping it with PEFT",
         remove_when="TRL keeps the head out of LoRA and in modules_to_save for reward models",
         guard=_has("trl.trainer.reward_trainer.get_peft_model"),

@@ -51,6 +51,6 @@ def destroy_gloo_group_at_exit() -> None:
     A process that exits with a live gloo group can abort at interpreter shutdown ("terminate called without an active
     exception", SIGABRT; pytorch#190489; torch's own exit hook, pytorch PR#179291, was not merged). Destroying the group
     first does not prevent it: it was still seen on 2 of about 25 launches with 40-130M-parameter models on CPU
-    (README, Known limits). The hook runs while the interpreter is whole; a group already destroyed is left alone.
+    (docs/limits.md). The hook runs while the interpreter is whole; a group already destroyed is left alone.
     """
     atexit.register(_destroy_gloo_group)

@@ -1,9 +1,10 @@
-"""The tested version range, declared in pyproject.toml, .ci/oldest.sh and the README, is one range."""
+"""The tested version range, declared in pyproject.toml, .ci/oldest.sh and docs/versions.md, is one range."""
 
 import re
 from importlib.metadata import version
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from tests.harness import REPO
@@ -23,11 +24,18 @@ def test_installed_versions_are_in_the_declared_range():
         assert requirement.specifier.contains(version(name)), f"{name} {version(name)} is not in {requirement}"
 
 
-def test_oldest_combination_is_the_lower_bounds_and_the_readme_says_it():
+def test_oldest_combination_is_the_lower_bounds_and_the_docs_say_it():
     pins = dict(re.findall(r'"([\w-]+)==([\w.]+)"', (REPO / ".ci" / "oldest.sh").read_text()))
-    readme = (REPO / "README.md").read_text()
-    oldest = next(line for line in readme.splitlines() if line.startswith("Oldest:"))
+    page = (REPO / "docs" / "versions.md").read_text()
+    oldest = next(line for line in page.splitlines() if line.startswith("Oldest:"))
     for name, requirement in _declared().items():
         lower = next(Version(s.version) for s in requirement.specifier if s.operator == ">=")
         assert Version(pins[name]) == lower, f"{name}: .ci/oldest.sh tests {pins[name]}, pyproject says {requirement}"
-        assert f"{name} {pins[name]}" in oldest, f"README's oldest combination does not name {name} {pins[name]}"
+        assert f"{name} {pins[name]}" in oldest, f"docs/versions.md's Oldest: line lacks {name} {pins[name]}"
+        # the table's row: the range pyproject.toml declares, and the oldest version .ci/oldest.sh tests
+        row = next((line for line in page.splitlines() if line.startswith(f"| {name} |")), "")
+        cells = [cell.strip().strip("`") for cell in row.strip().strip("|").split("|")]
+        assert len(cells) == 4, f"docs/versions.md has no table row for {name}"
+        assert SpecifierSet(cells[1]) == requirement.specifier, (
+            f"docs/versions.md: {name} {cells[1]}; pyproject: {requirement}")
+        assert cells[3] == pins[name], f"docs/versions.md: oldest {name} {cells[3]}, .ci/oldest.sh: {pins[name]}"
