@@ -8,10 +8,12 @@ in the backward: how many parameters are AVAILABLE in total and in the layers af
 """
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -149,6 +151,8 @@ def main():
     parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
     parser.add_argument("--probe", action="store_true", help="phase peaks and ZeRO-3 gathering during recompute")
     parser.add_argument("--gpu_0p5b", action="store_true", help="a ~0.5B Qwen2.5-shaped Llama in bf16, on a GPU")
+    parser.add_argument("--tensor_peak", action="store_true",
+                        help="also the peak bytes of live tensors (bench/_tensor_peak.py), a count")
     cli = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
@@ -171,7 +175,15 @@ def main():
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                          peft_config=None if cli.full else LoraConfig(r=8, target_modules="all-linear"),
                          callbacks=[timer, gathers] + ([probe] if cli.probe else []))
-    trainer.train()
+    tracker = contextlib.nullcontext()
+    if cli.tensor_peak:
+        from _tensor_peak import LiveTensorPeak, StepWindows  # bench/, beside this script
+
+        tracker = LiveTensorPeak()
+        windows = StepWindows(tracker)
+        trainer.add_callback(windows)
+    with tracker:
+        trainer.train()
     if torch.cuda.is_available():
         growth = torch.cuda.max_memory_allocated() - timer.gpu_at_start
     else:
@@ -184,8 +196,17 @@ def main():
                   "pid": os.getpid()}
         if cli.probe:
             result["probe"] = probe.report()
+        if cli.tensor_peak:  # each step's peak of live tensor bytes over its start, median
+            result["tensor_peak_mb"] = statistics.median(windows.growths[2:] or windows.growths) / 2**20
         print("BENCH " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
     main()
+    # Leave without interpreter teardown, as the test scripts do (tests/scripts/launched.py): a process that leaves a
+    # gloo group can abort at exit after its work is done (pytorch#190489), which would fail a finished run.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

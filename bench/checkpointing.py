@@ -43,6 +43,9 @@ def main():
     parser.add_argument("--probe", action="store_true", help="peak RSS per phase; ZeRO-3 gathering during recompute")
     parser.add_argument("--backend", choices=["zero3", "fsdp2"], default="zero3")
     parser.add_argument("--gpu_0p5b", action="store_true", help="single-process GPU variant, ~0.5B parameters")
+    parser.add_argument("--tensor_peak", action="store_true",
+                        help="peak bytes of live tensors (bench/_tensor_peak.py), a count free of allocator noise; "
+                             "slows the steps, so timings are then not comparable")
     cli = parser.parse_args()
 
     config = write_accelerate_config(Path(tempfile.mkdtemp(prefix="bench-gc-")), cli.backend)
@@ -52,7 +55,7 @@ def main():
         for mode in MODES:
             worker_args = ["--mode", mode, "--steps", str(cli.steps), "--hidden", str(cli.hidden), "--layers",
                            str(cli.layers), "--seq_len", str(cli.seq_len)]
-            worker_args += [f"--{flag}" for flag in ("full", "probe", "gpu_0p5b") if getattr(cli, flag)]
+            worker_args += [f"--{flag}" for flag in ("full", "probe", "gpu_0p5b", "tensor_peak") if getattr(cli, flag)]
             run = (run_single(worker, worker_args) if cli.gpu_0p5b
                    else accelerate_launch(worker, worker_args, config, 900))
             lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
@@ -64,11 +67,16 @@ def main():
                   f"{results[mode][-1]['gathered_per_step'] / 1e6:.2f}M elements per step "
                   f"({results[mode][-1]['gathered_per_step'] / results[mode][-1]['model_numel']:.2f}x the model)",
                   flush=True)
+            if "tensor_peak_mb" in results[mode][-1]:
+                print(f"  live tensors peak {results[mode][-1]['tensor_peak_mb']:.1f} MiB", flush=True)
             if "probe" in results[mode][-1]:
                 print("  probe " + json.dumps(results[mode][-1]["probe"]), flush=True)
 
-    print_ratio_table(results, {"step_s": "step (s)", "peak_growth_mb": "peak growth (MiB)",
-                                "gathered_per_step": "all-gathered per step (elements)"}, "reentrant")
+    columns = {"step_s": "step (s)", "peak_growth_mb": "peak growth (MiB)",
+               "gathered_per_step": "all-gathered per step (elements)"}
+    if cli.tensor_peak:
+        columns["tensor_peak_mb"] = "live tensors peak (MiB)"
+    print_ratio_table(results, columns, "reentrant")
 
 if __name__ == "__main__":
     main()

@@ -5,6 +5,7 @@ under DeepSpeed, proof that ZeRO-3 really partitioned the parameters.
 """
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shared
 import _weight_reads as weight_reads  # noqa: E402
 import launched  # tests/scripts/, beside this file
 from _gather_count import GatherCount, model_numel  # noqa: E402
+from _tensor_peak import LiveTensorPeak, StepWindows  # noqa: E402
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -275,6 +277,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--gc", choices=GC_MODES, default="default")
+    parser.add_argument("--tensor_peak", action="store_true",
+                        help="report each step's peak of live tensor bytes (bench/_tensor_peak.py)")
     parser.add_argument("--grad_accum", type=int, default=1)
     parser.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: no checkpoints)")
@@ -364,7 +368,12 @@ def main(argv: list[str] | None = None):
     if args.deepspeed_plugin is not None:
         report["zero_stage"] = args.deepspeed_plugin.zero_stage
     seen = record_samples(trainer)
-    result = trainer.train(resume_from_checkpoint=cli.resume_from or (True if cli.resume else None))
+    tracker = LiveTensorPeak() if cli.tensor_peak else contextlib.nullcontext()
+    windows = StepWindows(tracker)
+    if cli.tensor_peak:
+        trainer.add_callback(windows)
+    with tracker:
+        result = trainer.train(resume_from_checkpoint=cli.resume_from or (True if cli.resume else None))
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
         report["partition"] = (recorder.seen or {}).get("partition") or partition_report(trainer.model_wrapped)
@@ -380,6 +389,7 @@ def main(argv: list[str] | None = None):
     report["log_history"] = trainer.state.log_history
     report["steps_run_here"] = counter.steps
     report["gathered"] = {"per_step": gathers.per_step, "model": model_numel(trainer.model)}
+    report["tensor_peak_per_step"] = windows.growths
     with open(os.path.join(cli.output_dir, f"seen_rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(seen, f)
     if cli.save_steps or cli.resume or cli.resume_from:
