@@ -13,7 +13,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("TRL_EXT_CACHE", Path.home() / ".cache" / "trl_ext"))
 
 
-def cached_build(name: str, builder_module: str, *builder_args: str) -> str:
+def cached_build(name: str, builder_module: str, *builder_args: str, marker: str = "config.json") -> str:
     """Return ``cache_root()/name``, building it first with ``python -m builder_module ARGS DIR`` if it is missing.
 
     The build runs in a fresh interpreter: in the caller's process, an initialised process group (transformers'
@@ -24,17 +24,18 @@ def cached_build(name: str, builder_module: str, *builder_args: str) -> str:
         name: The directory name under the cache root; bump it when the build changes.
         builder_module: A module whose ``__main__`` writes the asset into the directory given as its last argument.
         builder_args: Arguments given to the builder before the directory.
+        marker: A file, relative to the directory, that every finished build contains.
 
     Returns:
         The path of the built asset.
     """
     target = cache_root() / name
-    if (target / "config.json").exists():
+    if (target / marker).exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
+        if not (target / marker).exists():
             if target.exists():  # a leftover that is not a finished build
                 shutil.rmtree(target)
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -42,7 +43,7 @@ def cached_build(name: str, builder_module: str, *builder_args: str) -> str:
             try:
                 proc = subprocess.run([sys.executable, "-m", builder_module, *builder_args, str(tmp)],
                                       capture_output=True, text=True, check=False)
-                if proc.returncode != 0 or not (tmp / "config.json").exists():
+                if proc.returncode != 0 or not (tmp / marker).exists():
                     raise RuntimeError(f"building {name} failed:\n{proc.stderr[-4000:]}")
                 os.rename(tmp, target)
             finally:
