@@ -7,9 +7,10 @@ python recipes/dpo.py --config recipes/configs/dpo.yaml
 python recipes/dpo.py --config recipes/configs/dpo.yaml --use_peft --lora_r 8 --output_dir outputs/my-dpo
 ```
 
-Under DeepSpeed ZeRO-3 (2 CPU processes without a GPU, one per GPU with them). Both lines do the same:
+Under DeepSpeed ZeRO-3 (2 CPU processes without a GPU, one per GPU with them). All three lines do the same:
 
 ```bash
+python recipes/dpo.py --config accelerate_configs/zero3.yaml   # no launcher warnings around it
 accelerate launch recipes/dpo.py --config accelerate_configs/zero3.yaml
 accelerate launch --config_file accelerate_configs/zero3.yaml recipes/dpo.py --config recipes/configs/dpo.yaml
 ```

@@ -13,6 +13,7 @@ python recipes/grpo.py --config recipes/configs/grpo.yaml --max_steps 20 --outpu
 Under DeepSpeed ZeRO-3 (2 CPU processes without a GPU, one per GPU with them):
 
 ```bash
+python recipes/grpo.py --config accelerate_configs/zero3.yaml   # no launcher warnings around it
 accelerate launch recipes/grpo.py --config accelerate_configs/zero3.yaml
 ```
 

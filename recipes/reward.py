@@ -8,9 +8,10 @@ python recipes/reward.py --config recipes/configs/reward.yaml
 python recipes/reward.py --config recipes/configs/reward.yaml --use_peft --lora_r 8 --output_dir outputs/my-reward
 ```
 
-Under DeepSpeed ZeRO-3 (2 CPU processes without a GPU, one per GPU with them). Both lines do the same:
+Under DeepSpeed ZeRO-3 (2 CPU processes without a GPU, one per GPU with them). All three lines do the same:
 
 ```bash
+python recipes/reward.py --config accelerate_configs/zero3.yaml   # no launcher warnings around it
 accelerate launch recipes/reward.py --config accelerate_configs/zero3.yaml
 accelerate launch --config_file accelerate_configs/zero3.yaml recipes/reward.py --config recipes/configs/reward.yaml
 ```

@@ -8,9 +8,10 @@ python recipes/sft.py --config recipes/configs/sft.yaml
 python recipes/sft.py --config recipes/configs/sft.yaml --use_peft --lora_r 8 --output_dir outputs/my-sft
 ```
 
-Under DeepSpeed ZeRO-3 (2 CPU processes without a GPU, one per GPU with them). Both lines do the same:
+Under DeepSpeed ZeRO-3 (2 CPU processes without a GPU, one per GPU with them). All three lines do the same:
 
 ```bash
+python recipes/sft.py --config accelerate_configs/zero3.yaml   # no launcher warnings around it
 accelerate launch recipes/sft.py --config accelerate_configs/zero3.yaml
 accelerate launch --config_file accelerate_configs/zero3.yaml recipes/sft.py --config recipes/configs/sft.yaml
 ```

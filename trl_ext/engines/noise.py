@@ -18,6 +18,9 @@ KNOWN = (
      "TRL reads the property around every reference or generation pass (transformers 5.23 renamed it)"),
     (r"`gradient_checkpointing_(enable|disable)` is deprecated", FutureWarning, r"transformers\.modeling_utils",
      "TRL toggles checkpointing around every generation (transformers 5.23 renamed the methods)"),
+    (r"`gradient_checkpointing(_kwargs)?` is deprecated", FutureWarning, r"transformers\.training_args",
+     "TRL's configs set the old name by default, in every process (transformers 5.23 renamed it; older releases "
+     "lack the new name, so a config cannot use it and still run on them)"),
 )
 
 

@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 
 import trl
 
+from trl_ext.engines import noise
 from trl_ext.engines.runtime import adapt_to_hardware
 
 
 class _HardwareAware:
     def __post_init__(self):
+        noise.quiet_known_noise()  # before TrainingArguments warns about TRL's own default (engines/noise.py)
         adapt_to_hardware(self)
         super().__post_init__()
 
