@@ -54,7 +54,7 @@ def test_readme_main_command(tmp_path):
         try_it = re.search(r"^\[trl_ext\] try it: (python -c .*)$", result.output, re.M).group(1)
         tried = run_command(["bash", "-c", f". .venv/bin/activate && {try_it}"], timeout=300)
         assert tried.returncode == 0 and tried.output.strip().splitlines()[-1] == reply.group(0).split(": ", 1)[1]
-        # quiet: third-party warnings raised every step are filtered (3,774 stderr lines before, 31 after), and no
+        # quiet: third-party warnings raised every step are filtered (3,774 stderr lines before, 27 after), and no
         # launcher's warning about defaults
         warning_lines = [line for line in result.output.splitlines() if "Warning:" in line]
         assert len(warning_lines) <= 10, warning_lines[:20]

@@ -119,6 +119,7 @@ def relaunch(accelerate_config: str, script: str, script_args: list[str], num_pr
     n = num_processes or default_num_processes()
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIXES)}
     env[RELAUNCHED] = accelerate_config
+    env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway, announcing it in a 4-line banner
     cmd = relaunch_command(accelerate_config, script, script_args, n)
     print(f"[trl_ext] running under {accelerate_config} with {n} processes: accelerate launch --config_file "
           f"{accelerate_config} --num_processes {n} {script} ...", file=sys.stderr, flush=True)
