@@ -83,7 +83,7 @@ def main():
                       os.path.join(cli.output_dir, "synced.safetensors"))
             with open(os.path.join(cli.output_dir, f"probes_{cli.save_model}.json"), "w") as f:
                 json.dump(probes, f)
-    weights = gathered_trainable(trainer.model, trainer.model_wrapped if trainer.is_deepspeed_enabled else None)
+    weights = gathered_trainable(trainer.model)
     if main_process:
         save_file(weights, os.path.join(cli.output_dir, "trained.safetensors"))
         with open(os.path.join(cli.output_dir, "report_rank0.json"), "w") as f:

@@ -80,24 +80,25 @@ class RecordCheckpointing(TrainerCallback):
                          "partition": partition_report(model)}
 
 
-def gathered_trainable(model, engine=None) -> dict:
-    """Full (gathered) trainable weights, on every rank. ``engine``: the DeepSpeed engine, whose prefetched
-    (in-flight) gathers are waited for first: DeepSpeed's ``GatheredParameters`` skips a parameter whose status is
-    INFLIGHT and hands back its buffer before the all-gather has filled it (seen once, on DeepSpeed 0.19.2: a
-    weight of 1.7e38 in a run whose losses and Adam states matched to the bit)."""
-    if engine is not None and hasattr(engine, "empty_partition_cache"):
-        engine.empty_partition_cache()  # waits for every in-flight gather, then releases the parameters
+def gathered_trainable(model) -> dict:
+    """Full trainable weights, on every rank (call it on every rank). Under ZeRO-3 each parameter is rebuilt from
+    every rank's partition (``ds_tensor``, which the optimizer step updates) with one all-gather, not with DeepSpeed's
+    ``GatheredParameters``: that skips a parameter whose prefetch is still in flight and hands back its buffer before
+    the all-gather has filled it (seen on DeepSpeed 0.19.2, twice, even after ``empty_partition_cache``: a weight of
+    1.7e38 or 3e17 in a run whose losses and Adam states matched to the bit)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):  # FSDP2: collective per tensor
         return {n: p.full_tensor().detach().cpu().clone().contiguous() for n, p in params.items()}
-    try:
-        import deepspeed
+    return {n: _zero3_full(p) if hasattr(p, "ds_tensor") else p.detach().cpu().clone().contiguous()
+            for n, p in params.items()}
 
-        ctx = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None)
-    except ImportError:
-        ctx = torch.no_grad()
-    with ctx:
-        return {n: p.detach().cpu().clone().contiguous() for n, p in params.items()}
+
+def _zero3_full(param) -> torch.Tensor:
+    group = param.ds_process_group
+    part = param.ds_tensor.detach().reshape(-1)
+    parts = [torch.empty_like(part) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, part, group=group)  # equal, zero-padded parts, in rank order
+    return torch.cat(parts)[: param.ds_numel].view(param.ds_shape).cpu().clone()
 
 
 class KillAtStep(TrainerCallback):
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None):
         if trainer.accelerator.is_main_process:
             with open(os.path.join(cli.output_dir, f"probes_{cli.save_model}.json"), "w") as f:
                 json.dump(probes, f)
-    weights = gathered_trainable(trainer.model, trainer.model_wrapped if trainer.is_deepspeed_enabled else None)
+    weights = gathered_trainable(trainer.model)
     if cli.record_loading and getattr(trainer, "ref_model", None) is not None:  # FSDP2: collective per tensor
         ref = {n: p.full_tensor().detach().clone().contiguous() for n, p in trainer.ref_model.state_dict().items()}
         if trainer.accelerator.is_main_process:
