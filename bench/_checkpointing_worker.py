@@ -21,6 +21,7 @@ import time
 import psutil
 import torch
 from _gather_count import GatherCount  # bench/, beside this script
+from _tensor_peak import step_peaks
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
@@ -175,14 +176,7 @@ def main():
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                          peft_config=None if cli.full else LoraConfig(r=8, target_modules="all-linear"),
                          callbacks=[timer, gathers] + ([probe] if cli.probe else []))
-    tracker = contextlib.nullcontext()
-    if cli.tensor_peak:
-        from _tensor_peak import LiveTensorPeak, StepWindows  # bench/, beside this script
-
-        tracker = LiveTensorPeak()
-        windows = StepWindows(tracker)
-        trainer.add_callback(windows)
-    with tracker:
+    with step_peaks(trainer) if cli.tensor_peak else contextlib.nullcontext([]) as peaks:
         trainer.train()
     if torch.cuda.is_available():
         growth = torch.cuda.max_memory_allocated() - timer.gpu_at_start
@@ -197,7 +191,7 @@ def main():
         if cli.probe:
             result["probe"] = probe.report()
         if cli.tensor_peak:  # each step's peak of live tensor bytes over its start, median
-            result["tensor_peak_mb"] = statistics.median(windows.growths[2:] or windows.growths) / 2**20
+            result["tensor_peak_mb"] = statistics.median(peaks[2:] or peaks) / 2**20
         print("BENCH " + json.dumps(result), flush=True)
 
 

@@ -3,6 +3,7 @@ subtracted when its storage is freed. A count, free of the allocator's retention
 the same number (bench/_checkpointing_worker.py ``--tensor_peak``). torch's MemTracker does this too, but registers a
 gradient hook on every parameter, which fails on the frozen ones LoRA leaves."""
 
+import contextlib
 import weakref
 
 import torch
@@ -60,3 +61,14 @@ class StepWindows(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.growths.append(self.tracker.growth())
+
+
+@contextlib.contextmanager
+def step_peaks(trainer):
+    """Inside the block, each optimizer step of ``trainer`` has its peak of live tensor bytes counted over those live
+    at the step's start. Yields the list of them, filled as steps end (``with step_peaks(trainer) as peaks:``)."""
+    tracker = LiveTensorPeak()
+    windows = StepWindows(tracker)
+    trainer.add_callback(windows)
+    with tracker:
+        yield windows.growths

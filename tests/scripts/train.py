@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shared
 import _weight_reads as weight_reads  # noqa: E402
 import launched  # tests/scripts/, beside this file
 from _gather_count import GatherCount, model_numel  # noqa: E402
-from _tensor_peak import LiveTensorPeak, StepWindows  # noqa: E402
+from _tensor_peak import step_peaks  # noqa: E402
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -369,11 +369,7 @@ def main(argv: list[str] | None = None):
     if args.deepspeed_plugin is not None:
         report["zero_stage"] = args.deepspeed_plugin.zero_stage
     seen = record_samples(trainer)
-    tracker = LiveTensorPeak() if cli.tensor_peak else contextlib.nullcontext()
-    windows = StepWindows(tracker)
-    if cli.tensor_peak:
-        trainer.add_callback(windows)
-    with tracker:
+    with step_peaks(trainer) if cli.tensor_peak else contextlib.nullcontext([]) as peaks:
         result = trainer.train(resume_from_checkpoint=cli.resume_from or (True if cli.resume else None))
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
@@ -390,7 +386,7 @@ def main(argv: list[str] | None = None):
     report["log_history"] = trainer.state.log_history
     report["steps_run_here"] = counter.steps
     report["gathered"] = {"per_step": gathers.per_step, "model": model_numel(trainer.model)}
-    report["tensor_peak_per_step"] = windows.growths
+    report["tensor_peak_per_step"] = peaks
     with open(os.path.join(cli.output_dir, f"seen_rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(seen, f)
     if cli.save_steps or cli.resume or cli.resume_from:
