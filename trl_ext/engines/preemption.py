@@ -52,6 +52,7 @@ class Preemption(TrainerCallback):
         self.received = 0  # the first signal this rank got
         self.stopping = 0  # the signal all ranks agreed on
         self.previous = {}
+        self.before_exit = None  # called on every rank before the exit: a background save in flight is committed
 
     def on_train_begin(self, args, state, control, **kwargs):
         if threading.current_thread() is not threading.main_thread():
@@ -86,6 +87,8 @@ class Preemption(TrainerCallback):
             self._exit(args, state)
 
     def _exit(self, args, state):
+        if self.before_exit is not None:
+            self.before_exit()
         name = signal.Signals(self.stopping).name
         checkpoint = f"{args.output_dir.rstrip('/')}/checkpoint-{state.global_step}"
         notice(f"{name} received: saved {checkpoint} (step {state.global_step}) and stopped, exit code "

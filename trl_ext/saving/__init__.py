@@ -3,6 +3,7 @@
 ``save(model, dir)`` is the one save path (``pipeline``); nothing else writes checkpoints.
 """
 
+from trl_ext.saving.background import BackgroundSaves
 from trl_ext.saving.pipeline import DEFAULT_MAX_SHARD_SIZE, save, supports
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "save", "supports"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "BackgroundSaves", "save", "supports"]

@@ -76,8 +76,9 @@ class StagedCheckpoint:
     directory, which ``get_last_checkpoint`` and ``resume_from_checkpoint=True`` never pick.
     """
 
-    def __init__(self, run_dir: str, name: str, is_writer: bool, barrier):
+    def __init__(self, run_dir: str, name: str, is_writer: bool, barrier, release=None):
         self.run_dir, self.name, self.is_writer, self.barrier = Path(run_dir), name, is_writer, barrier
+        self.release = release  # a background save: called with the rename (writer) or None, instead of renaming
         self.staging_run_dir = self.run_dir / f".{name}{PARTIAL_SUFFIX}"
         self.final = self.run_dir / name
 
@@ -96,7 +97,14 @@ class StagedCheckpoint:
         if exc_type is not None:
             return  # the staging directory stays hidden; the next save removes it
         self.barrier()  # every rank has written its files (RNG state, optimizer shards)
+        if self.release is not None:  # renamed once the weights, still being written, are committed into it
+            self.release(self.put_in_place if self.is_writer else None)
+            return
         if self.is_writer:
-            replace_dir(self.staging_run_dir / self.name, self.final)
-            self.staging_run_dir.rmdir()
+            self.put_in_place()
         self.barrier()
+
+    def put_in_place(self) -> None:
+        """The writer: the complete checkpoint renamed to ``checkpoint-N``."""
+        replace_dir(self.staging_run_dir / self.name, self.final)
+        self.staging_run_dir.rmdir()

@@ -11,11 +11,15 @@ Under FSDP2 each parameter is a ``DTensor``: with the usual ``Shard(0)`` placeme
 ``r`` holds the ``r``-th ``torch.chunk`` of its rows (``to_local()``), the full shape is ``tensor.shape``, and the
 local shards in rank order are the full tensor, so they are streamed the same way. Other placements (HSDP's 2-D
 meshes, say) are gathered whole with ``full_tensor()``, one tensor at a time.
+
+A background save streams ``LocalCopy``s instead of live parameters: each rank's own part copied to CPU memory when
+the save starts (``local_copy``), sent over a process group of its own while training goes on.
 """
 
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -28,6 +32,20 @@ class Sink(Protocol):
     def begin(self, name: str): ...
     def append(self, piece: torch.Tensor) -> None: ...
     def end(self) -> None: ...
+
+
+@dataclass
+class LocalCopy:
+    """A partitioned tensor as this rank held it when a background save started: its own part, flattened, in CPU
+    memory, and how many elements of its full contents each rank holds (padding excluded), in rank order."""
+
+    part: torch.Tensor
+    owned: list[int]
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.part.dtype
 
 
 def is_zero3(tensor: torch.Tensor) -> bool:
@@ -44,10 +62,12 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 
 def is_partitioned(tensor: torch.Tensor) -> bool:
     """A tensor whose contents are spread over the ranks (ZeRO-3 or FSDP2): reading it takes every rank."""
-    return is_zero3(tensor) or is_dtensor(tensor)
+    return isinstance(tensor, LocalCopy) or is_zero3(tensor) or is_dtensor(tensor)
 
 
 def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    if isinstance(tensor, LocalCopy):
+        return tensor.shape
     return tuple(tensor.ds_shape) if is_zero3(tensor) else tuple(tensor.shape)  # a DTensor's shape is the global one
 
 
@@ -102,6 +122,8 @@ def dtensor_rows(tensor, world: int, rank: int) -> slice | None:
 
 
 def _streamable(param, world: int) -> bool:
+    if isinstance(param, LocalCopy):
+        return True
     if is_dtensor(param):
         return dtensor_rows(param, world, 0) is not None
     part = getattr(param, "ds_tensor", None)
@@ -113,8 +135,8 @@ def _streamable(param, world: int) -> bool:
     )
 
 
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "gloo":
+def _comm_device(group=None) -> torch.device:
+    if dist.get_backend(group) == "gloo":
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
@@ -122,6 +144,8 @@ def _comm_device() -> torch.device:
 
 def _local_part(param, world: int) -> tuple[torch.Tensor, Callable[[int], int]]:
     """This rank's part of ``param``, flattened, and how many of its elements each rank holds (padding excluded)."""
+    if isinstance(param, LocalCopy):
+        return param.part, param.owned.__getitem__
     if is_dtensor(param):
         per_row = math.prod(param.shape[1:])
 
@@ -135,7 +159,27 @@ def _local_part(param, world: int) -> tuple[torch.Tensor, Callable[[int], int]]:
     return part, lambda r: max(0, min(size, param.ds_numel - r * size))  # the last parts carry padding
 
 
-def _stream_partitions(param, sink: Sink | None, writer_rank: int, device: torch.device) -> None:
+def local_copy(tensor: torch.Tensor) -> "LocalCopy | torch.Tensor | None":
+    """What a background save keeps of ``tensor`` when it starts: this rank's part of a partitioned tensor (a
+    ``LocalCopy``), or a whole tensor, copied to CPU memory. None for parts that cannot be streamed (NVMe offload,
+    quantized partitions, 2-D meshes): such a model is saved in the foreground.
+
+    Args:
+        tensor: a live parameter or buffer, possibly ZeRO-3 or FSDP2 sharded.
+
+    Returns:
+        The copy, or None.
+    """
+    if not is_partitioned(tensor):
+        return tensor.detach().to("cpu", copy=True)
+    world = dist.get_world_size()
+    if not _streamable(tensor, world):
+        return None
+    part, owned = _local_part(tensor, world)
+    return LocalCopy(part.to("cpu", copy=True), [owned(r) for r in range(world)], full_shape(tensor))
+
+
+def _stream_partitions(param, sink: Sink | None, writer_rank: int, device: torch.device, group=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     part, owned_by = _local_part(param, world)
     chunk = max(1, CHUNK_BYTES // part.element_size())
@@ -147,10 +191,10 @@ def _stream_partitions(param, sink: Sink | None, writer_rank: int, device: torch
                 if sink is not None:
                     sink.append(part[start : start + n])
             elif rank == r:
-                dist.send(part[start : start + n].to(device), dst=writer_rank)
+                dist.send(part[start : start + n].to(device), dst=writer_rank, group=group)
             elif rank == writer_rank:
                 received = torch.empty(n, dtype=part.dtype, device=device)
-                dist.recv(received, src=r)
+                dist.recv(received, src=r, group=group)
                 if sink is not None:
                     sink.append(received)
 
@@ -218,36 +262,38 @@ def _write_whole(named, sink: Sink | None) -> None:
             sink.end()
 
 
-def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective: bool, writer_rank: int | None) -> None:
+def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective: bool, writer_rank: int | None,
+           group=None) -> None:
     """Feed each tensor's full contents to ``sink``, in order: ``begin(name)``, ``append(piece)``..., ``end()``.
 
     Call on every rank. ``sink``: None on ranks that do not write. ``collective``: the model is ZeRO-3 partitioned,
     so every rank takes part. ``writer_rank``: the one writing rank, or None when several ranks write (each then gathers
-    whole parameters, one module at a time).
+    whole parameters, one module at a time). ``group``: the process group of the transfers (default: the default
+    one); ``LocalCopy``s are always streamed to ``writer_rank``.
     """
     if not collective:
         _write_whole(named, sink)
         return
     world = dist.get_world_size()
-    device = _comm_device()
+    device = _comm_device(group)
     with torch.no_grad():
-        group: list[tuple[str, torch.Tensor]] = []  # consecutive tensors of one module to gather whole
+        batch: list[tuple[str, torch.Tensor]] = []  # consecutive tensors of one module to gather whole
         for item in [*named, None]:
             if item is not None and is_partitioned(item[1]) and writer_rank is not None and _streamable(item[1], world):
-                _gather_and_write(group, sink)
-                group = []
+                _gather_and_write(batch, sink)
+                batch = []
                 name, param = item
                 if sink is not None:
                     sink.begin(name)
-                _stream_partitions(param, sink, writer_rank, device)
+                _stream_partitions(param, sink, writer_rank, device, group)
                 if sink is not None:
                     sink.end()
                 continue
-            if group and (item is None or item[0].rpartition(".")[0] != group[0][0].rpartition(".")[0]):
-                _gather_and_write(group, sink)
-                group = []
+            if batch and (item is None or item[0].rpartition(".")[0] != batch[0][0].rpartition(".")[0]):
+                _gather_and_write(batch, sink)
+                batch = []
             if item is not None:
-                group.append(item)
+                batch.append(item)
 
 
 def _gather_and_write(group: list[tuple[str, torch.Tensor]], sink: Sink | None) -> None:

@@ -16,6 +16,8 @@ sees), or each node's ranks write that node's copy (node-local storage, ``save_o
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -27,6 +29,7 @@ from accelerate.utils import is_peft_model
 
 from trl_ext.errors import NONFINITE, CheckpointError
 from trl_ext.saving import gather, hub_format, verify, written_check
+from trl_ext.saving.background import BackgroundSaves
 from trl_ext.saving.commit import PARTIAL_SUFFIX, commit
 from trl_ext.saving.plan import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -71,7 +74,7 @@ class _Collect:
         return self.tensors
 
 
-def _stream_units(model, units, sink, collective: bool, writer_rank: int | None) -> None:
+def _stream_units(model, units, sink, collective: bool, writer_rank: int | None, group=None) -> None:
     """Feed the units' outputs to ``sink`` in plan order: renamed tensors streamed in chunks, converted groups gathered
     whole (one at a time) and converted on the writing rank. Every rank calls it, as ``gather.stream``."""
     run: list[tuple[str, torch.Tensor]] = []  # consecutive streamed tensors, under their Hub names
@@ -80,12 +83,12 @@ def _stream_units(model, units, sink, collective: bool, writer_rank: int | None)
             run.append((unit.outputs[0].name, unit.sources[0][1]))
             continue
         if run:
-            gather.stream(run, sink, collective, writer_rank)
+            gather.stream(run, sink, collective, writer_rank, group)
             run = []
         if unit is None:
             continue
         whole = _Collect(unit.sources, copy=collective) if sink is not None else None
-        gather.stream(unit.sources, whole, collective, writer_rank)
+        gather.stream(unit.sources, whole, collective, writer_rank, group)
         if sink is not None:
             sink.convert_and_write(lambda: hub_format.to_hub(model, whole.result()), unit.outputs)
 
@@ -176,10 +179,10 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _errors_on_all_ranks(error: str | None) -> list[str]:
+def _errors_on_all_ranks(error: str | None, group=None) -> list[str]:
     """Every rank's error (None if fine), on every rank."""
     everyone = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, error)
+    torch.distributed.all_gather_object(everyone, error, group=group)
     return [e for e in everyone if e]
 
 
@@ -191,7 +194,8 @@ def _copies(leaders: list[int], world: int) -> list[list[int]]:
 
 
 def save(model, output_dir: str, *, processing_class=None, training_args=None,
-         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool | None = None) -> None:
+         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool | None = None,
+         background: BackgroundSaves | None = None, held: bool = False) -> None:
     """Save ``model`` (a transformers model or a PEFT model, possibly ZeRO-3 or FSDP2 sharded) to ``output_dir``.
 
     PEFT models are written as the adapter only (``adapter_model.safetensors`` + ``adapter_config.json``); other
@@ -211,17 +215,25 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             FSDP2 files may be smaller, so that every rank has some to write (``split_for_writers``).
         is_writer: whether this rank leads a copy of the checkpoint: stages it, writes its configuration files and
             commits it (default: ``training_args.should_save``, else rank 0).
+        background: save in the background: this call returns once each rank has copied its own part of the weights
+            to CPU memory, and ``background`` runs the rest (call it on every rank, each with its ``BackgroundSaves``;
+            its ``wait`` reports the outcome). A model whose parts cannot be copied (NVMe offload, quantized
+            partitions, 2-D meshes) or that is written once per node is saved in the foreground.
+        held: with ``background``, commit only once ``background.release`` is called.
 
     Raises:
         errors.CheckpointError: the save failed or its files failed verification; nothing was committed and the
-            previous contents of ``output_dir`` are untouched.
+            previous contents of ``output_dir`` are untouched. In the background: raised by ``background.wait``.
     """
     if is_writer is None:
         is_writer = training_args.should_save if training_args is not None else (
             not _distributed() or torch.distributed.get_rank() == 0)
+    target = Path(output_dir).absolute()
     # Partitioned parameters need every rank at every transfer; whole ones are read by the writer alone.
     collective = _distributed() and any(gather.is_partitioned(p) for p in model.parameters())
     if not collective and not is_writer:
+        if background is not None:  # it answers the step-boundary checks like the ranks that write
+            background.mark_in_flight(str(target))
         return
     rank = torch.distributed.get_rank() if collective else 0
     copies = _copies(_ranks_where(is_writer), torch.distributed.get_world_size()) if collective else [[0]]
@@ -233,7 +245,6 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
                    for ws in plan_weight_sets(model, max_shard_size)]
     check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
     owners = [[assign_files(ws.plan, ranks) for ranks in copies] for ws in weight_sets]
-    target = Path(output_dir).absolute()
     staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
     started = time.monotonic()
 
@@ -242,15 +253,58 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     if collective:  # the other writers open files in the staging directory: it must exist, or all stop here
         everyone = _errors_on_all_ranks(error)  # a collective: every rank calls it
         error = error or "; ".join(dict.fromkeys(everyone)) or None
+    wanted = background is not None and len(copies) == 1 and error is None
+    copied = _copied(weight_sets, collective) if wanted else None
+    if wanted and collective and _errors_on_all_ranks(None if copied is not None else "cannot copy"):
+        copied = None  # the same choice on every rank: the foreground, if any rank cannot copy its parts
+    finish = functools.partial(_finish, model, target, staging, error, owners, copies, mine, rank, is_writer,
+                               collective, started)
+    if copied is None:
+        finish(weight_sets, None, commit)
+        return
+    group = background.group() if collective else None
+    if held and is_writer:  # the caller writes the rest of the checkpoint there while the weights are written
+        target.mkdir(parents=True, exist_ok=True)
+    background.start(lambda: finish(copied, group, background.commit), str(target),
+                     sum(_nbytes(t) for ws in copied for u in ws.units for _, t in u.sources), held=held)
+
+
+def _copied(weight_sets, collective: bool):
+    """The weight sets with each source replaced by this rank's CPU copy of it (``gather.local_copy``): what a
+    background save streams. None if some source cannot be copied."""
+    copied = []
+    for ws in weight_sets:
+        units = []
+        for unit in ws.units:
+            sources = [(name, gather.local_copy(t) if collective else t.detach().to("cpu", copy=True))
+                       for name, t in unit.sources]
+            if any(t is None for _, t in sources):
+                return None
+            units.append(dataclasses.replace(unit, sources=sources))
+        copied.append(dataclasses.replace(ws, units=units))
+    return copied
+
+
+def _nbytes(tensor) -> int:
+    part = tensor.part if isinstance(tensor, gather.LocalCopy) else tensor
+    return part.numel() * part.element_size()
+
+
+def _finish(model, target: Path, staging: Path, error, owners, copies, mine, rank: int, is_writer: bool,
+            collective: bool, started: float, weight_sets, group, commit_with) -> None:
+    """The rest of a save, on every rank (in the foreground, or on a background save's thread with its own process
+    group): stream and write the weights, sync and check the files, agree, commit. Raises on every rank if any
+    failed."""
     writers = []
     if error is None:
-        error, writers = _write_weights(model, staging, weight_sets, owners, copies.index(mine), rank, collective)
+        error, writers = _write_weights(model, staging, weight_sets, owners, copies.index(mine), rank, collective,
+                                        group)
     error = error or _synced(writers, staging)
     unverified, checked = _check_own_files(target, staging, writers) if not error else (None, {})
     error = error or unverified
     if collective:  # every rank's files and their checks, on the rank that leads its copy
         everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, (error, checked))
+        torch.distributed.all_gather_object(everyone, (error, checked), group=group)
         if is_writer and not error:
             error = next((everyone[r][0] for r in mine if everyone[r][0]), None)
             unverified = error if getattr(error, "kind", None) in ("verification", NONFINITE) else None
@@ -264,12 +318,12 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
         unverified = error = _check_directory(model, target, staging, weight_sets, checked)
     if is_writer and error and not unverified:  # files that failed verification are kept for inspection
         shutil.rmtree(staging, ignore_errors=True)
-    _raise_if_any_failed(error, collective)
+    _raise_if_any_failed(error, collective, group)
     if is_writer:
-        commit(staging, target)
+        commit_with(staging, target)
         logger.info(f"[trl_ext] saved and verified {target} in {time.monotonic() - started:.1f}s")
     if collective:
-        torch.distributed.barrier()  # nobody reads the checkpoint before it is in place
+        torch.distributed.barrier(group=group)  # nobody reads the checkpoint before it is in place
 
 
 def _stage(model, target: Path, staging: Path, weight_sets, processing_class, training_args) -> str | None:
@@ -300,7 +354,7 @@ def _units_by_file(ws) -> dict[str, list]:
 
 
 def _write_weights(model, staging: Path, weight_sets, owners, copy_index: int, rank: int,
-                   collective: bool) -> tuple[str | None, list[tuple[ShardStreamWriter, dict]]]:
+                   collective: bool, group=None) -> tuple[str | None, list[tuple[ShardStreamWriter, dict]]]:
     """Every rank: each file's tensors streamed to the rank that writes it (with one copy, only to that rank; with a
     copy per node, gathered whole by each node's writer). A writer that already failed keeps taking part, writing
     nothing. Returns the error and this rank's file writers with their plans, still syncing."""
@@ -311,7 +365,7 @@ def _write_weights(model, staging: Path, weight_sets, owners, copy_index: int, r
         sink = _Guarded(writer, error) if writer is not None else None
         for filename, units in _units_by_file(ws).items():
             writer_rank = ws_owners[0][filename] if len(ws_owners) == 1 else None
-            _stream_units(model, units, sink if filename in files else None, collective, writer_rank)
+            _stream_units(model, units, sink if filename in files else None, collective, writer_rank, group)
         if sink is None:
             continue
         writers.append((writer, files))
@@ -374,9 +428,9 @@ def _synced(writers, staging: Path) -> str | None:
     return error
 
 
-def _raise_if_any_failed(error: str | None, collective: bool) -> None:
+def _raise_if_any_failed(error: str | None, collective: bool, group=None) -> None:
     """Raise on every rank if any rank failed (one collective call when the save was collective)."""
-    failures = _errors_on_all_ranks(error) if collective else [error] if error else []
+    failures = _errors_on_all_ranks(error, group) if collective else [error] if error else []
     if failures:
         diverged = [f for f in failures if getattr(f, "kind", None) == NONFINITE]  # a Problem keeps its kind
         raise CheckpointError("saving failed: " + "\n".join(dict.fromkeys(failures)),

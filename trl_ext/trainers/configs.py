@@ -1,8 +1,8 @@
 """TRL's config classes, adapted to the hardware before validation (see ``runtime.adapt_to_hardware``).
 
 They are subclasses: every field, default and CLI flag is TRL's, and ``isinstance(cfg, trl.DPOConfig)`` holds.
-Fields added: ``max_shard_size`` for trl_ext's save path and ``save_on_preemption`` (every config), and
-``vllm_request_timeout`` (GRPO, RLOO).
+Fields added: ``max_shard_size`` for trl_ext's save path, ``save_in_background`` and ``save_on_preemption`` (every
+config), and ``vllm_request_timeout`` (GRPO, RLOO).
 """
 
 from dataclasses import dataclass, field
@@ -26,6 +26,14 @@ class _SaveOptions:
         default="50GB",
         metadata={"help": "Largest safetensors file a full-model save writes (e.g. '5GB'). Saving streams tensor by "
                           "tensor, so this does not change memory use."},
+    )
+    save_in_background: bool = field(
+        default=False,
+        metadata={"help": "Write checkpoint-N's weights while training goes on: a checkpoint blocks training only "
+                          "while each rank copies its own part of the weights to CPU memory (and while the optimizer "
+                          "states are written, as before). The checkpoint appears, and older ones are rotated out, "
+                          "once it is written and verified; a failure stops training on every rank at the next step. "
+                          "The run's last checkpoint and trainer.save_model() are written in the foreground."},
     )
     save_on_preemption: bool = field(
         default=True,
