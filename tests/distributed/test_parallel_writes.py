@@ -1,6 +1,7 @@
 """Every rank writes: under 4-process ZeRO-3 and FSDP2 each rank writes some of the weight files of every save (final
 and checkpoint-N), balanced by bytes, and the result is what ``save_pretrained`` writes and reloads to the trained
-outputs in a fresh process (``test_saving``'s checks)."""
+outputs in a fresh process (``test_saving``'s checks). The SFT runs write checkpoint-2 in the background
+(``save_in_background``; checkpoint-4, the last, and the final save in the foreground)."""
 
 import json
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 WORLD = 4
 # 40 KB files: the tiny model (483 KB in fp32, its two largest tensors 93 KB) then has enough files to balance
-RUNS = [("sft", ["--save_steps", "2", "--max_shard_size", "40KB", "--record_writes"]),
+RUNS = [("sft", ["--save_steps", "2", "--max_shard_size", "40KB", "--record_writes", "--save_in_background"]),
         ("reward", ["--max_shard_size", "40KB", "--record_writes"])]
 
 

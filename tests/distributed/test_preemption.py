@@ -30,6 +30,11 @@ CASES = {
         "reward", ["--lora"], ["--signal_at_step", "3", "--signal_rank", "1", "--signal", "SIGUSR1"], 3),
     # rank 0: the tiny model is one file, which rank 0 writes
     "sft-full-one-rank-sigterm-mid-save": ("sft", [], ["--signal_during_save", "2", "--signal_rank", "0"], 2),
+    # save_in_background: the signal comes while checkpoint-2 is still being written (its writer waits for step 3's
+    # end); checkpoint-2 is committed, then checkpoint-3, in the foreground, before the exit
+    "sft-full-every-rank-sigterm-while-a-background-save-is-in-flight": (
+        "sft", ["--config_json", '{"save_in_background": true}'],
+        ["--signal_at_step", "3", "--hold_save", "2", "3"], 3),
 }
 
 
@@ -42,7 +47,8 @@ def preempted(tmp_path_factory):
         stopped[case] = train(tmp, trainer, case, *args, *signal_args)
         checkpoint = tmp / case / f"checkpoint-{saved}"  # what the stop left, before the resume adds to it
         left[case] = (get_last_checkpoint(str(tmp / case)), digest(checkpoint) if checkpoint.is_dir() else None,
-                      audit(str(checkpoint), base=default_model_path()))
+                      audit(str(checkpoint), base=default_model_path()),
+                      sorted(p.name for p in (tmp / case).glob("checkpoint-*")))
     argvs = [["--trainer", trainer, *args, *TRAIN, "--resume", "--output_dir", str(tmp / case)]
              for case, (trainer, args, _, _) in CASES.items()]
     config = write_accelerate_config(tmp / "configs", "zero3")
@@ -68,9 +74,11 @@ def test_preempted_job_saves_exits_and_resumes_as_uninterrupted(preempted, zero3
     assert re.search(rf"exitcode\s*: {code}\b", root_cause), stopped.output[-4000:]
     assert codes and set(codes) <= {str(code), "-15"}, stopped.output[-4000:]
     assert stopped.returncode == 1  # torchrun's own code for a failed worker: it does not pass the worker's on
-    last, before, report = left[case]
+    last, before, report, committed = left[case]
     assert last == str(out / f"checkpoint-{saved}")
     assert report.ok, report.format()
+    if "--hold_save" in signal_args:  # the save in flight was completed, not lost
+        assert committed == ["checkpoint-2", "checkpoint-3"], committed
 
     assert resumed.returncode == 0, resumed.output[-6000:]
     assert digest(out / f"checkpoint-{saved}") == before

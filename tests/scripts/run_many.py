@@ -15,7 +15,7 @@ import launched  # tests/scripts/, beside this file
 from accelerate.state import AcceleratorState, GradientState
 
 PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--fail_save", "--gather_whole",
-            "--signal_during_save")
+            "--signal_during_save", "--hold_save")
 
 if __name__ == "__main__":
     script = importlib.import_module(Path(sys.argv[1]).stem)  # beside this file, on sys.path

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None):
                         "iter_merged.safetensors")
     parser.add_argument("--gather_whole", action="store_true", help="use the GatheredParameters path for every param")
     parser.add_argument("--record_writes", action="store_true", help="each rank's bytes written per save")
+    parser.add_argument("--save_in_background", action="store_true", help="checkpoints written in the background")
     cli = parser.parse_args(argv)
     out = Path(cli.output_dir)
     WRITES.clear()
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None):
         output_dir=str(out), max_steps=cli.max_steps, per_device_train_batch_size=2, learning_rate=1e-2,
         logging_steps=1, report_to="none", seed=0, dataloader_num_workers=0, gradient_checkpointing=False,
         save_strategy="steps" if cli.save_steps else "no", save_steps=cli.save_steps or 500,
-        max_shard_size=cli.max_shard_size,
+        max_shard_size=cli.max_shard_size, save_in_background=cli.save_in_background,
     )
     peft_config = None
     if cli.lora:

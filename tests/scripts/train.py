@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -169,6 +170,30 @@ def kill_every_rank_during_save(step: int, peers: list[int]) -> None:
     shards.ShardStreamWriter.end = write_then_die
 
 
+class HoldSave(TrainerCallback):
+    """A background save provably overlaps training: the writer of checkpoint-``step`` waits, before its files are
+    finished, until optimizer step ``until`` has ended on its rank (if training waited for the save, it never would:
+    the save fails after 120 s). Records each step's end and the wait, with times, for the report."""
+
+    def __init__(self, step: int, until: int):
+        self.step, self.until, self.reached, self.events = step, until, threading.Event(), []
+        finish = shards.ShardStreamWriter.finish
+
+        def held_finish(writer):
+            if f"checkpoint-{step}" in str(writer.directory) and not self.reached.is_set():
+                self.events.append(("writer_waits", step, time.monotonic()))
+                if not self.reached.wait(120):
+                    raise RuntimeError(f"no step ended while checkpoint-{step} was being written")
+            finish(writer)
+
+        shards.ShardStreamWriter.finish = held_finish
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(("step_end", state.global_step, time.monotonic()))
+        if state.global_step == self.until:
+            self.reached.set()
+
+
 def fail_writes(step: int, code: str) -> None:
     """Simulate a disk that fills up (ENOSPC) or a directory that becomes read-only (EACCES) under the writer, while
     checkpoint-``step`` is written."""
@@ -296,6 +321,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--signal", default="SIGTERM", choices=["SIGTERM", "SIGUSR1"])
     parser.add_argument("--signal_rank", type=int, default=None, help="only this rank gets the signal")
     parser.add_argument("--fail_errno", default="ENOSPC", choices=["ENOSPC", "EACCES"])
+    parser.add_argument("--hold_save", type=int, nargs=2, default=None, metavar=("N", "M"),
+                        help="checkpoint-N's writer waits until step M has ended (save_in_background)")
     parser.add_argument("--load_in_4bit", action="store_true", help="QLoRA: a BitsAndBytesConfig in model_init_kwargs")
     parser.add_argument("--bnb_4bit_quant_type", default="nf4", choices=["nf4", "fp4"])
     parser.add_argument("--bnb_4bit_quant_storage", default=None, help="default: bitsandbytes' (uint8)")
@@ -348,6 +375,9 @@ def main(argv: list[str] | None = None):
     callbacks = [recorder, counter, gathers]
     if cli.kill_at_step:
         callbacks.append(KillAtStep(cli.kill_at_step, cli.kill_rank))
+    hold = HoldSave(*cli.hold_save) if cli.hold_save else None
+    if hold is not None:
+        callbacks.append(hold)
     if cli.signal_at_step:
         callbacks.append(SignalAtStep(cli.signal_at_step, cli.signal_rank, getattr(signal, cli.signal)))
     if cli.signal_during_save:
@@ -403,6 +433,14 @@ def main(argv: list[str] | None = None):
         rank = trainer.accelerator.process_index
         save_file(optim, os.path.join(cli.output_dir, f"optimizer_rank{rank}.safetensors"))
     report["checkpointing"] = recorder.seen
+    saves = getattr(trainer, "_background", None)
+    if saves is not None:  # background saves: when each started and finished, and this rank's CPU copy
+        own = [p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+               for p in trainer.model.parameters() if p.requires_grad or not cli.lora]
+        with open(os.path.join(cli.output_dir, f"saves_rank{args.process_index}.json"), "w") as f:
+            json.dump({"events": [(kind, Path(target).name, t) for kind, target, t in saves.events],
+                       "held": hold.events if hold is not None else [], "snapshot_bytes": saves.snapshot_bytes,
+                       "own_bytes": sum(t.nbytes for t in own)}, f)
     if cli.load_in_4bit:
         report["quantization"] = quantization_report(trainer.model)
     if cli.save_model:
