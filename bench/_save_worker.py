@@ -1,9 +1,13 @@
-"""One save under ZeRO-3 or FSDP2: trl_ext's save path (every rank writes), the same with one writing rank (as before
-every rank wrote), or transformers' Trainer.save_model (plain TRL).
+"""One save under ZeRO-3 or FSDP2: trl_ext's save path (every rank writes), the same in the background
+(``saving.save(..., background=...)``, what ``save_in_background`` does for checkpoints), the same with one writing
+rank (as before every rank wrote), or transformers' Trainer.save_model (plain TRL).
 
 Trains one step (so the engine exists, as in a real run), then saves while a thread samples rank 0's RSS every 2 ms.
-Prints ``BENCH {json}`` on rank 0: save wall time, peak RSS growth over the pre-save level, and the bytes of weights
-each rank wrote (trl_ext).
+Saves twice, as a run saves its checkpoints: the first save of a run also plans the layout and (background) allocates
+the CPU copy, which later saves reuse. Prints ``BENCH {json}`` on rank 0, for the second save and the first: the time
+training is blocked (the slowest rank's; for a foreground save, the whole save), the save's wall time until it is
+committed on every rank; peak RSS growth over the level before the first save, the bytes of weights each rank wrote
+per save (trl_ext), and each rank's CPU copy (background).
 Before the baseline, free heap memory is handed back to the OS (``malloc_trim``): otherwise a save could reuse
 memory the training step freed and look smaller than it is.
 """
@@ -37,7 +41,8 @@ class PeakRSS(threading.Thread):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["trl_ext", "trl_ext-one-writer", "transformers"], required=True)
+    parser.add_argument("--impl", choices=["trl_ext", "trl_ext-background", "trl_ext-one-writer", "transformers"],
+                        required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_shard_size", required=True)
@@ -66,18 +71,42 @@ def main():
     monitor = PeakRSS()
     base = monitor.process.memory_info().rss
     monitor.start()
-    start = time.perf_counter()
-    trainer.save_model(os.path.join(cli.output_dir, "saved"))
-    torch.distributed.barrier()
-    elapsed = time.perf_counter() - start
+    saves = trl_ext.saving.BackgroundSaves() if cli.impl == "trl_ext-background" else None
+    timings = [save_once(trainer, saves, os.path.join(cli.output_dir, f"saved-{i}"), cli.max_shard_size)
+               for i in range(2)]
     monitor.running = False
     monitor.join()
-    per_rank = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(per_rank, written["bytes"])
+    world = torch.distributed.get_world_size()
+    per_rank, copies = [None] * world, [None] * world
+    torch.distributed.all_gather_object(per_rank, written["bytes"] // 2)
+    torch.distributed.all_gather_object(copies, saves.snapshot_bytes if saves is not None else 0)
     if trainer.accelerator.is_main_process:
         params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.model.parameters())
-        print("BENCH " + json.dumps({"save_s": elapsed, "peak_growth_mb": (monitor.peak - base) / 2**20,
-                                     "params": params, "written_per_rank": per_rank}), flush=True)
+        (first_blocked, first_save), (blocked, save) = timings
+        print("BENCH " + json.dumps({"save_s": save, "blocked_s": blocked, "first_save_s": first_save,
+                                     "first_blocked_s": first_blocked, "peak_growth_mb": (monitor.peak - base) / 2**20,
+                                     "params": params, "written_per_rank": per_rank, "copy_per_rank": copies}),
+              flush=True)
+
+
+def save_once(trainer, saves, directory: str, max_shard_size: str) -> tuple[float, float]:
+    """One save: the slowest rank's blocking time (for a foreground save, all of it) and the time until it is
+    committed on every rank."""
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    if saves is None:
+        trainer.save_model(directory)
+    else:  # the call trainer.save_model makes, in the background (save_in_background does it for checkpoints)
+        trl_ext.saving.save(trainer.model, directory, processing_class=trainer.processing_class,
+                            training_args=trainer.args, max_shard_size=max_shard_size, background=saves)
+    blocked = time.perf_counter() - start  # this rank's training would resume here
+    if saves is not None:
+        saves.wait()
+    torch.distributed.barrier()
+    elapsed = time.perf_counter() - start
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, blocked if saves is not None else elapsed)
+    return max(everyone), elapsed
 
 
 def count_written_bytes() -> dict:

@@ -1,11 +1,15 @@
-"""Saving a full model under ZeRO-3 (or FSDP2) on CPU: trl_ext's save path, where every rank writes, against the same
-path with one writing rank (as before) and transformers' Trainer.save_model.
+"""Saving a full model under ZeRO-3 (or FSDP2) on CPU: trl_ext's save path, where every rank writes, in the
+foreground and in the background, against the same path with one writing rank (as before) and transformers'
+Trainer.save_model.
 
-    python bench/save.py [--repeats 2] [--layers 12] [--moe] [--fsdp2] [--processes 4]
+    python bench/save.py [--repeats 2] [--layers 12] [--hidden 768] [--moe] [--fsdp2] [--processes 4]
 
 The model is a random Llama with hidden 768, 12 layers and a 32k vocabulary (134M parameters, 537 MB in fp32), in
 the embedded model's format. Both sides train one step under ZeRO-3 (gather flag on, as transformers' path needs)
 and then save with shards of a quarter of the model. Runs alternate (transformers, trl_ext, ...); medians shown.
+"blocked" is how long training waits (the slowest rank; a foreground save blocks for all of it); "save" until the
+save is committed on every rank. Each run saves twice, as a training run saves checkpoints: the table shows the second
+save ("first" columns: a run's first save, which also plans the layout and allocates the background's CPU copy).
 Memory: rank 0's peak RSS growth during the save, over its level just before it. With ``--moe``, a Qwen3-MoE
 (hidden 512, 32 experts per layer, 581 MB for 4 layers) whose fused experts both sides convert back to the Hub's
 per-expert tensors: trl_ext one layer's experts at a time. With ``--fsdp2``, under 2-process FSDP2
@@ -25,10 +29,10 @@ from _harness import (  # bench/_harness.py, beside this script
     write_accelerate_config,
 )
 
-IMPLS = ["transformers", "trl_ext-one-writer", "trl_ext"]
+IMPLS = ["transformers", "trl_ext-one-writer", "trl_ext", "trl_ext-background"]
 
 
-def build_model(directory: Path, layers: int, moe: bool) -> tuple[int, int]:
+def build_model(directory: Path, layers: int, moe: bool, hidden: int = 768) -> tuple[int, int]:
     """A random Llama (or Qwen3-MoE) with the embedded model's tokenizer; returns its size and its largest group of
     tensors converted together (one layer's experts), in bytes."""
     import torch
@@ -44,8 +48,8 @@ def build_model(directory: Path, layers: int, moe: bool) -> tuple[int, int]:
                                 num_experts_per_tok=2, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
                                 **common)
     else:
-        config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=12,
-                             **common)
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+                             num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, **common)
     torch.manual_seed(0)
     model = (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config)
     model.save_pretrained(directory)
@@ -61,13 +65,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768, help="Llama's hidden size (1536 with 16 layers: 0.55B)")
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE, whose experts are converted on save")
     parser.add_argument("--fsdp2", action="store_true", help="under FSDP2 instead of DeepSpeed ZeRO-3")
     parser.add_argument("--processes", type=int, default=2)
     cli = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-save-"))
-    model_bytes, group_bytes = build_model(work / "model", cli.layers, cli.moe)
+    model_bytes, group_bytes = build_model(work / "model", cli.layers, cli.moe, cli.hidden)
     shard = f"{model_bytes // 4 // 1000}KB"  # a quarter of the model; a unit both parsers accept
     print(f"model: {model_bytes / 1e6:.0f} MB; max_shard_size {shard}"
           + (f"; largest converted group (one layer's experts) {group_bytes / 2**20:.0f} MiB" if cli.moe else ""),
@@ -88,12 +93,17 @@ def main():
             results[impl].append(json.loads(lines[-1][6:]))
             r = results[impl][-1]
             r["busiest_share"] = max(r["written_per_rank"]) / model_bytes  # 0 for transformers (not counted)
-            print(f"repeat {repeat + 1} {impl:<18} save {r['save_s']:.2f}s  peak +{r['peak_growth_mb']:.0f} MiB  "
-                  f"({r['params'] / 1e6:.0f}M params); bytes written per rank / model: "
-                  f"{[round(b / model_bytes, 3) for b in r['written_per_rank']]}", flush=True)
+            r["copy_share"] = max(r["copy_per_rank"]) / model_bytes  # background: the largest rank's CPU copy
+            print(f"repeat {repeat + 1} {impl:<18} blocked {r['blocked_s']:.3f}s (first {r['first_blocked_s']:.3f}s)  "
+                  f"save {r['save_s']:.2f}s  "
+                  f"peak +{r['peak_growth_mb']:.0f} MiB  ({r['params'] / 1e6:.0f}M params); bytes written per "
+                  f"rank / model: {[round(b / model_bytes, 3) for b in r['written_per_rank']]}; CPU copy per rank / "
+                  f"model: {[round(b / model_bytes, 3) for b in r['copy_per_rank']]}", flush=True)
 
-    print_ratio_table(results, {"save_s": "save (s)", "peak_growth_mb": "peak growth (MiB)",
-                                "busiest_share": "busiest rank's bytes / model"}, "trl_ext-one-writer")
+    print_ratio_table(results, {"blocked_s": "blocked (s)", "save_s": "save (s)",
+                                "first_blocked_s": "first blocked (s)", "peak_growth_mb": "peak growth (MiB)",
+                                "busiest_share": "busiest rank's bytes / model",
+                                "copy_share": "largest CPU copy / model"}, "trl_ext")
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ trainer state) is started ``held``: its weights are committed into it, and it is
 checkpoints rotated out, only once the foreground has written the rest (``release``).
 """
 
+import dataclasses
 import datetime
 import threading
 import time
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from trl_ext.errors import CheckpointError
+from trl_ext.saving import gather
 from trl_ext.saving.commit import commit
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # as the default group's: one transfer or agreement of a save
@@ -52,6 +54,8 @@ class BackgroundSaves:
         self.in_flight = False  # the same on every rank: set by ``start``, cleared by ``wait``
         self.snapshot_bytes = 0  # this rank's CPU copy for the save in flight (or the last one)
         self.events: list[tuple[str, str, float]] = []
+        self._layouts: dict = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}  # the CPU copies, reused from one save to the next
 
     def group(self):
         """The process group of the saves' transfers and agreements (created on first use, on every rank; None
@@ -60,19 +64,61 @@ class BackgroundSaves:
             self._group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         return self._group
 
-    def start(self, work: Callable[[], None], target: str, snapshot_bytes: int, held: bool = False) -> None:
+    def layout(self, key, compute: Callable[[], tuple]) -> tuple:
+        """A save's layout (who writes which file of what), computed once per model and kept: planning it again at
+        every checkpoint would block training for nothing (the model's tensors do not change during training)."""
+        if key not in self._layouts:
+            self._layouts = {key: compute()}
+        return self._layouts[key]
+
+    def copy(self, weight_sets):
+        """The weight sets with each source replaced by this rank's CPU copy of it (``gather.local_copy``), into
+        buffers kept from the previous save: the only step of a background save that blocks training. None if some
+        source cannot be copied (the same on every rank: it depends on the engine's settings)."""
+        if self._alive():
+            raise RuntimeError("a background save is already in flight: wait() for it first")
+        pinned = torch.cuda.is_available()  # page-locked: the copy from the GPU runs at full speed
+
+        def buffer(key):
+            def get(numel: int, dtype: torch.dtype) -> torch.Tensor:
+                buf = self._buffers.get(key)
+                if buf is None or buf.numel() != numel or buf.dtype != dtype:
+                    buf = self._buffers[key] = torch.empty(numel, dtype=dtype, pin_memory=pinned)
+                return buf
+            return get
+
+        copied, nbytes, on_device = [], 0, False
+        for ws in weight_sets:
+            units = []
+            for unit in ws.units:
+                sources = []
+                for name, tensor in unit.sources:
+                    on_device = on_device or getattr(tensor, "device", torch.device("cpu")).type != "cpu"
+                    copy = gather.local_copy(tensor, buffer((ws.subdir, name)))
+                    if copy is None:
+                        return None
+                    part = copy.part if isinstance(copy, gather.LocalCopy) else copy
+                    nbytes += part.numel() * part.element_size()
+                    sources.append((name, copy))
+                units.append(dataclasses.replace(unit, sources=sources))
+            copied.append(dataclasses.replace(ws, units=units))
+        if on_device and pinned:
+            torch.cuda.synchronize()  # the asynchronous copies into pinned memory are complete
+        self.snapshot_bytes = nbytes
+        return copied
+
+    def start(self, work: Callable[[], None], target: str, held: bool = False) -> None:
         """Run ``work`` (the rest of a save, which raises ``CheckpointError`` on every rank if any rank failed) on the
         saves' thread. Call on every rank that takes part, once the previous save was waited for (``wait``).
 
         Args:
             work: the save's remaining steps; it commits through ``commit``.
             target: the directory the save commits (for ``events``).
-            snapshot_bytes: this rank's CPU copy of the weights, in bytes.
             held: commit only once ``release`` is called (a checkpoint whose other files are still being written).
         """
         if self._alive():
             raise RuntimeError("a background save is already in flight: wait() for it first")
-        self.in_flight, self._error, self.snapshot_bytes = True, None, snapshot_bytes
+        self.in_flight, self._error = True, None
         self._held, self._then, self._cancelled = held, None, False
         if held:
             self._released.clear()

@@ -159,24 +159,33 @@ def _local_part(param, world: int) -> tuple[torch.Tensor, Callable[[int], int]]:
     return part, lambda r: max(0, min(size, param.ds_numel - r * size))  # the last parts carry padding
 
 
-def local_copy(tensor: torch.Tensor) -> "LocalCopy | torch.Tensor | None":
+def local_copy(tensor: torch.Tensor, buffer: Callable[[int, torch.dtype], torch.Tensor] | None = None
+               ) -> "LocalCopy | torch.Tensor | None":
     """What a background save keeps of ``tensor`` when it starts: this rank's part of a partitioned tensor (a
     ``LocalCopy``), or a whole tensor, copied to CPU memory. None for parts that cannot be streamed (NVMe offload,
     quantized partitions, 2-D meshes): such a model is saved in the foreground.
 
     Args:
         tensor: a live parameter or buffer, possibly ZeRO-3 or FSDP2 sharded.
+        buffer: ``buffer(numel, dtype)``: a flat CPU tensor to copy into (reused from one save to the next, copying
+            is 3x faster than into new memory); default: new memory. Copies into pinned memory are asynchronous:
+            synchronize the accelerator before reading them.
 
     Returns:
         The copy, or None.
     """
-    if not is_partitioned(tensor):
-        return tensor.detach().to("cpu", copy=True)
-    world = dist.get_world_size()
-    if not _streamable(tensor, world):
-        return None
-    part, owned = _local_part(tensor, world)
-    return LocalCopy(part.to("cpu", copy=True), [owned(r) for r in range(world)], full_shape(tensor))
+    owned = None
+    if is_partitioned(tensor):
+        world = dist.get_world_size()
+        if not _streamable(tensor, world):
+            return None
+        part, owned_by = _local_part(tensor, world)
+        owned = [owned_by(r) for r in range(world)]
+    else:
+        part = tensor.detach().reshape(-1)
+    copy = buffer(part.numel(), part.dtype) if buffer is not None else torch.empty(part.numel(), dtype=part.dtype)
+    copy.copy_(part, non_blocking=copy.is_pinned())
+    return copy.view(tensor.shape) if owned is None else LocalCopy(copy, owned, full_shape(tensor))
 
 
 def _stream_partitions(param, sink: Sink | None, writer_rank: int, device: torch.device, group=None) -> None:

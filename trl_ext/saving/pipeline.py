@@ -16,7 +16,6 @@ sees), or each node's ranks write that node's copy (node-local storage, ``save_o
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import json
 import logging
@@ -236,65 +235,50 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             background.mark_in_flight(str(target))
         return
     rank = torch.distributed.get_rank() if collective else 0
-    copies = _copies(_ranks_where(is_writer), torch.distributed.get_world_size()) if collective else [[0]]
+    key = (id(model), str(max_shard_size), is_writer, collective, tuple(id(p) for p in model.parameters()))
+    layout = functools.partial(_layout, model, max_shard_size, is_writer, collective)
+    copies, weight_sets, owners = background.layout(key, layout) if background is not None else layout()
     if not copies:  # no rank saves (the trainer's should_save is False everywhere)
         return
     mine = next(ranks for ranks in copies if rank in ranks)
-    per_copy = min(len(ranks) for ranks in copies)  # the same plan on every rank, whatever its copy
-    weight_sets = [split_for_writers(ws, per_copy, max_shard_size)
-                   for ws in plan_weight_sets(model, max_shard_size)]
-    check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
-    owners = [[assign_files(ws.plan, ranks) for ranks in copies] for ws in weight_sets]
     staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
-    started = time.monotonic()
-
-    # Each step returns its error instead of raising: every rank must reach the agreement below, or others hang.
-    error = _stage(model, target, staging, weight_sets, processing_class, training_args) if is_writer else None
-    if collective:  # the other writers open files in the staging directory: it must exist, or all stop here
-        everyone = _errors_on_all_ranks(error)  # a collective: every rank calls it
-        error = error or "; ".join(dict.fromkeys(everyone)) or None
-    wanted = background is not None and len(copies) == 1 and error is None
-    copied = _copied(weight_sets, collective) if wanted else None
-    if wanted and collective and _errors_on_all_ranks(None if copied is not None else "cannot copy"):
-        copied = None  # the same choice on every rank: the foreground, if any rank cannot copy its parts
-    finish = functools.partial(_finish, model, target, staging, error, owners, copies, mine, rank, is_writer,
-                               collective, started)
+    finish = functools.partial(_finish, model, target, staging, owners, copies, mine, rank, is_writer, collective,
+                               time.monotonic(), processing_class, training_args)
+    # Copies to CPU in the foreground; the same choice on every rank (the layout and the engine are the same)
+    copied = background.copy(weight_sets) if background is not None and len(copies) == 1 else None
     if copied is None:
         finish(weight_sets, None, commit)
         return
     group = background.group() if collective else None
     if held and is_writer:  # the caller writes the rest of the checkpoint there while the weights are written
         target.mkdir(parents=True, exist_ok=True)
-    background.start(lambda: finish(copied, group, background.commit), str(target),
-                     sum(_nbytes(t) for ws in copied for u in ws.units for _, t in u.sources), held=held)
+    background.start(lambda: finish(copied, group, background.commit), str(target), held=held)
 
 
-def _copied(weight_sets, collective: bool):
-    """The weight sets with each source replaced by this rank's CPU copy of it (``gather.local_copy``): what a
-    background save streams. None if some source cannot be copied."""
-    copied = []
-    for ws in weight_sets:
-        units = []
-        for unit in ws.units:
-            sources = [(name, gather.local_copy(t) if collective else t.detach().to("cpu", copy=True))
-                       for name, t in unit.sources]
-            if any(t is None for _, t in sources):
-                return None
-            units.append(dataclasses.replace(unit, sources=sources))
-        copied.append(dataclasses.replace(ws, units=units))
-    return copied
+def _layout(model, max_shard_size, is_writer: bool, collective: bool):
+    """Who writes which copy (``_copies``), what is written (the weight sets, split for the writers) and which rank
+    writes each file: the same on every rank."""
+    copies = _copies(_ranks_where(is_writer), torch.distributed.get_world_size()) if collective else [[0]]
+    if not copies:
+        return copies, [], []
+    per_copy = min(len(ranks) for ranks in copies)  # the same plan on every rank, whatever its copy
+    weight_sets = [split_for_writers(ws, per_copy, max_shard_size)
+                   for ws in plan_weight_sets(model, max_shard_size)]
+    check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
+    owners = [[assign_files(ws.plan, ranks) for ranks in copies] for ws in weight_sets]
+    return copies, weight_sets, owners
 
 
-def _nbytes(tensor) -> int:
-    part = tensor.part if isinstance(tensor, gather.LocalCopy) else tensor
-    return part.numel() * part.element_size()
-
-
-def _finish(model, target: Path, staging: Path, error, owners, copies, mine, rank: int, is_writer: bool,
-            collective: bool, started: float, weight_sets, group, commit_with) -> None:
-    """The rest of a save, on every rank (in the foreground, or on a background save's thread with its own process
-    group): stream and write the weights, sync and check the files, agree, commit. Raises on every rank if any
-    failed."""
+def _finish(model, target: Path, staging: Path, owners, copies, mine, rank: int, is_writer: bool, collective: bool,
+            started: float, processing_class, training_args, weight_sets, group, commit_with) -> None:
+    """The save after its plan, on every rank (in the foreground, or on a background save's thread with a process
+    group of its own): stage the directory, stream and write the weights, sync and check the files, agree, commit.
+    Raises on every rank if any failed."""
+    # Each step returns its error instead of raising: every rank must reach the agreement below, or others hang.
+    error = _stage(model, target, staging, weight_sets, processing_class, training_args) if is_writer else None
+    if collective:  # the other writers open files in the staging directory: it must exist, or all stop here
+        everyone = _errors_on_all_ranks(error, group)  # a collective: every rank calls it
+        error = error or "; ".join(dict.fromkeys(everyone)) or None
     writers = []
     if error is None:
         error, writers = _write_weights(model, staging, weight_sets, owners, copies.index(mine), rank, collective,
