@@ -25,6 +25,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from trl_ext.errors import CheckpointError
+from trl_ext.process import notice
 from trl_ext.saving import gather
 from trl_ext.saving.commit import commit
 
@@ -40,7 +41,8 @@ class BackgroundSaves:
 
     Create one per training run on every rank; call ``poll`` at every step boundary and ``wait`` before the next save
     and at the end, on every rank (both are collective while a save is in flight). ``events`` records, in order, when
-    each save started and finished (``("started", path)``, ``("finished", path)``), for tests and benchmarks.
+    each save started and finished (``("started", path, time.monotonic())``, then ``"finished"``), for tests and
+    benchmarks.
     """
 
     def __init__(self):
@@ -56,6 +58,7 @@ class BackgroundSaves:
         self.events: list[tuple[str, str, float]] = []
         self._layouts: dict = {}
         self._buffers: dict[tuple, torch.Tensor] = {}  # the CPU copies, reused from one save to the next
+        self._said = False
 
     def group(self):
         """The process group of the saves' transfers and agreements (created on first use, on every rank; None
@@ -70,6 +73,12 @@ class BackgroundSaves:
         if key not in self._layouts:
             self._layouts = {key: compute()}
         return self._layouts[key]
+
+    def say_foreground(self, why: str) -> None:
+        """Say once that saves run in the foreground, and why."""
+        if not self._said:
+            self._said = True
+            notice(f"save_in_background: checkpoints are saved in the foreground, because {why}.")
 
     def copy(self, weight_sets):
         """The weight sets with each source replaced by this rank's CPU copy of it (``gather.local_copy``), into

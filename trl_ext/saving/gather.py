@@ -3,9 +3,10 @@
 Under ZeRO-3 each rank holds a slice of every parameter (``param.ds_tensor``: the flattened parameter cut into equal,
 zero-padded parts, rank ``r`` holding part ``r``) and an empty ``(0,)`` placeholder in ``param.data``; the full
 shape is ``param.ds_shape``. ``stream`` sends each parameter's parts to the writing rank in chunks, in rank order,
-so the writing rank never holds more than one chunk of a parameter, whatever its size. Parameters whose parts are not
-plain tensors in memory (NVMe offload, quantized weights, partition groups smaller than the world) are gathered
-whole with DeepSpeed's ``GatheredParameters``, one module at a time.
+so the writing rank never holds more than one chunk of a parameter, whatever its size; with one copy per node, each
+node's writer of a file needs every tensor of it, so each tensor is all-gathered whole from the parts. Parameters
+whose parts are not plain tensors in memory (NVMe offload, quantized weights, partition groups smaller than the
+world) are gathered whole with DeepSpeed's ``GatheredParameters``, one module at a time.
 
 Under FSDP2 each parameter is a ``DTensor``: with the usual ``Shard(0)`` placement on a one-dimensional mesh, rank
 ``r`` holds the ``r``-th ``torch.chunk`` of its rows (``to_local()``), the full shape is ``tensor.shape``, and the
@@ -208,6 +209,22 @@ def _stream_partitions(param, sink: Sink | None, writer_rank: int, device: torch
                     sink.append(received)
 
 
+def _all_gather_whole(param, device: torch.device, group=None) -> torch.Tensor:
+    """``param``'s full contents on every rank, from every rank's part with one all-gather (for one copy of the
+    checkpoint per node, where each node's writer needs every tensor of its files). Built from the parts, not with
+    DeepSpeed's ``GatheredParameters``, which on DeepSpeed 0.19.2 can hand back an unfilled buffer for a parameter
+    whose prefetch is in flight."""
+    world = dist.get_world_size()
+    part, owned_by = _local_part(param, world)
+    owned = [owned_by(r) for r in range(world)]
+    size = max(part.numel(), *owned)  # ZeRO-3 parts are equal (padded); FSDP2's last rows may be fewer
+    padded = torch.zeros(size, dtype=part.dtype, device=device)
+    padded[: part.numel()] = part
+    parts = [torch.empty(size, dtype=part.dtype, device=device) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, owned)]).view(full_shape(param)).cpu()
+
+
 @contextlib.contextmanager
 def gathered(tensors: list[torch.Tensor]):
     """Whole ZeRO-3 parameters among ``tensors`` inside the block, on every rank (call it on every rank)."""
@@ -276,9 +293,9 @@ def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective:
     """Feed each tensor's full contents to ``sink``, in order: ``begin(name)``, ``append(piece)``..., ``end()``.
 
     Call on every rank. ``sink``: None on ranks that do not write. ``collective``: the model is ZeRO-3 partitioned,
-    so every rank takes part. ``writer_rank``: the one writing rank, or None when several ranks write (each then gathers
-    whole parameters, one module at a time). ``group``: the process group of the transfers (default: the default
-    one); ``LocalCopy``s are always streamed to ``writer_rank``.
+    so every rank takes part. ``writer_rank``: the one writing rank, or None when several ranks write the same file
+    (one copy per node: every rank then receives each whole tensor). ``group``: the process group of the transfers
+    (default: the default one).
     """
     if not collective:
         _write_whole(named, sink)
@@ -288,13 +305,18 @@ def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective:
     with torch.no_grad():
         batch: list[tuple[str, torch.Tensor]] = []  # consecutive tensors of one module to gather whole
         for item in [*named, None]:
-            if item is not None and is_partitioned(item[1]) and writer_rank is not None and _streamable(item[1], world):
+            if item is not None and is_partitioned(item[1]) and _streamable(item[1], world):
                 _gather_and_write(batch, sink)
                 batch = []
                 name, param = item
                 if sink is not None:
                     sink.begin(name)
-                _stream_partitions(param, sink, writer_rank, device, group)
+                if writer_rank is None:
+                    whole = _all_gather_whole(param, device, group)
+                    if sink is not None:
+                        sink.append(whole.reshape(-1))
+                else:
+                    _stream_partitions(param, sink, writer_rank, device, group)
                 if sink is not None:
                     sink.end()
                 continue

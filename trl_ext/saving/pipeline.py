@@ -245,8 +245,11 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     finish = functools.partial(_finish, model, target, staging, owners, copies, mine, rank, is_writer, collective,
                                time.monotonic(), processing_class, training_args)
     # Copies to CPU in the foreground; the same choice on every rank (the layout and the engine are the same)
-    copied = background.copy(weight_sets) if background is not None and len(copies) == 1 else None
+    copied = background.copy(weight_sets) if background is not None else None
     if copied is None:
+        if background is not None:
+            background.say_foreground("some parameters are offloaded to NVMe, quantized or sharded over a 2-D mesh, "
+                                      "whose parts cannot be copied")
         finish(weight_sets, None, commit)
         return
     group = background.group() if collective else None
