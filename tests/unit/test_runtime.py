@@ -68,15 +68,16 @@ def test_nothing_changes_on_a_gpu_machine(gpu, monkeypatch, caplog):
     assert caplog.text == ""
 
 
-def test_configs_are_trl_configs_plus_two_save_options_and_build_on_cpu(tmp_path):
+def test_configs_are_trl_configs_plus_three_save_options_and_build_on_cpu(tmp_path):
     for ours, theirs in [(trl_ext.SFTConfig, trl.SFTConfig), (trl_ext.RewardConfig, trl.RewardConfig),
                          (trl_ext.DPOConfig, trl.DPOConfig)]:
         cfg = ours(output_dir=str(tmp_path))  # TRL's own default (bf16) raises on CPU
         assert isinstance(cfg, theirs)
-        assert [f.name for f in theirs.__dataclass_fields__.values()] + ["max_shard_size", "save_on_preemption"] == [
+        added = ["max_shard_size", "save_in_background", "save_on_preemption"]
+        assert [f.name for f in theirs.__dataclass_fields__.values()] + added == [
             f.name for f in ours.__dataclass_fields__.values()]
         assert cfg.max_shard_size == "50GB"  # transformers' save_pretrained default
-        assert cfg.save_on_preemption is True
+        assert cfg.save_on_preemption is True and cfg.save_in_background is False
 
 
 def test_single_training_process_in_a_multi_process_launch_is_refused(monkeypatch):

@@ -33,6 +33,7 @@ def test_conversion_matches_trls_own(tmp_path):
     theirs = trl.SFTConfig(**args.to_dict())  # what trl.SFTTrainer does with it
     assert ours.to_dict() == {**theirs.to_dict(), "max_shard_size": ours.max_shard_size,
                               "save_on_preemption": ours.save_on_preemption,
+                              "save_in_background": ours.save_in_background,
                               # off without an accelerator (nothing to pin for), like bf16 (runtime.adapt_to_hardware)
                               "dataloader_pin_memory": theirs.dataloader_pin_memory and has_accelerator()}
 

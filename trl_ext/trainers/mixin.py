@@ -233,7 +233,7 @@ class TrlExtMixin:
                         training_args=self.args,
                         max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE),
                         is_writer=self._writes_files(), background=self._background if self._held_save else None,
-                        held=True)
+                        held=self._held_save)
         except CheckpointError as exc:
             diverged = self._diverged(exc)
             if diverged is None:
