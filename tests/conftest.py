@@ -31,3 +31,15 @@ def _each_test_checks_its_datasets(monkeypatch):
     from trl_ext.data import input_checks
 
     monkeypatch.delenv(input_checks.CHECKED_ENV, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _each_test_leaves_the_environment_as_it_found_it():
+    """What trl_ext sets in a process's environment for its run (ACCELERATE_USE_CPU in a simulated multi-process
+    launch, say) is undone after each test: launches made by later tests inherit this process's environment, and
+    ACCELERATE_USE_CPU made a later DeepSpeed launch run DDP instead."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)

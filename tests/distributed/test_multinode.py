@@ -79,7 +79,7 @@ def test_two_nodes_survive_a_lost_node_and_resume(tmp_path, node_local):
     killed, seconds = two_nodes(tmp_path, *extra, *KILL, node_local=node_local)
     output = killed[0].output + killed[1].output
     assert all(r.returncode != 0 and not r.timed_out for r in killed), output[-6000:]
-    assert "rank 1 SIGKILLs itself at step 3" in output
+    assert "rank 1 SIGKILLs itself at step 3" in output, output[-6000:]
     print(f"\n{'node-local' if node_local else 'shared'}: both nodes exited {seconds:.0f} s after the start")
     assert seconds < BOUND + 60, seconds  # start-up (~60 s on a loaded 2-core machine) + the bound
     for disk in disks(tmp_path, node_local):  # every node's copy: checkpoint-2 whole, nothing half-written visible
