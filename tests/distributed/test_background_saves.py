@@ -18,10 +18,9 @@ a preemption while a background save is in flight in ``test_preemption``; the on
 import json
 
 import pytest
-from safetensors.torch import load_file
 from transformers.trainer_utils import get_last_checkpoint
 
-from tests.distributed.test_reliability import ATOL, digest, logged, max_diff
+from tests.distributed.test_reliability import assert_resumed_equals_uninterrupted, digest
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.saving.commit import PARTIAL_SUFFIX
@@ -102,16 +101,4 @@ def test_resume_from_a_background_checkpoint_equals_the_uninterrupted_run(runs, 
     if case == "killed":
         assert digest(out / "checkpoint-2") == before, "resuming changed the checkpoint it resumed from"
         assert not list(out.glob(".*")), "a staging directory from the interrupted save was left behind"
-    ref, got = (json.loads((d / "report_rank0.json").read_text()) for d in (reference, out))
-    assert got["global_step"] == ref["global_step"] == 4
-    assert got["steps_run_here"] == {"killed": 2, "from3": 1}[case]
-    assert got["scheduler"] == ref["scheduler"] and got["optimizer_steps"] == ref["optimizer_steps"] == [4.0]
-    ref_log, got_log = logged(reference), logged(out)
-    assert [h["step"] for h in got_log] == [1, 2, 3, 4]  # those before the checkpoint come from its trainer state
-    diffs = {"loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_log, got_log)),
-             "weights": max_diff(*(load_file(d / "trained.safetensors") for d in (reference, out)))}
-    for rank in (0, 1):
-        diffs[f"adam_rank{rank}"] = max_diff(*(load_file(d / f"optimizer_rank{rank}.safetensors")
-                                              for d in (reference, out)))
-    print(f"\n{case}: max abs diff resumed vs uninterrupted: {diffs}")
-    assert all(d <= ATOL for d in diffs.values()), diffs
+    assert_resumed_equals_uninterrupted(reference, out, case, steps_run_here={"killed": 2, "from3": 1}[case])

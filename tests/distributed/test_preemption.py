@@ -13,10 +13,9 @@ import json
 import re
 
 import pytest
-from safetensors.torch import load_file
 from transformers.trainer_utils import get_last_checkpoint
 
-from tests.distributed.test_reliability import ATOL, TRAIN, digest, logged, max_diff, train
+from tests.distributed.test_reliability import TRAIN, assert_resumed_equals_uninterrupted, digest, train
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.saving.verify import audit
@@ -82,16 +81,4 @@ def test_preempted_job_saves_exits_and_resumes_as_uninterrupted(preempted, zero3
 
     assert resumed.returncode == 0, resumed.output[-6000:]
     assert digest(out / f"checkpoint-{saved}") == before
-    ref, got = (json.loads((d / "report_rank0.json").read_text()) for d in (reference, out))
-    assert got["global_step"] == ref["global_step"] == 4
-    assert got["steps_run_here"] == 4 - saved, "the run did not resume from the preemption's checkpoint"
-    assert got["scheduler"] == ref["scheduler"] and got["optimizer_steps"] == ref["optimizer_steps"] == [4.0]
-    ref_log, got_log = logged(reference), logged(out)
-    assert [h["step"] for h in got_log] == [1, 2, 3, 4]
-    diffs = {"loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_log, got_log)),
-             "weights": max_diff(*(load_file(d / "trained.safetensors") for d in (reference, out)))}
-    for rank in (0, 1):
-        diffs[f"adam_rank{rank}"] = max_diff(*(load_file(d / f"optimizer_rank{rank}.safetensors")
-                                              for d in (reference, out)))
-    print(f"\n{case}: max abs diff resumed vs uninterrupted: {diffs}")
-    assert all(d <= ATOL for d in diffs.values()), diffs
+    assert_resumed_equals_uninterrupted(reference, out, case, steps_run_here=4 - saved)

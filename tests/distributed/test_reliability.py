@@ -59,6 +59,27 @@ def logged(out: Path) -> list[dict]:
     return [{k: h[k] for k in ("step", "loss", "learning_rate", "grad_norm") if k in h} for h in history if "loss" in h]
 
 
+def assert_resumed_equals_uninterrupted(reference: Path, out: Path, case: str, steps_run_here: int) -> None:
+    """The run resumed in ``out`` ended as the uninterrupted ``reference`` (4 steps): the same step, schedule and
+    optimizer step count, logged steps and learning rates, and within ATOL the logged losses and grad norms, the final
+    weights and each rank's Adam states. ``steps_run_here``: the steps after the checkpoint it resumed from."""
+    ref, got = (json.loads((d / "report_rank0.json").read_text()) for d in (reference, out))
+    assert got["global_step"] == ref["global_step"] == 4
+    assert got["steps_run_here"] == steps_run_here, "the run did not resume from the expected checkpoint"
+    assert got["scheduler"] == ref["scheduler"] and got["optimizer_steps"] == ref["optimizer_steps"] == [4.0]
+    ref_log, got_log = logged(reference), logged(out)
+    assert [h["step"] for h in got_log] == [1, 2, 3, 4]  # those before the checkpoint come from its trainer state
+    assert [h["learning_rate"] for h in got_log] == [h["learning_rate"] for h in ref_log]
+    diffs = {"loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_log, got_log)),
+             "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(ref_log, got_log)),
+             "weights": max_diff(*(load_file(d / "trained.safetensors") for d in (reference, out)))}
+    for rank in (0, 1):
+        diffs[f"adam_rank{rank}"] = max_diff(*(load_file(d / f"optimizer_rank{rank}.safetensors")
+                                              for d in (reference, out)))
+    print(f"\n{case}: max abs diff resumed vs uninterrupted: {diffs}")
+    assert all(d <= ATOL for d in diffs.values()), diffs
+
+
 def assert_fault_cost_nothing(out: Path, reference: Path, fault: list[str]) -> None:
     """After the fault: checkpoint-2 is whole and byte-identical to the uninterrupted run's, and nothing later (or
     half-written) can be picked by resume."""
@@ -98,21 +119,7 @@ def test_resume_after_a_fault_equals_the_uninterrupted_run(tmp_path, zero3_run, 
     assert digest(out / "checkpoint-2") == before, "resuming changed the checkpoint it resumed from"
     assert not list(out.glob(".*")), "a staging directory from the interrupted save was left behind"
 
-    ref, got = (json.loads((d / "report_rank0.json").read_text()) for d in (reference, out))
-    assert got["global_step"] == ref["global_step"] == 4
-    assert got["steps_run_here"] == 2, "the run did not resume from checkpoint-2: it trained from the start"
-    assert got["scheduler"] == ref["scheduler"] and got["optimizer_steps"] == ref["optimizer_steps"] == [4.0]
-    ref_log, got_log = logged(reference), logged(out)
-    assert [h["step"] for h in got_log] == [1, 2, 3, 4] and [h["learning_rate"] for h in got_log] == [
-        h["learning_rate"] for h in ref_log]
-    diffs = {"loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_log, got_log)),
-             "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(ref_log, got_log)),
-             "weights": max_diff(*(load_file(d / "trained.safetensors") for d in (reference, out)))}
-    for rank in (0, 1):
-        diffs[f"adam_rank{rank}"] = max_diff(*(load_file(d / f"optimizer_rank{rank}.safetensors")
-                                              for d in (reference, out)))
-    print(f"\n{case}: max abs diff resumed vs uninterrupted: {diffs}")
-    assert all(d <= ATOL for d in diffs.values()), diffs
+    assert_resumed_equals_uninterrupted(reference, out, case, steps_run_here=2)
     for name in ("checkpoint-4",):  # the final checkpoint the resumed run wrote loads and passes the audit
         report = audit(str(out / name), base=default_model_path())
         assert report.ok, report.format()
