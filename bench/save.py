@@ -2,7 +2,7 @@
 foreground and in the background, against the same path with one writing rank (as before) and transformers'
 Trainer.save_model.
 
-    python bench/save.py [--repeats 2] [--layers 12] [--hidden 768] [--moe] [--fsdp2] [--processes 4]
+    python bench/save.py [--repeats 2] [--layers 12] [--hidden 768] [--moe] [--fsdp2] [--processes 4] [--impls ...]
 
 The model is a random Llama with hidden 768, 12 layers and a 32k vocabulary (134M parameters, 537 MB in fp32), in
 the embedded model's format. Both sides train one step under ZeRO-3 (gather flag on, as transformers' path needs)
@@ -69,7 +69,10 @@ def main():
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE, whose experts are converted on save")
     parser.add_argument("--fsdp2", action="store_true", help="under FSDP2 instead of DeepSpeed ZeRO-3")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS, help="the variants to run (trl_ext, the "
+                        "anchor of the ratios, always runs)")
     cli = parser.parse_args()
+    impls = [impl for impl in IMPLS if impl in cli.impls or impl == "trl_ext"]
 
     work = Path(tempfile.mkdtemp(prefix="bench-save-"))
     model_bytes, group_bytes = build_model(work / "model", cli.layers, cli.moe, cli.hidden)
@@ -81,9 +84,9 @@ def main():
     if cli.fsdp2:  # transformers writes loadable weights under FSDP only from a full state dict
         config.write_text(config.read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
     worker = Path(__file__).with_name("_save_worker.py")
-    results = {impl: [] for impl in IMPLS}
+    results = {impl: [] for impl in impls}
     for repeat in range(cli.repeats):
-        for impl in IMPLS:
+        for impl in impls:
             out = work / f"{impl}-{repeat}"
             run = accelerate_launch(worker, ["--impl", impl, "--model", str(work / "model"), "--output_dir", str(out),
                                   "--max_shard_size", shard], config, timeout=900)
