@@ -5,6 +5,8 @@ import atexit
 import functools
 import logging
 import os
+import sys
+import threading
 
 logger = logging.getLogger("trl_ext")
 
@@ -33,14 +35,32 @@ def _destroy_gloo_group() -> None:
 
 
 def end_together() -> None:
-    """Every process waits for the others, then the gloo group is destroyed: call it on every rank as a script's last
-    step. A rank that leaves while another still works (rank 0 checking the saved model in a subprocess) aborted at
-    its shutdown ("terminate called without an active exception"), twice in one CI run of the recipes."""
+    """The last step of a launched script, on every rank: every process waits for the others and the process group is
+    destroyed; on gloo (CPU) the process then exits with code 0 as the interpreter would (non-daemon threads joined,
+    ``atexit`` callbacks run, streams flushed) but without tearing the interpreter down. Outside a launch it does
+    nothing.
+
+    Two aborts at shutdown ("terminate called without an active exception", SIGABRT; pytorch#190489) failed launches
+    whose work was done: a rank that left while another still worked (rank 0 checking the saved model in a
+    subprocess), twice in one CI run of the recipes, hence the barrier; and, with the barrier and the group destroyed,
+    a rank aborting in the teardown itself (once in a CI run of the recipes), hence no teardown.
+    """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        _destroy_gloo_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    if dist.get_backend() != "gloo":
+        dist.destroy_process_group()
+        return
+    _destroy_gloo_group()
+    for thread in threading.enumerate():  # as the interpreter does before its exit callbacks
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # logging's flush, trackers' finish, ...
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @functools.cache
