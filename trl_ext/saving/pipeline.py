@@ -217,7 +217,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
         background: save in the background: this call returns once each rank has copied its own part of the weights
             to CPU memory, and ``background`` runs the rest (call it on every rank, each with its ``BackgroundSaves``;
             its ``wait`` reports the outcome). A model whose parts cannot be copied (NVMe offload, quantized
-            partitions, 2-D meshes) or that is written once per node is saved in the foreground.
+            partitions, 2-D meshes) is saved in the foreground.
         held: with ``background``, commit only once ``background.release`` is called.
 
     Raises:
