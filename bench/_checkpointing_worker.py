@@ -17,16 +17,19 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.harness, tests.probes
 
 import psutil
 import torch
-from _gather_count import GatherCount  # bench/, beside this script
-from _tensor_peak import step_peaks
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from tests.probes.gather_count import GatherCount
+from tests.probes.tensor_peak import step_peaks
 from trl_ext import SFTConfig, SFTTrainer
 from trl_ext.assets import default_model_path
 

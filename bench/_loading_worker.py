@@ -10,16 +10,20 @@ weights, up to ``on_train_begin``) and ``step`` (the first step, with its Adam s
 import argparse
 import json
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
-import _weight_reads  # bench/_weight_reads.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.harness, tests.probes
+
 import psutil
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
 import trl_ext
+from tests.probes import weight_reads as _weight_reads
 
 
 class PhasePeaks(threading.Thread, TrainerCallback):

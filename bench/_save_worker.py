@@ -111,7 +111,7 @@ def save_once(trainer, saves, directory: str, max_shard_size: str) -> tuple[floa
 
 def count_written_bytes() -> dict:
     """Bytes of weights this rank writes through trl_ext's shard writer."""
-    from trl_ext.saving import shards
+    from trl_ext.files import shards
 
     written, end = {"bytes": 0}, shards.ShardStreamWriter.end
 

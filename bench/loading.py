@@ -19,8 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import accelerate_launch, write_accelerate_config  # bench/_harness.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.harness, tests.probes
+
 from save import build_model  # bench/save.py, beside this script
+
+from tests.harness import accelerate_launch, write_accelerate_config
 
 
 def main():

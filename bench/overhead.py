@@ -28,7 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import accelerate_launch, write_accelerate_config  # bench/_harness.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.harness, tests.probes
+
+from tests.harness import accelerate_launch, write_accelerate_config
 
 WORKER = Path(__file__).with_name("_overhead_worker.py")
 SETUPS = {"1proc": "1 process", "zero3": "2-process ZeRO-3", "fsdp2": "2-process FSDP2"}

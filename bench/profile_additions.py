@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl  # noqa: E402
 
 import trl_ext  # noqa: E402
-from trl_ext.engines import checkpointing, runtime
-from trl_ext.saving import gather, shards, verify, written_check
+from trl_ext.engines import gradient_checkpointing, runtime, sharded
+from trl_ext.files import audit, readback, shards
+from trl_ext.saving import gather
 from trl_ext.saving import pipeline as saving
 from trl_ext.saving import plan as save_plan
 from trl_ext.trainers import configs, mixin, reward_head
@@ -142,7 +143,7 @@ def profile_saves(cli, timers: Timers) -> list[dict]:
         guard = []  # what the save_pretrained guard adds to a user's call
         for _ in range(21):
             guard_start = time.perf_counter()
-            gather.has_partitioned_params(model)
+            sharded.has_partitioned_params(model)
             guard.append(time.perf_counter() - guard_start)
         guard = statistics.median(guard[1:])
         plain = []  # the same weights through save_pretrained (PEFT's or transformers'): no fsync, no verification
@@ -188,12 +189,12 @@ def main():
     timers.wrap(configs, "adapt_to_hardware", "runtime.adapt_to_hardware (config)")
     timers.wrap(runtime, "check_distributed_setup", "runtime.check_distributed_setup")
     for name in ("take_user_choice", "decide", "apply", "remove_input_require_grads_hooks"):
-        timers.wrap(checkpointing, name, f"checkpointing.{name}")
-    timers.wrap(checkpointing.CheckpointingPolicy, "on_train_begin", "CheckpointingPolicy.on_train_begin")
+        timers.wrap(gradient_checkpointing, name, f"gradient_checkpointing.{name}")
+    timers.wrap(gradient_checkpointing.CheckpointingPolicy, "on_train_begin", "CheckpointingPolicy.on_train_begin")
     timers.wrap(mixin, "guard_save_pretrained", "trainers.guard_save_pretrained")
     optional = [(mixin.TrlExtMixin, "_check_input", "input checks (model path, TRL on the first rows)")]
     for module, names in (("data.input_checks", ("check_rows_kept",)),
-                          ("saving.resume_check", ("check_resume_checkpoint",)),
+                          ("resuming.checks", ("check_resume_checkpoint",)),
                           ("engines.quantization", ("prepare", "match_adapter_dtype"))):
         try:
             module = importlib.import_module(f"trl_ext.{module}")
@@ -213,15 +214,16 @@ def main():
     timers.wrap(gather, "stream", "stream + write", group="phase")
     timers.wrap(shards.ShardStreamWriter, "finish", "close the last file", group="phase")
     timers.wrap(shards.ShardStreamWriter, "wait", WAIT, group="phase")
-    timers.wrap(saving, "_write_metadata", "metadata files", group="phase")
-    timers.wrap(saving, "_verify", "verification", group="phase")
-    timers.wrap(saving, "commit", "commit (rename)", group="phase")
-    timers.wrap(written_check, "_read_as_planned", "  read back header + 4 KiB/tensor", group="verify")
-    timers.wrap(verify, "read_safetensors", "  parse a header that differs", group="verify")
-    timers.wrap(verify, "_nonfinite", "  NaN/inf check", group="verify")
-    timers.wrap(verify, "_check_adapter", "  adapter checks", group="verify")
-    timers.wrap(verify, "_check_full", "  full-model checks", group="verify")
-    timers.wrap(written_check, "check_adapter_config", "  adapter_config.json check", group="verify")
+    timers.wrap(saving, "write_metadata", "metadata files", group="phase")
+    timers.wrap(saving, "_check_own_files", "verification", group="phase")
+    timers.wrap(saving, "_check_directory", "verification", group="phase")
+    timers.wrap(saving.SaveJob, "commit", "commit (rename)", group="phase")
+    timers.wrap(readback, "_read_as_planned", "  read back header + 4 KiB/tensor", group="verify")
+    timers.wrap(audit, "read_safetensors", "  parse a header that differs", group="verify")
+    timers.wrap(audit, "_nonfinite", "  NaN/inf check", group="verify")
+    timers.wrap(audit, "_check_adapter", "  adapter checks", group="verify")
+    timers.wrap(audit, "_check_full", "  full-model checks", group="verify")
+    timers.wrap(readback, "check_adapter_config", "  adapter_config.json check", group="verify")
 
     workload_args = argparse.Namespace(steps=cli.steps, seq_len=128, hidden=256, layers=4, batch=4, trainer=None,
                                        gc=False)

@@ -23,7 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import (  # bench/_harness.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.harness, tests.probes
+
+from tests.harness import (
     accelerate_launch,
     print_ratio_table,
     write_accelerate_config,

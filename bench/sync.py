@@ -21,12 +21,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import (  # bench/_harness.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.harness, tests.probes
+
+from save import build_model  # bench/save.py, beside this script
+
+from tests.harness import (
     accelerate_launch,
     print_ratio_table,
     write_accelerate_config,
 )
-from save import build_model  # bench/save.py, beside this script
 
 IMPLS = ["trl", "trl_ext"]
 

@@ -304,7 +304,7 @@ CASES = [
          "dataset 'trl-ext/shapes-sft' split 'train' has an 'images' column but the model is text-only"),
     # --- model paths and flags
     Case("missing-model-path", trainer("sft", SFT_ROWS, model="{ws}/no-such-model"), 1,
-         "FileNotFoundError: model path '"),
+         "NotFoundError: model path '"),
     Case("conflicting-bf16-fp16", config("sft", bf16=True, fp16=True), 1, "bf16=True and fp16=True conflict"),
     Case("conflicting-best-model-without-eval", config("sft", load_best_model_at_end=True, eval_strategy="no"), 1,
          "requires the save and eval strategy to match", one_line=False),  # transformers' own message

@@ -10,7 +10,7 @@ from peft import LoraConfig
 import trl_ext
 from trl_ext import saving
 from trl_ext.assets import load_default_dataset
-from trl_ext.saving import commit
+from trl_ext.files import commit
 from trl_ext.trainers.weight_sync import BoundedVLLMGeneration
 
 
@@ -99,7 +99,7 @@ def test_rloo_saves_through_the_one_save_path_and_reloads_with_plain_peft(rloo_r
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trl_ext.saving.verify import audit
+    from trl_ext.files.audit import audit
 
     _, saved, ids, trained, _ = rloo_run
     report = audit(str(saved), base=tiny_model_path)  # what trl_ext's save path verified after writing

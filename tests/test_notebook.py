@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "quickstart.ipynb"
 # Directories each run writes (one per training cell), and the kind of checkpoint each must hold.

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from tests.harness import run_command
 from trl_ext.assets import arith_model_path, default_model_path
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
 
 SHORT = ["--max_steps", "4", "--eval_steps", "2", "--logging_steps", "2", "--per_device_eval_batch_size", "64"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]

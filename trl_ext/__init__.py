@@ -3,12 +3,13 @@
     from trl_ext import SFTTrainer, SFTConfig   # instead of: from trl import SFTTrainer, SFTConfig
 """
 
-from trl_ext.engines.noise import quiet_known_logs
+from trl_ext.process.warning_filter import quiet_known_logs
 
-quiet_known_logs()  # before trl imports peft, which imports bitsandbytes (see engines/noise.py)
+quiet_known_logs()  # before trl imports peft, which imports bitsandbytes (see process/warning_filter.py)
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
+from trl_ext import moved  # noqa: E402
 from trl_ext.trainers import (
     DPOConfig,
     DPOTrainer,
@@ -24,6 +25,8 @@ from trl_ext.trainers import (
     SFTTrainer,
     TrlExtMixin,
 )
+
+moved.register()  # import paths of earlier releases (trl_ext.saving.verify, ...)
 
 __version__ = "0.1.0"
 

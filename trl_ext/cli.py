@@ -33,7 +33,7 @@ def _model(_: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     """Audit a saved checkpoint (adapter or full model); exit 1 if it has problems."""
     from trl_ext.data.model_paths import check_model_path
-    from trl_ext.saving.verify import audit
+    from trl_ext.files.audit import audit
 
     try:
         check_model_path(args.base)

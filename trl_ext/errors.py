@@ -1,8 +1,9 @@
 """Every exception trl_ext raises. Each carries a ``kind`` that code tests; the message is for people, and no code
 ever matches its text.
 
-Each error also subclasses the built-in exception it always was (``RuntimeError``, ``ValueError``, ``SystemExit``),
-so ``except ValueError`` in a user's code still catches what it caught before.
+Each error also subclasses the built-in exception it always was (``RuntimeError``, ``ValueError``,
+``FileNotFoundError``, ``SystemExit``), so ``except ValueError`` in a user's code still catches what it caught before.
+An error keeps its class, kind and detail when it crosses ranks (``agree``: pickled, gathered, raised on every rank).
 """
 
 from trl_ext.process import env_rank
@@ -10,6 +11,7 @@ from trl_ext.process import env_rank
 # Kinds that code branches on.
 NONFINITE = "nonfinite"  # a save refused because the weights hold NaN or inf: training diverged
 DIVERGED = "diverged"  # the trainer's message for a NONFINITE save: when it diverged and what to resume
+VERIFICATION = "verification"  # written files that failed their check (kept for inspection)
 
 
 class TrlExtError(Exception):
@@ -29,11 +31,25 @@ class TrlExtError(Exception):
             self.kind = kind
         self.detail = detail
 
+    def __reduce__(self):  # the same class, kind and detail on the rank that unpickles it
+        return type(self), (str(self), self.kind, self.detail)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
 
 class CheckpointError(TrlExtError, RuntimeError):
     """A save failed or its files failed verification (nothing was committed), or a checkpoint failed its audit."""
 
     kind = "checkpoint"
+
+
+class ResumeError(CheckpointError, ValueError):
+    """A checkpoint that this run cannot resume from (damaged, missing on some node, or saved with a batch size that
+    cannot be kept); nothing was loaded or changed. A ``CheckpointError`` and a ``ValueError``, as these refusals
+    were before."""
+
+    kind = "resume"
 
 
 class MergeError(TrlExtError, RuntimeError):
@@ -49,7 +65,7 @@ class AdapterError(TrlExtError, ValueError):
 
 
 class PlanError(TrlExtError, ValueError):
-    """An adapter that does not fit its base; the message is one line."""
+    """An adapter that does not fit its base, or a model whose checkpoint layout cannot be planned; one line."""
 
     kind = "plan"
 
@@ -64,6 +80,32 @@ class DatasetError(TrlExtError, ValueError):
     """A training or evaluation dataset that TRL cannot train on."""
 
     kind = "dataset"
+
+
+class ConfigError(TrlExtError, ValueError):
+    """Arguments or a config that cannot run together (bf16 with fp16, 8-bit QLoRA under ZeRO-3, a reward model with
+    two labels, ...): refused before anything loads, with the fix."""
+
+    kind = "config"
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A config of the wrong class where TRL needs its own (a plain ``TrainingArguments`` for DPO, say)."""
+
+    kind = "config-type"
+
+
+class SetupError(TrlExtError, RuntimeError):
+    """The processes, hardware or installed versions cannot run what was asked (a multi-process launch where each
+    process trains alone, a release that lacks a fix, CUDA already initialised before a notebook launch)."""
+
+    kind = "setup"
+
+
+class NotFoundError(TrlExtError, FileNotFoundError):
+    """A model or dataset path that does not exist."""
+
+    kind = "not-found"
 
 
 class ServerError(TrlExtError, ConnectionError):
@@ -87,3 +129,54 @@ class UsageError(SystemExit):
 
     def __str__(self) -> str:
         return f"error: {self.message}"
+
+
+def combined(failures: list[TrlExtError], prefer: tuple[str, ...] = ()) -> TrlExtError:
+    """One error for several ranks' failures: the class, kind and detail of the first whose kind is in ``prefer``
+    (else of the first), with every distinct message.
+
+    Args:
+        failures: the errors, in rank order (at least one).
+        prefer: kinds that decide, in order (``NONFINITE`` before a plain save failure, say).
+
+    Returns:
+        The error to raise on every rank.
+    """
+    decisive = next((f for kind in prefer for f in failures if f.kind == kind), failures[0])
+    messages = list(dict.fromkeys(str(f) for f in failures))
+    if len(messages) == 1:
+        return decisive
+    return type(decisive)("\n".join(messages), kind=decisive.kind, detail=decisive.detail)
+
+
+def across_ranks(error: TrlExtError | None, group=None, prefer: tuple[str, ...] = ()) -> TrlExtError | None:
+    """Every rank's outcome, on every rank: the error any rank had (``combined``, with its class and kind), or None.
+    A collective on ``group`` (default: the default group) when distributed.
+
+    Args:
+        error: this rank's failure, or None.
+        group: the process group the ranks agree on.
+        prefer: kinds that decide which failure's class and kind the others take.
+
+    Returns:
+        The agreed failure, the same on every rank, or None when every rank succeeded.
+    """
+    import torch.distributed as dist
+
+    everyone = [error]
+    if dist.is_available() and dist.is_initialized():
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, error, group=group)
+    failures = [e for e in everyone if e is not None]
+    return combined(failures, prefer) if failures else None
+
+
+def agree(error: TrlExtError | None, group=None, prefer: tuple[str, ...] = ()) -> None:
+    """``across_ranks``, raising the agreed failure on every rank.
+
+    Raises:
+        TrlExtError: the failure of some rank, of its class and kind, on every rank.
+    """
+    failure = across_ranks(error, group, prefer)
+    if failure is not None:
+        raise failure

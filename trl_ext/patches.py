@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
+from trl_ext.errors import CheckpointError
 from trl_ext.process import notice
 
 
@@ -49,7 +50,7 @@ def _version(package: str) -> Version | None:
 
 
 def _resolve(target: str):
-    """The object at a dotted path (module, then attributes); raises AttributeError or ImportError if it is gone."""
+    """The object at a dotted path (module, then attributes), or None if the installed release does not have it."""
     parts = target.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -57,18 +58,19 @@ def _resolve(target: str):
         except ImportError:
             continue
         for name in parts[cut:]:
-            owner = getattr(owner, name)
+            owner = getattr(owner, name, None)
+            if owner is None:
+                return None
         return owner
-    raise ImportError(target)
+    return None
 
 
 def _has(target: str, *parameters: str) -> Callable[[], bool]:
     """A feature probe: ``target`` exists (and, for a callable, takes these ``parameters``)."""
 
     def probe() -> bool:
-        try:
-            found = _resolve(target)
-        except (ImportError, AttributeError):
+        found = _resolve(target)
+        if found is None:
             return False
         if not parameters:
             return True
@@ -85,9 +87,10 @@ def _source_has(target: str, text: str) -> Callable[[], bool]:
     """A feature probe for code whose decorators hide its signature: ``target``'s source contains ``text``."""
 
     def probe() -> bool:
+        found = _resolve(target)
         try:
-            return text in inspect.getsource(_resolve(target))
-        except (ImportError, AttributeError, OSError, TypeError):
+            return found is not None and text in inspect.getsource(found)
+        except (OSError, TypeError):
             return False
 
     return probe
@@ -398,7 +401,7 @@ def refuse_save_pretrained(model, refuse: Callable[[object], str | None]) -> Non
         def guarded(save_directory, *args, _original=original, _model=target, **kwargs):
             message = refuse(_model) if kwargs.get("state_dict") is None else None
             if message:
-                raise RuntimeError(message)
+                raise CheckpointError(message, kind="zero3-placeholders")
             return _original(save_directory, *args, **kwargs)
 
         target.save_pretrained = guarded

@@ -23,8 +23,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from tests.distributed.test_reliability import assert_resumed_equals_uninterrupted, digest
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
-from trl_ext.saving.commit import PARTIAL_SUFFIX
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
+from trl_ext.files.commit import PARTIAL_SUFFIX
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trl_ext.engines import checkpointing
+from trl_ext.engines import gradient_checkpointing
 
 pytestmark = pytest.mark.slow
 
@@ -45,14 +45,14 @@ def gc_runs(shared_runs):
 @pytest.mark.parametrize("trainer", [pytest.param("sft", marks=pytest.mark.compat), "reward", "dpo"])
 def test_default_is_non_reentrant_in_every_layer(zero3_run, trainer):
     """On a DeepSpeed without the recompute fix (the oldest supported one), the reentrant fallback, said in one line."""
-    fixed = checkpointing.deepspeed_keeps_frozen_params_on_recompute()
+    fixed = gradient_checkpointing.deepspeed_keeps_frozen_params_on_recompute()
     report = zero3_run(trainer, True)[1]
     assert_partitioned(report)
     layers = report["checkpointing"]["layers"]
     assert len(layers) == 2 and set(layers.values()) == {not fixed}  # both decoder layers, as actually called
     # no input-require-grads hook with non-reentrant; reentrant needs it
     assert (report["checkpointing"]["input_hooks"] > 0) is not fixed
-    fallback = f"Upgrade to deepspeed>={checkpointing.DEEPSPEED_FIX_VERSION} to remove this."
+    fallback = f"Upgrade to deepspeed>={gradient_checkpointing.DEEPSPEED_FIX_VERSION} to remove this."
     assert (fallback in report["output"]) is not fixed  # said (on rank 0) only where the fix is missing
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from tests.distributed.test_reliability import assert_fault_cost_nothing, digest, logged, max_diff
 from tests.harness import REPO, SCRIPTS, accelerate_launch, run_command
 from trl_ext.assets import default_model_path
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import torch
 
 from tests.harness import REPO, SCRIPTS
 from trl_ext.assets import default_model_path
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
 
 pytestmark = pytest.mark.slow
 

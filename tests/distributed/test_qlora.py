@@ -104,7 +104,7 @@ def assert_damaged_adapters_fail(damaged: tuple, trained: torch.Tensor) -> None:
 @pytest.mark.parametrize(("trainer", "backend"), CASES)
 def test_qlora_trains_saves_and_reloads(runs, trainer, backend):
     from trl_ext.assets import default_model_path
-    from trl_ext.saving.verify import audit
+    from trl_ext.files.audit import audit
 
     out, report, got = runs[trainer, backend]
     stage = None if backend == "fsdp2" else int(backend[-1])

@@ -19,8 +19,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from tests.distributed.conftest import ZERO3_TRAIN
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
-from trl_ext.saving.commit import PARTIAL_SUFFIX
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
+from trl_ext.files.commit import PARTIAL_SUFFIX
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +135,7 @@ def test_permission_denied_during_save_fails_cleanly_and_the_run_resumes(tmp_pat
 
     import trl_ext
     from trl_ext.errors import CheckpointError
-    from trl_ext.saving import shards
+    from trl_ext.files import shards
 
     append = shards.ShardStreamWriter.append
 

@@ -8,7 +8,7 @@ import torch
 
 from tests.distributed.conftest import REWARD_ALL_LINEAR_ROUNDTRIP
 from tests.distributed.test_saving import assert_reload_identically, recorded, reloaded_outputs
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from tests.distributed.conftest import SFT_LORA_ROUNDTRIP
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tests.harness import REPO, SCRIPTS, run_command, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.assets.datasets import DATA_DIR
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
 
 pytestmark = pytest.mark.slow
 

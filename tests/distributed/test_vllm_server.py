@@ -19,7 +19,7 @@ from safetensors import safe_open
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from tests.vllm_server_standin import Fault, StandInServer
 from trl_ext.assets import default_model_path
-from trl_ext.saving.verify import audit
+from trl_ext.files.audit import audit
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("requests")

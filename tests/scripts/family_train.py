@@ -27,8 +27,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 import trl_ext
 from tests.families import FAMILIES, family_path
 from trl_ext.assets import load_default_dataset
+from trl_ext.engines.sharded import is_dtensor
 from trl_ext.merge.weights import iter_merged_weights
-from trl_ext.saving.gather import is_dtensor
 
 PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]
 TRAINERS = {"sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),

@@ -20,7 +20,7 @@ from train import CountSteps, KillAtStep, gathered_trainable, partition_report, 
 
 import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
-from trl_ext.saving.gather import is_dtensor
+from trl_ext.engines.sharded import is_dtensor
 from trl_ext.trainers.weight_sync import BoundedVLLMGeneration, bounded_named_params
 
 

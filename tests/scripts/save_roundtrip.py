@@ -21,9 +21,11 @@ from transformers import TrainerCallback
 
 import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
+from trl_ext.engines import sharded
+from trl_ext.files import shards
 from trl_ext.process import env_rank
-from trl_ext.saving import commit, shards
-from trl_ext.saving import pipeline as saving
+from trl_ext.saving import gather
+from trl_ext.saving.staged import StagedCheckpoint
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -76,7 +78,7 @@ def head_stats(model) -> dict:
 def kill_during_save(save_number: int) -> None:
     """Simulate a crash: rank 0 SIGKILLs itself after writing the first tensor of the N-th checkpoint save."""
     saves = {"count": 0}
-    enter, end = commit.StagedCheckpoint.__enter__, shards.ShardStreamWriter.end
+    enter, end = StagedCheckpoint.__enter__, shards.ShardStreamWriter.end
 
     def counting_enter(self):
         saves["count"] += 1
@@ -87,7 +89,7 @@ def kill_during_save(save_number: int) -> None:
         if saves["count"] == save_number and env_rank() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    commit.StagedCheckpoint.__enter__ = counting_enter
+    StagedCheckpoint.__enter__ = counting_enter
     shards.ShardStreamWriter.end = write_then_die
 
 
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None):
         out.mkdir(parents=True, exist_ok=True)
         record_writes(out)
     if cli.gather_whole:  # the path taken for NVMe-offloaded or quantized partitions, or several writers
-        saving.gather._streamable = lambda param, world: False
+        gather.streamable = lambda param, world: False
     if cli.kill_during_save:
         kill_during_save(cli.kill_during_save)
 
@@ -165,10 +167,10 @@ def main(argv: list[str] | None = None):
               "head_at_init": head_stats(trainer.model) if cli.trainer == "reward" else None}
     trainer.train(resume_from_checkpoint=cli.resume or None)
 
-    report["partitioned"] = saving.gather.has_partitioned_params(trainer.model)
+    report["partitioned"] = sharded.has_partitioned_params(trainer.model)
     record(out, "final", probe_outputs(trainer.model, cli.trainer))
     trainer.save_model(str(out / "final"))
-    report["partitioned"] = saving.gather.has_partitioned_params(trainer.model)  # the probe forward may gather
+    report["partitioned"] = sharded.has_partitioned_params(trainer.model)  # the probe forward may gather
     if report["zero_stage"] == 3:
         try:  # what many users' scripts and notebooks do after training
             trainer.model.save_pretrained(str(out / "user_save_pretrained"),

@@ -22,15 +22,16 @@ from transformers import TrainerCallback
 
 import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
-from trl_ext.engines.checkpointing import layer_settings
+from trl_ext.engines.gradient_checkpointing import layer_settings
+from trl_ext.files import shards
 from trl_ext.process import env_rank
-from trl_ext.saving import shards
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shared with bench/_loading_worker.py
-import _weight_reads as weight_reads  # noqa: E402
-import launched  # tests/scripts/, beside this file
-from _gather_count import GatherCount, model_numel  # noqa: E402
-from _tensor_peak import step_peaks  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository's tests package
+import launched  # noqa: E402 - tests/scripts/, beside this file
+
+from tests.probes import weight_reads  # noqa: E402
+from tests.probes.gather_count import GatherCount, model_numel  # noqa: E402
+from tests.probes.tensor_peak import step_peaks  # noqa: E402
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),

@@ -18,7 +18,7 @@ from transformers import AutoProcessor, TrainerCallback
 import trl_ext
 from trl_ext.assets import load_shapes, vlm_model_path
 from trl_ext.data.vision import freeze_vision_tower, vision_tower
-from trl_ext.engines.checkpointing import layer_settings
+from trl_ext.engines.gradient_checkpointing import layer_settings
 
 LM_LINEARS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 

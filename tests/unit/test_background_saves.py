@@ -16,8 +16,9 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import trl_ext
 from trl_ext.errors import CheckpointError
-from trl_ext.saving import BackgroundSaves, pipeline, shards
-from trl_ext.saving.verify import audit
+from trl_ext.files import shards
+from trl_ext.files.audit import audit
+from trl_ext.saving import BackgroundSaves, pipeline
 
 ROWS = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
         for i in range(16)]

@@ -106,15 +106,12 @@ def test_ranks_that_do_not_read_load_headers_only_then_get_storage_of_their_own(
     byte is read; give_meta_parameters_storage then gives each parameter its own CPU storage (accelerate maps the
     optimizer by address) and keeps tied parameters tied. The reading rank loads as usual."""
     import types
-    from pathlib import Path
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, modeling_utils
 
+    from tests.probes import weight_reads as _weight_reads
     from trl_ext.assets import default_model_path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    import _weight_reads
 
     monkeypatch.setattr(modeling_utils, "safe_open", modeling_utils.safe_open)  # the counter is removed afterwards
     _weight_reads.install()

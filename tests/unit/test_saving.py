@@ -17,10 +17,11 @@ from transformers import (
 )
 
 from trl_ext.errors import CheckpointError
+from trl_ext.files import header as safetensors_header
+from trl_ext.files import shards
+from trl_ext.files.audit import audit
+from trl_ext.files.readback import check_written
 from trl_ext.saving import pipeline as saving
-from trl_ext.saving import safetensors_header, shards
-from trl_ext.saving.verify import audit
-from trl_ext.saving.written_check import check_written
 from trl_ext.trainers import mixin
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
@@ -127,7 +128,7 @@ def test_failed_write_leaves_previous_save_untouched(tmp_path, tiny_model_path, 
 
 
 def test_failed_verification_commits_nothing_and_keeps_files_for_inspection(tmp_path, tiny_model_path, monkeypatch):
-    monkeypatch.setattr(saving.written_check, "check_directory",
+    monkeypatch.setattr(saving.readback, "check_directory",
                         lambda *a: ["model.layers.0.mlp.up_proj.weight: written (0,), trained (..)"])
     with pytest.raises(CheckpointError, match="(?s)failed verification.*up_proj"):
         saving.save(AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "out")
@@ -208,7 +209,7 @@ def test_fsync_or_metadata_failure_commits_nothing(tmp_path, tiny_model_path, mo
         raise PermissionError(errno.EACCES, "Permission denied", "config.json")
 
     with monkeypatch.context() as patch:
-        patch.setattr(saving, "_write_metadata", broken_metadata)
+        patch.setattr(saving, "write_metadata", broken_metadata)
         with pytest.raises(CheckpointError, match="writing the configuration files: PermissionError"):
             saving.save(_perturbed(model), tmp_path / "out")
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before

@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from trl_ext.saving import shards
-from trl_ext.saving.shards import ShardStreamWriter, TensorSpec, index_json, parse_size, plan_shards
+from trl_ext.errors import CheckpointError
+from trl_ext.files import shards
+from trl_ext.files.shards import ShardStreamWriter, TensorSpec, index_json, parse_size, plan_shards
 
 
 def _tensors():
@@ -69,12 +70,12 @@ def test_plan_keeps_order_limits_size_and_isolates_big_tensors():
 def test_writer_refuses_placeholders_order_errors_and_missing_tensors(tmp_path):
     plan = plan_shards([TensorSpec("x", (4, 4), torch.float32), TensorSpec("y", (2,), torch.float32)], "1GB")
     writer = ShardStreamWriter(tmp_path, plan)
-    with pytest.raises(ValueError, match=r"planned \(4, 4\).*placeholder"):
+    with pytest.raises(CheckpointError, match=r"planned \(4, 4\).*placeholder"):
         writer.write("x", torch.empty(0))  # a ZeRO-3 partition that was never gathered
-    with pytest.raises(ValueError, match="out of plan order"):
+    with pytest.raises(CheckpointError, match="out of plan order"):
         writer.write("y", torch.zeros(2))
     writer.write("x", torch.zeros(4, 4))
-    with pytest.raises(ValueError, match="1 planned tensors were never written, e.g. y"):
+    with pytest.raises(CheckpointError, match="1 planned tensors were never written, e.g. y"):
         writer.close()
 
 

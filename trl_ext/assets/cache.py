@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from trl_ext.errors import SetupError
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("TRL_EXT_CACHE", Path.home() / ".cache" / "trl_ext"))
@@ -44,7 +46,7 @@ def cached_build(name: str, builder_module: str, *builder_args: str, marker: str
                 proc = subprocess.run([sys.executable, "-m", builder_module, *builder_args, str(tmp)],
                                       capture_output=True, text=True, check=False)
                 if proc.returncode != 0 or not (tmp / marker).exists():
-                    raise RuntimeError(f"building {name} failed:\n{proc.stderr[-4000:]}")
+                    raise SetupError(f"building {name} failed:\n{proc.stderr[-4000:]}")
                 os.rename(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

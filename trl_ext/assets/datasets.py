@@ -5,6 +5,8 @@ from pathlib import Path
 
 from datasets import DatasetDict, load_dataset
 
+from trl_ext.errors import DatasetError
+
 DATA_DIR = Path(__file__).parent / "data"
 # sft: conversational "messages"; preference: prompt/chosen/rejected (DPO); reward: chosen/rejected;
 # prompt: prompt/answer (GRPO, RLOO: the answer feeds a verifiable reward), derived from the preference files;
@@ -16,7 +18,7 @@ DATASET_NAMES = {f"trl-ext/arithmetic-{kind}": kind for kind in DATASET_KINDS}
 
 def load_default_dataset(kind: str) -> DatasetDict:
     if kind not in DATASET_KINDS:
-        raise ValueError(f"Unknown bundled dataset {kind!r}; choose one of {', '.join(DATASET_KINDS)}.")
+        raise DatasetError(f"Unknown bundled dataset {kind!r}; choose one of {', '.join(DATASET_KINDS)}.")
     if kind == "prompt-1digit":  # same split as "prompt", so held-out texts stay out of training (and of SFT's)
         return load_default_dataset("prompt").filter(
             lambda row: all(int(n) < 10 for n in re.findall(r"\d+", row["prompt"][0]["content"])))

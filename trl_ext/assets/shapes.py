@@ -11,6 +11,8 @@ import random
 
 from datasets import Dataset, DatasetDict, Features, Image, Sequence, Value
 
+from trl_ext.errors import DatasetError
+
 SHAPES_NAMES = {"trl-ext/shapes-sft": "sft", "trl-ext/shapes-preference": "preference"}
 COLOURS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 80, 235), "yellow": (235, 215, 40)}
 SIDES = ("left", "right")
@@ -74,7 +76,7 @@ def load_shapes(kind: str, seed: int = 0) -> DatasetDict:
         A ``DatasetDict`` with ``train`` (480 rows) and ``test`` (64 rows) splits.
     """
     if kind not in ("sft", "preference"):
-        raise ValueError(f"Unknown shapes dataset {kind!r}; choose 'sft' or 'preference'.")
+        raise DatasetError(f"Unknown shapes dataset {kind!r}; choose 'sft' or 'preference'.")
     rng = random.Random(seed)
     splits = {}
     for split, n in (("train", N_TRAIN), ("test", N_TEST)):

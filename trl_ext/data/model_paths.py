@@ -4,6 +4,8 @@ would first try the Hub: for a dataset, 23 s of retries offline, then "Couldn't 
 import os
 from pathlib import Path
 
+from trl_ext.errors import NotFoundError
+
 
 def _looks_local(name: str) -> bool:
     """Absolute, ``./``, ``../`` or ``~``, or deeper than a Hub id's ``namespace/name``."""
@@ -17,13 +19,13 @@ def check_model_path(model) -> None:
         model: the ``model`` argument of a trainer (an id, a path, or a model object, which is left alone).
 
     Raises:
-        FileNotFoundError: the path looks local and does not exist.
+        NotFoundError: the path looks local and does not exist.
     """
     if not isinstance(model, (str, os.PathLike)):
         return
     name = str(model)
     if _looks_local(name) and not Path(name).expanduser().exists():
-        raise FileNotFoundError(f"model path '{name}' does not exist: pass an existing model directory or a Hub "
+        raise NotFoundError(f"model path '{name}' does not exist: pass an existing model directory or a Hub "
                                 "model id (namespace/name)")
 
 
@@ -39,9 +41,9 @@ def check_dataset_path(name: str) -> None:
         name: the ``dataset_name`` a recipe or ``trl-ext <command>`` was given.
 
     Raises:
-        FileNotFoundError: the path looks local and does not exist (the message names it and the working directory).
+        NotFoundError: the path looks local and does not exist (the message names it and the working directory).
     """
     looks_local = _looks_local(name) or name.lower().endswith(DATA_FILE_SUFFIXES)
     if looks_local and not Path(name).expanduser().exists():
-        raise FileNotFoundError(f"dataset '{name}' does not exist (looked in {os.getcwd()}): pass an existing file or "
+        raise NotFoundError(f"dataset '{name}' does not exist (looked in {os.getcwd()}): pass an existing file or "
                                 "directory, or a Hub dataset id (namespace/name)")

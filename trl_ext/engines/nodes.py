@@ -1,4 +1,4 @@
-"""Several nodes: is ``output_dir`` shared between them, and which checkpoint to resume.
+"""Several nodes: is ``output_dir`` shared between them, and so which ranks write checkpoints.
 
 Every answer here is decided once for all ranks (looked at, gathered, then the same verdict everywhere): ranks that
 look at the files on their own can disagree (NFS attribute caching, node-local disks) and then take different
@@ -8,6 +8,8 @@ collective paths, which hangs the job (KempnerForge#49).
 import os
 import uuid
 from dataclasses import dataclass
+
+from trl_ext.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -66,33 +68,7 @@ def check(storage: Storage, args) -> None:
         args: the run's ``TrainingArguments``.
     """
     if storage.multi_node and not storage.shared and not args.save_on_each_node and args.save_strategy != "no":
-        raise ValueError(
+        raise ConfigError(
             f"output_dir {args.output_dir} is not shared between the nodes (each node sees its own): checkpoints "
             f"would be split across nodes and none could resume; set save_on_each_node=True (--save_on_each_node "
             f"true), or put output_dir on storage that every node shares.")
-
-
-def resume_path(args, wanted: str | None) -> str | None:
-    """The checkpoint every rank resumes from: chosen on rank 0 and broadcast; refused if a node lacks it.
-
-    Args:
-        args: the run's ``TrainingArguments``.
-        wanted: the path rank 0 resolved (``get_last_checkpoint`` for ``resume_from_checkpoint=True``).
-
-    Returns:
-        The same path on every rank (None: no checkpoint).
-    """
-    from accelerate.utils import broadcast_object_list, gather_object
-
-    if args.world_size <= 1:
-        return wanted
-    chosen = [wanted]
-    broadcast_object_list(chosen, from_process=0)
-    path = chosen[0]
-    if path is None:
-        return None
-    missing = [rank for rank, seen in enumerate(gather_object([os.path.isdir(path)])) if not seen]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {path} (the one rank 0 resumes) is missing where rank {missing[0]} runs: "
-                                f"give every node a copy of it, or resume from a checkpoint all nodes have.")
-    return path

@@ -24,6 +24,7 @@ from peft.utils.integrations import get_bnb_param_type
 
 from trl_ext import patches
 from trl_ext.engines import fsdp
+from trl_ext.errors import ConfigError
 from trl_ext.process import notice
 
 MIN_BITSANDBYTES = "0.46"  # first release with a CPU backend; pyproject's ``qlora`` extra pins it
@@ -76,7 +77,7 @@ def _splits_model(device_map) -> bool:
 
 
 def _refuse(message: str):
-    raise ValueError(f"QLoRA: {message}")
+    raise ConfigError(f"QLoRA: {message}")
 
 
 def _check_bitsandbytes() -> None:

@@ -16,6 +16,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 
 from trl_ext import patches
 from trl_ext.engines import fsdp
+from trl_ext.errors import ConfigError, SetupError
 from trl_ext.process import env_world_size, notice
 
 
@@ -40,7 +41,7 @@ def adapt_to_hardware(args) -> None:
       them accelerate finds no backend, or sets up no data parallelism, and each process trains alone.
     """
     if args.bf16 and args.fp16:  # both asked for explicitly (TRL's bf16 default is None); on CPU both would vanish
-        raise ValueError("bf16=True and fp16=True conflict: pass only one of --bf16 / --fp16 (neither: fp32)")
+        raise ConfigError("bf16=True and fp16=True conflict: pass only one of --bf16 / --fp16 (neither: fp32)")
     if args.use_cpu:
         return  # the user asked for CPU explicitly; transformers handles that path itself
     unsupported = set()
@@ -122,7 +123,7 @@ def check_distributed_setup(args) -> None:
 
     world = env_world_size()
     if world > 1 and (args.world_size == 1 or args.parallel_mode != ParallelMode.DISTRIBUTED):
-        raise RuntimeError(
+        raise SetupError(
             f"This script was launched with {world} processes, but each one set up training alone (world size "
             f"{args.world_size}, parallel mode {args.parallel_mode.value}). "
             "On a machine without a GPU, pass ddp_backend='gloo' or build the config from trl_ext "

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from trl_ext import patches
+from trl_ext.errors import ConfigError, SetupError
 from trl_ext.process import env_rank
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -58,14 +59,14 @@ def zero_config(stage: int) -> dict:
 def _deepspeed_config(zero_stage: int | None, deepspeed: dict | str | os.PathLike | None) -> dict | None:
     """``zero_config(zero_stage)`` with ``deepspeed`` (a dict or a JSON file) merged over it, section by section."""
     if zero_stage is not None and zero_stage not in ZERO_STAGES:
-        raise ValueError(f"zero_stage must be one of {ZERO_STAGES} (or None for no DeepSpeed), got {zero_stage!r}")
+        raise ConfigError(f"zero_stage must be one of {ZERO_STAGES} (or None for no DeepSpeed), got {zero_stage!r}")
     if isinstance(deepspeed, (str, os.PathLike)):
         path = Path(deepspeed)
         if not path.is_file():
-            raise ValueError(f"deepspeed: {path} is not a file; pass a DeepSpeed config as a dict or a JSON file path")
+            raise ConfigError(f"deepspeed: {path} is not a file; pass a DeepSpeed config as a dict or a JSON file path")
         deepspeed = json.loads(path.read_text())
     if deepspeed is not None and not isinstance(deepspeed, dict):
-        raise ValueError(f"deepspeed must be a dict or a JSON file path, got {type(deepspeed).__name__}")
+        raise ConfigError(f"deepspeed must be a dict or a JSON file path, got {type(deepspeed).__name__}")
     if zero_stage is None and deepspeed is None:
         return None
     config = zero_config(zero_stage if zero_stage is not None else 2)
@@ -73,7 +74,7 @@ def _deepspeed_config(zero_stage: int | None, deepspeed: dict | str | os.PathLik
         both_dicts = isinstance(value, dict) and isinstance(config.get(key), dict)
         config[key] = {**config[key], **value} if both_dicts else value
     if zero_stage is not None and config["zero_optimization"].get("stage") != zero_stage:
-        raise ValueError(f"zero_stage={zero_stage} but the deepspeed config sets stage "
+        raise ConfigError(f"zero_stage={zero_stage} but the deepspeed config sets stage "
                          f"{config['zero_optimization'].get('stage')}; give the stage once")
     return config
 
@@ -102,7 +103,7 @@ def _run_and_report(function, result_dir: str):
             try:
                 payload = pickle.dumps(result)
             except Exception as exc:  # any pickling failure gets the same advice
-                raise TypeError(f"launch(): rank 0's return value cannot be sent back ({exc}); return plain data "
+                raise ConfigError(f"launch(): rank 0's return value cannot be sent back ({exc}); return plain data "
                                 "such as a list of losses or a path") from exc
             (Path(result_dir) / _RESULT_FILE).write_bytes(payload)
         if torch.distributed.is_initialized():
@@ -159,24 +160,24 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
         What ``function`` returned on rank 0.
 
     Raises:
-        ValueError: fewer than 2 processes, or more than the GPUs.
-        RuntimeError: CUDA is already initialized in this process, or it is itself a distributed process.
+        errors.ConfigError: fewer than 2 processes, or more than the GPUs.
+        errors.SetupError: CUDA is already initialized in this process, or it is itself a distributed process.
     """
     from accelerate import notebook_launcher
     from accelerate.utils.other import get_free_port
 
     if not isinstance(num_processes, int) or num_processes < 2:
-        raise ValueError(f"num_processes must be 2 or more, got {num_processes!r}; for one process call "
+        raise ConfigError(f"num_processes must be 2 or more, got {num_processes!r}; for one process call "
                          "the function directly")
     ds_config = _deepspeed_config(zero_stage, deepspeed)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise RuntimeError("launch() forks new processes, and CUDA is already initialized in this one (a cell used "
+        raise SetupError("launch() forks new processes, and CUDA is already initialized in this one (a cell used "
                            "the GPU); restart the kernel and call launch() before anything touches the GPU")
     if torch.cuda.is_available() and torch.cuda.device_count() < num_processes:  # device_count() does not init CUDA
-        raise ValueError(f"num_processes={num_processes} but this machine has {torch.cuda.device_count()} GPU(s); "
+        raise ConfigError(f"num_processes={num_processes} but this machine has {torch.cuda.device_count()} GPU(s); "
                          "use one process per GPU")
     if torch.distributed.is_initialized():
-        raise RuntimeError("launch() was called inside a distributed process (a process group exists); call it "
+        raise SetupError("launch() was called inside a distributed process (a process group exists); call it "
                            "from the notebook or a plain `python` process, not under accelerate launch/torchrun")
 
     with tempfile.TemporaryDirectory(prefix="trl_ext-launch-") as scratch:

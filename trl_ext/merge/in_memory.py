@@ -1,14 +1,18 @@
 """The in-memory merge: load the base once, merge in place, check that the merged model gives the adapter model's
-outputs, then write it through trl_ext's save path (streamed shards, verified, committed atomically). For what the
-streamed merge (``streamed``) refuses: a base to dequantize, LoRA on fused MoE expert tensors, DoRA."""
+outputs, then write it with ``save_pretrained`` into a hidden directory, audit it and commit it atomically (the model
+is whole and in memory here, so transformers' own writer is the reference). For what the streamed merge
+(``streamed``) refuses: a base to dequantize, LoRA on fused MoE expert tensors, DoRA."""
 
+import shutil
 from pathlib import Path
 
 import torch
 
 from trl_ext.data.model_paths import check_model_path
+from trl_ext.errors import MergeError
+from trl_ext.files.audit import audit
+from trl_ext.files.commit import PARTIAL_SUFFIX, commit, sync_files
 from trl_ext.merge import inputs
-from trl_ext.saving import pipeline as saving
 
 
 def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
@@ -66,5 +70,23 @@ def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
         merged = model.merge_and_unload()  # in place: never a second copy of the weights
         got = merged(input_ids=probe, attention_mask=torch.ones_like(probe)).logits
     inputs.check_outputs(got, expected, merged.dtype)
-    saving.save(merged, str(out_dir), processing_class=tokenizer, max_shard_size=max_shard_size)
+    _write(merged, tokenizer, out_dir, max_shard_size, num_labels)
     return out_dir
+
+
+def _write(model, tokenizer, out: Path, max_shard_size, num_labels: int | None) -> None:
+    """``save_pretrained`` into a hidden directory beside ``out``, synced, audited, then renamed into place."""
+    target = out.absolute()
+    staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
+    shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted merge
+    try:
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(staging)
+        sync_files(staging)
+        report = audit(str(staging), num_labels=num_labels or 1)
+        if not report.ok:
+            raise MergeError(f"the merged model failed verification; nothing was written:\n{report.format()}")
+        commit(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -9,8 +9,8 @@ import torch
 
 from trl_ext.assets import resolve_model
 from trl_ext.errors import MergeError
-from trl_ext.saving import verify
-from trl_ext.saving.safetensors_reader import SafetensorsReader
+from trl_ext.files import audit
+from trl_ext.files.reader import SafetensorsReader
 
 PROBE_LENGTH = 16  # tokens per row of the end-to-end probe (two rows)
 PROBE_VOCAB = 4096  # probe ids come from the first ids of the vocabulary, specials skipped
@@ -49,7 +49,7 @@ def head_outputs(adapter: Path, config: dict) -> int | None:
     """A SEQ_CLS adapter's head size (rows of its saved ``score``/``classifier``; 1 for a reward model), or None."""
     if config.get("task_type") != "SEQ_CLS":
         return None
-    file = adapter / verify.ADAPTER_WEIGHTS
+    file = adapter / audit.ADAPTER_WEIGHTS
     if file.exists():
         reader = SafetensorsReader([file])
         shapes = {n: s.spec.shape for n, s in reader.tensors.items()}
@@ -60,7 +60,7 @@ def head_outputs(adapter: Path, config: dict) -> int | None:
         shapes = {n: tuple(t.shape) for n, t in load_peft_weights(str(adapter), device="cpu").items()}
     for name, shape in shapes.items():
         short = name.removeprefix("base_model.model.")
-        if short.split(".")[0] in verify.HEAD_NAMES and short.endswith("weight") and "lora_" not in short:
+        if short.split(".")[0] in audit.HEAD_NAMES and short.endswith("weight") and "lora_" not in short:
             return shape[0]
     return 1
 
@@ -78,7 +78,7 @@ def refuse_quantized(name: str, config, dequantize: bool = False) -> None:
 
 def audit_adapter(adapter: Path, base: str | None, num_labels: int | None) -> None:
     """The adapter must pass the ``trl-ext verify`` audit (against ``base``'s shapes when given)."""
-    report = verify.audit(str(adapter), base=base, num_labels=num_labels or 1)
+    report = audit.audit(str(adapter), base=base, num_labels=num_labels or 1)
     if not report.ok:
         raise MergeError("the adapter is damaged or does not fit this base model:\n" + report.format())
 

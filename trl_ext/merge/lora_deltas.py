@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from trl_ext.errors import AdapterError
-from trl_ext.saving.safetensors_reader import SafetensorsReader
+from trl_ext.files.reader import SafetensorsReader
 
 ADAPTER_NAME = "default"  # the name PEFT gives the one adapter it loads
 PEFT_PREFIX = "base_model.model."

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trl_ext.errors import PlanError
+
 
 @dataclass(frozen=True)
 class Loaded:
@@ -60,5 +62,5 @@ def saved_name(model: torch.nn.Module, memory_name: str) -> str:
     tensor = model.state_dict(keep_vars=True)[memory_name]
     reverted = revert_weight_conversion(model, {memory_name: tensor})
     if len(reverted) != 1:  # a fused tensor: saved as several; never asked for here
-        raise ValueError(f"{memory_name} is saved as {len(reverted)} tensors")
+        raise PlanError(f"{memory_name} is saved as {len(reverted)} tensors")
     return next(iter(reverted))

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from trl_ext.errors import PlanError
+from trl_ext.files.reader import SafetensorsReader
+from trl_ext.files.shards import TensorSpec
 from trl_ext.merge.lora_deltas import Adapter, LoraDelta
 from trl_ext.merge.names import checkpoint_to_memory, saved_name
-from trl_ext.saving.safetensors_reader import SafetensorsReader
-from trl_ext.saving.shards import TensorSpec
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ import torch
 
 from trl_ext.data.model_paths import check_model_path
 from trl_ext.errors import AdapterError, MergeError, PlanError, UnreadableCheckpoint
+from trl_ext.files import audit, commit, hub_names, readback
+from trl_ext.files.reader import SafetensorsReader
+from trl_ext.files.shards import ShardStreamWriter, index_json, plan_shards
 from trl_ext.merge import inputs
 from trl_ext.merge.lora_deltas import Adapter, RowMerger, load_adapter, merge_bias
 from trl_ext.merge.plan import MergePlan, Output, build_plan
-from trl_ext.saving import commit, hub_format, verify, written_check
-from trl_ext.saving.safetensors_reader import SafetensorsReader
-from trl_ext.saving.shards import ShardStreamWriter, index_json, plan_shards
 
 BLOCK_BYTES = 8 * 2**20  # one read and write of a copied tensor
 MERGE_BLOCK_BYTES = 2 * 2**20  # rows merged at once: the check's float64 copy of them; the delta and block are smaller
@@ -111,22 +111,22 @@ def weight_files(base: Path) -> list[Path]:
         MergeError: missing shards, only PyTorch ``.bin`` weights (refused: a pickle is read whole, which is the
             memory use this merge exists to avoid), or no weights at all.
     """
-    index = base / verify.FULL_INDEX
+    index = base / audit.FULL_INDEX
     if index.exists():
         files = list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
         missing = [f for f in files if not (base / f).exists()]
         if missing:
             raise MergeError(f"the base {base} lists shards that are not there: {', '.join(missing[:3])}")
         return [base / f for f in files]
-    if (base / verify.FULL_WEIGHTS).exists():
-        return [base / verify.FULL_WEIGHTS]
+    if (base / audit.FULL_WEIGHTS).exists():
+        return [base / audit.FULL_WEIGHTS]
     if list(base.glob("pytorch_model*.bin")):
         raise MergeError(f"the base {base} has PyTorch .bin weights: the streamed merge reads safetensors only (a "
                          ".bin pickle is loaded whole). Convert it once (from_pretrained + save_pretrained) or merge "
                          "in memory with trl_ext.merge.merge")
-    if (base / verify.ADAPTER_WEIGHTS).exists():
+    if (base / audit.ADAPTER_WEIGHTS).exists():
         raise MergeError(f"{base} is a PEFT adapter, not a base model; pass the model it was trained on as --base")
-    raise MergeError(f"no model.safetensors or {verify.FULL_INDEX} in {base}")
+    raise MergeError(f"no model.safetensors or {audit.FULL_INDEX} in {base}")
 
 
 def _meta_model(config, sequence_classification: bool) -> torch.nn.Module:
@@ -212,7 +212,7 @@ def _copy_files(base: Path, adapter: Path, staging: Path, generates: bool) -> No
 
 def _merged_config(config, model, plan: MergePlan, num_labels: int | None, cast, new_dtype, tokenizer_dir: Path):
     config = copy.deepcopy(config)
-    config.architectures = [hub_format.model_class(model).__name__]
+    config.architectures = [hub_names.model_class(model).__name__]
     text = config.get_text_config()
     if num_labels is not None:
         config.num_labels = num_labels
@@ -330,7 +330,7 @@ def _write_files(job: _Inputs, staging: Path, max_shard_size, progress: bool) ->
     outputs = job.plan.outputs
     shard_plan = plan_shards([o.spec for o in outputs], max_shard_size)
     if len(shard_plan) > 1:
-        (staging / verify.FULL_INDEX).write_text(json.dumps(index_json(shard_plan), indent=2))
+        (staging / audit.FULL_INDEX).write_text(json.dumps(index_json(shard_plan), indent=2))
     writer, worst = ShardStreamWriter(staging, shard_plan), 0.0
     try:
         bar = tqdm(total=job.plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
@@ -379,7 +379,7 @@ def merge_streamed(adapter: str, out: str, base: str | None = None, dtype: str =
     try:
         staging.mkdir(parents=True)
         shard_plan, writer, worst = _write_files(job, staging, max_shard_size, progress)
-        problems = written_check.check_written(str(staging), shard_plan, writer.written, None, job.num_labels or 1)
+        problems = readback.check_written(str(staging), shard_plan, writer.written, None, job.num_labels or 1)
         writer.wait()  # every file on disk before the outcome is decided
         if problems:
             keep_staging = True

@@ -7,7 +7,9 @@ from collections.abc import Iterator
 import torch
 from accelerate.utils import is_peft_model
 
-from trl_ext.saving import gather, hub_format
+from trl_ext.engines import sharded
+from trl_ext.errors import MergeError
+from trl_ext.files import hub_names
 
 
 def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
@@ -26,13 +28,13 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         ``(name, tensor)`` pairs; each tensor is a new tensor the caller may keep.
 
     Raises:
-        NotImplementedError: for DoRA adapters (``trl_ext.merge.merge`` handles them).
+        MergeError: for DoRA adapters (``trl_ext.merge.merge`` handles them).
     """
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
     base = model.get_base_model() if is_peft_model(model) else model
-    units = gather.FsdpUnits(model)  # FSDP2: each module is read with its unit's parameters unsharded
+    units = sharded.FsdpUnits(model)  # FSDP2: each module is read with its unit's parameters unsharded
     done: list[str] = []  # prefixes of modules already yielded whole
     # Tied parameters under their first name only, as save_pretrained keeps (listed before FSDP2 swaps any in).
     first_names = {n for n, _ in base.named_parameters()} | {n for n, _ in base.named_buffers()}
@@ -48,16 +50,16 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
             elif isinstance(module, ModulesToSaveWrapper):
                 done.append(prefix)
                 trained = module.modules_to_save[module.active_adapters[0]]
-                with units.unsharded(trained, subtree=True), gather.gathered(list(trained.parameters())):
-                    tensors = {prefix + k: t.detach().clone() for k, t in gather.module_tensors(trained).items()}
+                with units.unsharded(trained, subtree=True), sharded.gathered(list(trained.parameters())):
+                    tensors = {prefix + k: t.detach().clone() for k, t in sharded.module_tensors(trained).items()}
             else:
                 with units.unsharded(module):  # unsharding swaps in other parameter objects: read them inside
-                    own = {prefix + k: t for k, t in gather.module_tensors(module, recurse=False).items()
+                    own = {prefix + k: t for k, t in sharded.module_tensors(module, recurse=False).items()
                            if prefix + k in first_names}
-                    with gather.gathered(list(own.values())):
+                    with sharded.gathered(list(own.values())):
                         tensors = {name: t.detach().clone() for name, t in own.items()}
             if tensors:  # a module's tensors hold whole conversion groups (one module's experts, say)
-                yield from hub_format.to_hub(base, tensors).items()
+                yield from hub_names.to_hub(base, tensors).items()
 
 
 def _merged_lora(module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -65,8 +67,9 @@ def _merged_lora(module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     from peft.tuners.lora import LoraLayer
 
     if any(module.use_dora.get(a, False) for a in module.active_adapters):
-        raise NotImplementedError("iter_merged_weights does not support DoRA adapters; use trl_ext.merge.merge")
-    with gather.gathered(list(module.parameters())):
+        raise MergeError("iter_merged_weights does not support DoRA adapters; use trl_ext.merge.merge",
+                         kind="dora")
+    with sharded.gathered(list(module.parameters())):
         deltas, layer = {}, module
         while isinstance(layer, LoraLayer):  # LoRA on parameters (MoE experts) nests one wrapper per parameter
             name = getattr(layer, "parameter_name", "weight")
@@ -74,7 +77,7 @@ def _merged_lora(module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
                 if adapter in layer.lora_A:
                     deltas[name] = deltas.get(name, 0) + layer.get_delta_weight(adapter)
             layer = layer.base_layer
-        for key, tensor in gather.module_tensors(layer).items():
+        for key, tensor in sharded.module_tensors(layer).items():
             merged = tensor.detach().clone()
             if key in deltas:
                 merged += deltas[key].to(merged.dtype)

@@ -1,4 +1,5 @@
-"""Saving: plan -> gather (ZeRO-3 partitions, FSDP2 shards) -> Hub layout -> shard writer -> verify -> commit.
+"""Saving: plan -> gather (ZeRO-3 partitions, FSDP2 shards) -> write -> check -> agree -> commit, in the foreground or
+in the background, on the files layer (``trl_ext.files``).
 
 ``save(model, dir)`` is the one save path (``pipeline``); nothing else writes checkpoints.
 """

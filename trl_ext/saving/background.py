@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from trl_ext import errors
+from trl_ext.engines.sharded import LocalCopy, local_copy
 from trl_ext.errors import CheckpointError
+from trl_ext.files.commit import commit
 from trl_ext.process import notice
-from trl_ext.saving import gather
-from trl_ext.saving.commit import commit
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # as the default group's: one transfer or agreement of a save
 
@@ -81,11 +82,11 @@ class BackgroundSaves:
             notice(f"save_in_background: checkpoints are saved in the foreground, because {why}.")
 
     def copy(self, weight_sets):
-        """The weight sets with each source replaced by this rank's CPU copy of it (``gather.local_copy``), into
+        """The weight sets with each source replaced by this rank's CPU copy of it (``local_copy``), into
         buffers kept from the previous save: the only step of a background save that blocks training. None if some
         source cannot be copied (the same on every rank: it depends on the engine's settings)."""
         if self._alive():
-            raise RuntimeError("a background save is already in flight: wait() for it first")
+            raise CheckpointError("a background save is already in flight: wait() for it first", kind="in-flight")
         pinned = torch.cuda.is_available()  # page-locked: the copy from the GPU runs at full speed
 
         def buffer(key):
@@ -103,10 +104,10 @@ class BackgroundSaves:
                 sources = []
                 for name, tensor in unit.sources:
                     on_device = on_device or getattr(tensor, "device", torch.device("cpu")).type != "cpu"
-                    copy = gather.local_copy(tensor, buffer((ws.subdir, name)))
+                    copy = local_copy(tensor, buffer((ws.subdir, name)))
                     if copy is None:
                         return None
-                    part = copy.part if isinstance(copy, gather.LocalCopy) else copy
+                    part = copy.part if isinstance(copy, LocalCopy) else copy
                     nbytes += part.numel() * part.element_size()
                     sources.append((name, copy))
                 units.append(dataclasses.replace(unit, sources=sources))
@@ -126,7 +127,7 @@ class BackgroundSaves:
             held: commit only once ``release`` is called (a checkpoint whose other files are still being written).
         """
         if self._alive():
-            raise RuntimeError("a background save is already in flight: wait() for it first")
+            raise CheckpointError("a background save is already in flight: wait() for it first", kind="in-flight")
         self.in_flight, self._error = True, None
         self._held, self._then, self._cancelled = held, None, False
         if held:
@@ -213,18 +214,10 @@ class BackgroundSaves:
             self._thread.join()
         self.in_flight = False
         error = self._error
-        message = None if error is None else str(error)
-        if _distributed():  # every rank's outcome: a commit can fail on the one rank that commits
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, message)
-            failed = [m for m in everyone if m]
-            message = "\n".join(dict.fromkeys(failed)) or None
-        if message is None:
-            return
-        if isinstance(error, CheckpointError):
-            raise error
-        raise CheckpointError(message if message.startswith("saving failed") else f"saving failed: {message}",
-                              kind="save")
+        if error is not None and not isinstance(error, CheckpointError):  # not one of the save's own: say what
+            error = CheckpointError(f"saving failed: {type(error).__name__}: {error}", kind="save")
+        # Every rank's outcome, of its class and kind: a commit can fail on the one rank that commits.
+        errors.agree(error, prefer=(errors.NONFINITE,))
 
     def abandon(self, timeout: float = 60.0) -> None:
         """Training stopped with an error: the save in flight is not committed if it has not been yet; its thread is

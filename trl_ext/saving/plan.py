@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from accelerate.utils import is_peft_model
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
+from trl_ext.engines.sharded import full_shape, state_tensors
 from trl_ext.errors import CheckpointError
-from trl_ext.saving import gather, hub_format
-from trl_ext.saving.safetensors_header import DTYPE_CODES
-from trl_ext.saving.shards import TensorSpec, parse_size, plan_shards
+from trl_ext.files import hub_names
+from trl_ext.files.header import DTYPE_CODES
+from trl_ext.files.shards import TensorSpec, parse_size, plan_shards
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
 
@@ -20,7 +21,7 @@ class WeightSet:
     """One directory's weights: the adapter (PEFT) or the full model (Hub layout), in writing order."""
 
     subdir: str
-    units: list[hub_format.Unit]
+    units: list[hub_names.Unit]
     plan: dict[str, list[TensorSpec]]
     peft_config: object = None
 
@@ -41,13 +42,13 @@ def _adapter_weight_sets(model) -> list[WeightSet]:
         mapped = {name.replace(wrapper, ""): tensor for name, tensor in
                   get_peft_model_state_dict(model, state_dict=live, adapter_name=adapter).items()}
         # PEFT's keys are what PeftModel.from_pretrained takes: no conversion (PEFT's own save reverts none either)
-        units = [hub_format.Unit([(n, t)], [TensorSpec(n, gather.full_shape(t), t.dtype)]) for n, t in mapped.items()]
+        units = [hub_names.Unit([(n, t)], [TensorSpec(n, full_shape(t), t.dtype)]) for n, t in mapped.items()]
         plan = plan_shards([u.outputs[0] for u in units], float("inf"), prefix="adapter_model")  # PEFT reads one file
         sets.append(WeightSet("" if adapter == "default" else adapter, units, plan, config))
     return sets
 
 
-def _file_plan(units: list[hub_format.Unit], max_shard_size) -> dict[str, list[TensorSpec]]:
+def _file_plan(units: list[hub_names.Unit], max_shard_size) -> dict[str, list[TensorSpec]]:
     """Files of at most ``max_shard_size``; a converted unit's outputs share a file (one rank converts and writes)."""
     return plan_shards([s for u in units for s in u.outputs], max_shard_size,
                        together=[len(u.outputs) for u in units])
@@ -55,8 +56,8 @@ def _file_plan(units: list[hub_format.Unit], max_shard_size) -> dict[str, list[T
 
 def _full_weight_set(model, max_shard_size) -> WeightSet:
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
-    tensors = [(n, t) for n, t in gather.state_tensors(model).items() if n not in ignored]
-    units = hub_format.plan(model, tensors)  # the names, shapes and layout save_pretrained writes
+    tensors = [(n, t) for n, t in state_tensors(model).items() if n not in ignored]
+    units = hub_names.plan(model, tensors)  # the names, shapes and layout save_pretrained writes
     return WeightSet("", units, _file_plan(units, max_shard_size))
 
 

@@ -14,6 +14,7 @@ import trl
 from packaging.version import Version
 from transformers import set_seed
 
+from trl_ext.errors import SetupError
 from trl_ext.process import notice
 
 TRL_VERSION = Version(trl.__version__)
@@ -50,7 +51,7 @@ def check_fused_loss_runs_here(args, trainer_name: str, trl_version: Version = T
         has_gpu: whether a CUDA/XPU device is usable; detected when None.
 
     Raises:
-        RuntimeError: on trl 1.15 without Triton or without a CUDA/XPU device to run its kernels on.
+        errors.SetupError: on trl 1.15 without Triton or without a CUDA/XPU device to run its kernels on.
     """
     if not (TORCH_LOSS_PATH > trl_version >= Version("1.15")):
         return
@@ -64,6 +65,6 @@ def check_fused_loss_runs_here(args, trainer_name: str, trl_version: Version = T
     if not has_gpu or getattr(args, "use_cpu", False):
         missing.append("CUDA/XPU GPU")
     if missing:
-        raise RuntimeError(
+        raise SetupError(
             f"trl {trl_version}'s {trainer_name} computes its loss with Triton GPU kernels only, and this run has no "
             f"{' and no '.join(missing)}: install trl>=1.16 (it adds a PyTorch path) or trl 1.14.")

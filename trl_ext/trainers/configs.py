@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 
 import trl
 
-from trl_ext.engines import noise
 from trl_ext.engines.runtime import adapt_to_hardware
+from trl_ext.errors import ConfigTypeError
+from trl_ext.process import warning_filter
 
 
 class _HardwareAware:
     def __post_init__(self):
-        noise.quiet_known_noise()  # before TrainingArguments warns about TRL's own default (engines/noise.py)
+        warning_filter.quiet_known_noise()  # before TrainingArguments warns about TRL's own default
         adapt_to_hardware(self)
         super().__post_init__()
 
@@ -104,7 +105,7 @@ def from_training_arguments(args, config_class: type, trl_trainer: type):
         reports that).
 
     Raises:
-        TypeError: ``trl_trainer`` does not accept a plain ``TrainingArguments``.
+        errors.ConfigTypeError: ``trl_trainer`` does not accept a plain ``TrainingArguments``.
     """
     import inspect
 
@@ -115,7 +116,7 @@ def from_training_arguments(args, config_class: type, trl_trainer: type):
     annotation = inspect.signature(trl_trainer.__init__).parameters["args"].annotation
     if "TrainingArguments" not in str(annotation):
         trl_config = config_class.__name__  # trl_ext's configs carry TRL's names
-        raise TypeError(f"{trl_trainer.__name__} needs a {trl_config}, not a {type(args).__name__} (TRL converts "
+        raise ConfigTypeError(f"{trl_trainer.__name__} needs a {trl_config}, not a {type(args).__name__} (TRL converts "
                         f"one only for SFTTrainer): build the config as {trl_config}(output_dir=..., ...), or convert "
                         f"it with {trl_config}(**args.to_dict())")
     values = args.to_dict()

@@ -9,26 +9,25 @@ import os
 import sys
 
 import torch
-from accelerate.utils import is_peft_model
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints, set_seed
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from trl_ext import patches, saving
+from trl_ext import patches, resuming, saving
 from trl_ext.data import input_checks, model_paths, vision
 from trl_ext.engines import (
-    checkpointing,
-    elastic,
     fsdp,
-    fsdp_resume,
+    gradient_checkpointing,
     nodes,
-    noise,
     preemption,
     quantization,
     rank0_loading,
     runtime,
+    sharded,
 )
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
-from trl_ext.process import destroy_gloo_group_at_exit
-from trl_ext.saving import background, commit, gather, hub_format, resume_check
+from trl_ext.process import destroy_gloo_group_at_exit, warning_filter
+from trl_ext.resuming.choose import last_committed
+from trl_ext.saving import background
+from trl_ext.saving.staged import StagedCheckpoint
 from trl_ext.trainers import compat, configs
 
 
@@ -41,8 +40,9 @@ class TrlExtMixin:
     _fused_lm_head = True  # TRL computes this trainer's loss through its fused LM head (trl >= 1.15)
 
     def __init__(self, *args, **kwargs):
-        noise.quiet_known_noise()  # third-party warnings raised every step about calls the user did not make
+        warning_filter.quiet_known_noise()  # third-party warnings raised every step about calls the user did not make
         self._storage: nodes.Storage | None = None  # output_dir's storage across nodes, known once train() starts
+        self._resume = resuming.Resume()  # what train() resumes (nothing until it says)
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         training_args = bound.arguments.get("args")
         if training_args is None:
@@ -62,8 +62,8 @@ class TrlExtMixin:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
         quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
-        fsdp_checkpoints = checkpointing.fsdp_checkpoints(training_args)  # one policy: FSDP's, or ours below
-        user_reentrant = checkpointing.take_user_choice(training_args)
+        fsdp_checkpoints = gradient_checkpointing.fsdp_checkpoints(training_args)  # one policy: FSDP's, or ours below
+        user_reentrant = gradient_checkpointing.take_user_choice(training_args)
         compat.seed_before_model(training_args, bound.arguments.get("peft_config"), self._trl_class.__name__)
         trl_module = sys.modules[self._trl_class.__module__]
         with (self._around_trl_init(bound), rank0_loading.rank0_loading(trl_module, training_args),
@@ -82,14 +82,14 @@ class TrlExtMixin:
                                          getattr(self.args, "max_length", None))
 
         # Gradient checkpointing: non-reentrant unless the user or an unfixed DeepSpeed says otherwise.
-        use_reentrant = checkpointing.decide(self.args, self.model, user_reentrant)
-        checkpointing.apply(self.args, use_reentrant)
+        use_reentrant = gradient_checkpointing.decide(self.args, self.model, user_reentrant)
+        gradient_checkpointing.apply(self.args, use_reentrant)
         if use_reentrant is not None:
             if not use_reentrant:
-                checkpointing.remove_input_require_grads_hooks(self.model)  # TRL registered it for PEFT
-            self.add_callback(checkpointing.CheckpointingPolicy(use_reentrant))
+                gradient_checkpointing.remove_input_require_grads_hooks(self.model)  # TRL registered it for PEFT
+            self.add_callback(gradient_checkpointing.CheckpointingPolicy(use_reentrant))
         elif fsdp_checkpoints:
-            self.add_callback(checkpointing.FsdpCheckpointingCheck())
+            self.add_callback(gradient_checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
             guard_save_pretrained(self.model)
         self._background, self._held_save = None, False
@@ -140,22 +140,14 @@ class TrlExtMixin:
         """Checks once TRL's constructor has built everything."""
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
-        """Before Trainer's loop: on several nodes, check output_dir's storage; audit the checkpoint to resume from (a
-        damaged one is refused in one line, before anything loads); under DeepSpeed, prepare its resume on another
-        number of processes."""
+        """Before Trainer's loop: on several nodes, check output_dir's storage; resume through ``resuming.prepare``
+        (the checkpoint chosen and audited, a damaged one refused in one line before anything loads; another number
+        of processes prepared)."""
         self._storage = nodes.detect(self.args)  # several nodes: is output_dir shared? (refused here if that breaks)
         nodes.check(self._storage, self.args)
-        if resume_from_checkpoint:
-            path = resume_from_checkpoint
-            if resume_from_checkpoint is True:
-                path = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-            path = nodes.resume_path(self.args, path)  # rank 0's choice, on every rank
-            if path is not None:  # None: Trainer says that no checkpoint was found
-                resume_from_checkpoint = path
-                config = getattr(self.model, "config", None)
-                resume_check.check_resume_checkpoint(path, getattr(config, "num_labels", 1))
-                # another number of processes: the same global batch; DeepSpeed's universal checkpoint
-                self._elastic_plan = elastic.prepare(self, path)
+        self._resume = resuming.prepare(self, resume_from_checkpoint)
+        if self._resume.checkpoint is not None:  # None with True: Trainer says that no checkpoint was found
+            resume_from_checkpoint = self._resume.checkpoint
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         except BaseException:  # a checkpoint still being written is not committed: the run stopped before it was whole
@@ -167,29 +159,16 @@ class TrlExtMixin:
                 self._preemption.restore()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """Resume a full model saved in the Hub's layout: Trainer loads weights by name without transformers'
-        conversions (fused MoE experts, renamed prefixes), which would leave them untrained (transformers#48805).
-        DeepSpeed resumes from its own states and adapters are not converted: both stay with Trainer."""
+        """Trainer's, except where trl_ext's checkpoints need otherwise (``resuming.Resume.load_weights``)."""
         model = model if model is not None else self.model
-        if fsdp.is_fsdp2(self.accelerator):  # our Hub-format files, read by each rank for its own shards
-            return fsdp_resume.load_checkpoint_weights(model, resume_from_checkpoint)
-        if (self.is_deepspeed_enabled or self.is_fsdp_enabled or is_peft_model(model)
-                or not saving.supports(model) or not hub_format.is_converted(model)):
+        if not self._resume.load_weights(self, resume_from_checkpoint, model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        # from_pretrained applies the conversions; the copy is on CPU, as Trainer's own state dict would be
-        loaded = type(model).from_pretrained(resume_from_checkpoint, dtype=model.dtype, config=model.config)
-        model.load_state_dict(loaded.state_dict(), strict=True)
 
     def _load_rng_state(self, checkpoint):
-        """On another number of processes, rank r takes rank r's saved RNG state; a rank that did not exist is seeded
-        from (seed, step, rank) so that repeating the resume repeats the run."""
-        plan = getattr(self, "_elastic_plan", None)
-        if checkpoint is None or plan is None or not plan.changed:
+        """On another number of processes, rank r takes rank r's saved RNG state (``resuming.Resume.load_rng``)."""
+        if checkpoint is None:
             return super()._load_rng_state(checkpoint)
-        with elastic.rng_checkpoint(checkpoint, plan, self.args.process_index) as found:
-            if found is not None:
-                return super()._load_rng_state(found)
-        set_seed(self.args.seed + self.state.global_step * plan.world_size + self.args.process_index)
+        return self._resume.load_rng(self, checkpoint, super()._load_rng_state)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Under FSDP2 the optimizer states stay sharded (DCP, one part per rank) and the weights are not written a
@@ -209,17 +188,11 @@ class TrlExtMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """Trainer's, reading the sharded optimizer states written above under FSDP2; states written in the other
-        layout (a one-process checkpoint resumed under FSDP2, or the reverse) are converted (``fsdp_resume``)."""
-        sharded = fsdp.is_fsdp2(self.accelerator)
-        if (checkpoint is not None and not self.is_deepspeed_enabled
-                and fsdp_resume.needs_conversion(checkpoint, sharded)):
-            from transformers.trainer import SCHEDULER_NAME
-
-            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds torch's
-            fsdp_resume.load_optimizer_converted(self.model, optimizer, checkpoint, sharded)
-            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        layout (a one-process checkpoint resumed under FSDP2, or the reverse) are converted
+        (``resuming.Resume.load_optimizer``)."""
+        if checkpoint is not None and self._resume.load_optimizer(self, checkpoint):
             return None
-        if checkpoint is None or not sharded:
+        if checkpoint is None or not fsdp.is_fsdp2(self.accelerator):
             return super()._load_optimizer_and_scheduler(checkpoint)
         with patches.sharded_optimizer_states(self.accelerator):
             return super()._load_optimizer_and_scheduler(checkpoint)
@@ -252,7 +225,7 @@ class TrlExtMixin:
         if exc.kind != NONFINITE:
             return None
         step = self.state.global_step
-        last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        last = last_committed(self.args.output_dir)
         resume = (f"resume from it (resume_from_checkpoint='{last}') with a lower learning_rate or max_grad_norm"
                   if last else "start again with a lower learning_rate or max_grad_norm")
         return CheckpointError(f"training diverged at step {step}; last good checkpoint: {last or 'none'} (the weights "
@@ -270,7 +243,7 @@ class TrlExtMixin:
             self._background.wait(self.args.device)  # the previous checkpoint: committed, or its failure raised here
         if in_background:  # renamed into place and rotated once its weights are committed (background.py)
             release = self._release_checkpoint
-        with commit.StagedCheckpoint(self.args.output_dir, name, writer, self.accelerator.wait_for_everyone,
+        with StagedCheckpoint(self.args.output_dir, name, writer, self.accelerator.wait_for_everyone,
                                      release) as staged:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the staging directory.
             self._held_save = in_background
@@ -331,7 +304,7 @@ def guard_save_pretrained(model) -> None:
     """
 
     def refuse(target) -> str | None:
-        if not gather.has_partitioned_params(target):
+        if not sharded.has_partitioned_params(target):
             return None
         return (f"{type(target).__name__}.save_pretrained() cannot save a DeepSpeed ZeRO-3 model: each rank holds only "
                 "a slice of every parameter, so the file would contain empty torch.Size([0]) tensors. Call "

@@ -13,6 +13,7 @@ import copy
 import torch
 
 from trl_ext import patches
+from trl_ext.errors import ConfigError
 from trl_ext.process import notice
 
 
@@ -90,17 +91,17 @@ def allow_new_head(model_id: str, args) -> None:
 
 def check(model) -> None:
     """After construction: the head has one output and, under PEFT, is trained whole. Clear errors otherwise."""
-    from trl_ext.saving.pipeline import is_peft_model
+    from accelerate.utils import is_peft_model
 
     base = model.get_base_model() if is_peft_model(model) else model
     if getattr(base.config, "num_labels", 1) != 1:
-        raise ValueError(f"The reward model has num_labels={base.config.num_labels}; it must be 1 (one score).")
+        raise ConfigError(f"The reward model has num_labels={base.config.num_labels}; it must be 1 (one score).")
     if not is_peft_model(model):
         return
     wrapped = [name for name in head_names(base)
                if any(".lora_" in n or n.startswith("lora_") for n, _ in getattr(base, name).named_parameters())]
     if wrapped:
-        raise ValueError(
+        raise ConfigError(
             f"The PeftModel you passed LoRA-wraps the reward head {wrapped}: its own weights would stay random and "
             f"never be saved. Pass the base model with peft_config=... instead, or build the PeftModel with "
             f"LoraConfig(task_type='SEQ_CLS', modules_to_save={wrapped})."

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from transformers.utils.hub import convert_file_size_to_int
 
-from trl_ext.saving import safetensors_header
+from trl_ext.errors import CheckpointError
+from trl_ext.files import header as safetensors_header
 
 # Each tensor's first bytes are kept by the writer and compared with the file after the save. 4 KiB catches misplaced
 # or unwritten data as well as more would; 64 KiB re-read most of a LoRA adapter (a quarter of its save time).
@@ -111,7 +112,7 @@ class ShardStreamWriter:
         """Write one whole tensor."""
         spec = self.begin(name)
         if tuple(tensor.shape) != spec.shape:
-            raise ValueError(
+            raise CheckpointError(
                 f"{name}: got shape {tuple(tensor.shape)}, planned {spec.shape} "
                 "(an ungathered ZeRO-3 placeholder has shape (0,))"
             )
@@ -121,10 +122,10 @@ class ShardStreamWriter:
     def begin(self, name: str) -> TensorSpec:
         """Start the next planned tensor; its bytes then arrive through ``append``, in order, and ``end`` closes it."""
         if self._position >= len(self._queue):
-            raise ValueError(f"{name}: more tensors than planned")
+            raise CheckpointError(f"{name}: more tensors than planned")
         filename, spec = self._queue[self._position]
         if name != spec.name:
-            raise ValueError(f"tensors arrive out of plan order: got {name}, expected {spec.name}")
+            raise CheckpointError(f"tensors arrive out of plan order: got {name}, expected {spec.name}")
         if filename != self._filename:
             self._close_file()
             self._file = open(self.directory / filename, "wb")
@@ -138,10 +139,10 @@ class ShardStreamWriter:
         """Append the next part of the current tensor (flattened, row-major), e.g. one ZeRO-3 partition chunk."""
         spec = self._queue[self._position][1]
         if piece.dtype != spec.dtype:
-            raise ValueError(f"{spec.name}: got {piece.dtype}, planned {spec.dtype}")
+            raise CheckpointError(f"{spec.name}: got {piece.dtype}, planned {spec.dtype}")
         data = memoryview(piece.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
         if self._written + len(data) > spec.nbytes:
-            raise ValueError(f"{spec.name}: more bytes than its planned shape {spec.shape}")
+            raise CheckpointError(f"{spec.name}: more bytes than its planned shape {spec.shape}")
         self._file.write(data)
         if self._written < PREFIX_BYTES:
             self._prefix += data[: PREFIX_BYTES - self._written]
@@ -150,7 +151,7 @@ class ShardStreamWriter:
     def end(self) -> None:
         filename, spec = self._queue[self._position]
         if self._written != spec.nbytes:
-            raise ValueError(
+            raise CheckpointError(
                 f"{spec.name}: {self._written} bytes written, its shape {spec.shape} needs {spec.nbytes} "
                 "(an ungathered ZeRO-3 placeholder has shape (0,))"
             )
@@ -162,7 +163,7 @@ class ShardStreamWriter:
         self._close_file()
         if self._position != len(self._queue):
             missing = [spec.name for _, spec in self._queue[self._position:]]
-            raise ValueError(f"{len(missing)} planned tensors were never written, e.g. {missing[0]}")
+            raise CheckpointError(f"{len(missing)} planned tensors were never written, e.g. {missing[0]}")
 
     def wait(self) -> None:
         """Wait until every file is on disk; raises the first fsync error."""

@@ -12,10 +12,11 @@ from safetensors import safe_open
 
 from tests.families import FAMILIES, family_path
 from trl_ext.errors import CheckpointError
+from trl_ext.files import header as safetensors_header
+from trl_ext.files import hub_names, shards
+from trl_ext.files.audit import audit
 from trl_ext.merge.weights import iter_merged_weights
-from trl_ext.saving import hub_format, safetensors_header, shards
 from trl_ext.saving import pipeline as saving
-from trl_ext.saving.verify import audit
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
 
@@ -40,17 +41,17 @@ def test_dtype_table_is_safetensors_own():
 
 def test_plan_is_what_save_pretrained_writes_and_groups_one_module(mixtral):
     tensors = list(mixtral.state_dict(keep_vars=True).items())
-    units = hub_format.plan(mixtral, tensors)
+    units = hub_names.plan(mixtral, tensors)
     converted = [u for u in units if u.converted]
     assert converted and all(len({n.rpartition(".")[0] for n, _ in u.sources}) == 1 for u in converted)
     planned = {s.name: list(s.shape) for u in units for s in u.outputs}
     assert planned == {k: v[0] for k, v in headers(family_path("mixtral")).items()}
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in planned
-    assert hub_format.is_converted(mixtral)
+    assert hub_names.is_converted(mixtral)
     dense = transformers.LlamaForCausalLM.from_pretrained(family_path("llama"))
-    assert not hub_format.is_converted(dense)
+    assert not hub_names.is_converted(dense)
     assert all(not u.converted and u.outputs[0].name == u.sources[0][0]
-               for u in hub_format.plan(dense, list(dense.state_dict().items())))
+               for u in hub_names.plan(dense, list(dense.state_dict().items())))
 
 
 def test_sharded_save_splits_converted_groups_into_files_and_reloads(mixtral, tmp_path):

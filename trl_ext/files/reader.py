@@ -6,6 +6,7 @@ tensors read one by one and dropped left RSS 770 MB higher). Here ``safe_open`` 
 page is touched), and the data is read with ``os.preadv`` into buffers the caller owns and frees.
 """
 
+import json
 import os
 import struct
 from collections.abc import Iterator
@@ -15,9 +16,9 @@ from pathlib import Path
 import torch
 
 from trl_ext.errors import UnreadableCheckpoint
-from trl_ext.saving import safetensors_header
-from trl_ext.saving.safetensors_header import DTYPE_CODES
-from trl_ext.saving.shards import TensorSpec
+from trl_ext.files import header as safetensors_header
+from trl_ext.files.header import DTYPE_CODES
+from trl_ext.files.shards import TensorSpec
 
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
@@ -113,3 +114,32 @@ class SafetensorsReader:
             if got == 0:
                 raise UnreadableCheckpoint(f"{path.name}: truncated (ends before byte {offset + len(view)})")
             done += got
+
+
+def checkpoint_files(directory: str | Path) -> list[Path]:
+    """The safetensors files of a saved model or adapter: ``adapter_model.safetensors``, every shard named by
+    ``model.safetensors.index.json``, or ``model.safetensors``.
+
+    Args:
+        directory: the checkpoint directory.
+
+    Returns:
+        The files, in the index's order.
+
+    Raises:
+        UnreadableCheckpoint: no weights there, or an index naming shards that are missing.
+    """
+    root = Path(directory)
+    if (root / "adapter_model.safetensors").is_file():
+        return [root / "adapter_model.safetensors"]
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = [root / name for name in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise UnreadableCheckpoint(f"{index} names shards that are not there: {', '.join(missing[:3])}")
+        return files
+    if (root / "model.safetensors").is_file():
+        return [root / "model.safetensors"]
+    raise UnreadableCheckpoint(f"no safetensors weights in {root} (adapter_model.safetensors, model.safetensors or "
+                               "model.safetensors.index.json)")

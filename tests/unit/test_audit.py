@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from trl_ext.cli import main as cli
 from trl_ext.errors import CheckpointError
-from trl_ext.saving.verify import audit, verify_or_raise
+from trl_ext.files.audit import audit, verify_or_raise
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
@@ -155,7 +155,7 @@ def test_reader_agrees_with_safe_open_and_rejects_what_it_rejects(tmp_path):
     refuse every file safe_open refuses."""
     from safetensors import SafetensorError, safe_open
 
-    from trl_ext.saving.verify import UNREADABLE, read_safetensors
+    from trl_ext.files.audit import UNREADABLE, read_safetensors
 
     tensors = {"w": torch.randn(3, 700), "h": torch.randn(5).half(), "b": torch.randn(2, 2).bfloat16(),
                "i": torch.arange(4), "m": torch.tensor([True, False]), "e": torch.empty(0, 4), "s": torch.tensor(1.5)}

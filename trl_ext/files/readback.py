@@ -6,9 +6,9 @@ import json
 import os
 from pathlib import Path
 
-from trl_ext.saving import verify
-from trl_ext.saving.safetensors_header import DTYPE_CODES
-from trl_ext.saving.shards import PREFIX_BYTES, WrittenFile
+from trl_ext.files import audit as verify
+from trl_ext.files.header import DTYPE_CODES
+from trl_ext.files.shards import PREFIX_BYTES, WrittenFile
 
 
 def _read_as_planned(path: Path, specs: list, record: WrittenFile) -> dict[str, bytes] | None:

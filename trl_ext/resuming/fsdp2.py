@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from trl_ext.saving import gather
+from trl_ext.engines import sharded
+from trl_ext.errors import ResumeError
+from trl_ext.files.reader import SafetensorsReader, checkpoint_files
 from trl_ext.saving import plan as save_plan
 
 
@@ -29,10 +31,9 @@ def load_checkpoint_weights(model, checkpoint: str) -> None:
         checkpoint: a ``checkpoint-N`` directory written by trl_ext.
 
     Raises:
-        KeyError: a tensor the model needs is missing from the checkpoint.
+        ResumeError: a tensor the model trains is not in the checkpoint.
     """
     import torch.distributed as dist
-    from safetensors import safe_open
 
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     for weight_set in save_plan.plan_weight_sets(model):
@@ -40,24 +41,31 @@ def load_checkpoint_weights(model, checkpoint: str) -> None:
         if any(unit.converted for unit in weight_set.units):
             _load_converted(model, directory)
             continue
-        files = {name: directory / file for file, specs in weight_set.plan.items() for name in
-                 (s.name for s in specs)}
-        handles = {}
-        with torch.no_grad():
-            for unit in weight_set.units:
-                name, live = unit.outputs[0].name, unit.sources[0][1]
-                path = files[name]
-                if path not in handles:
-                    handles[path] = safe_open(str(path), framework="pt", device="cpu")
-                rows = gather.dtensor_rows(live, world, rank) if gather.is_dtensor(live) else slice(None)
-                if rows is None:  # another placement: distribute the whole tensor as the model places it
-                    from torch.distributed.tensor import distribute_tensor
+        reader = SafetensorsReader(checkpoint_files(directory))  # positioned reads: only this rank's rows
+        try:
+            with torch.no_grad():
+                for unit in weight_set.units:
+                    _load_own_rows(reader, unit.outputs[0].name, unit.sources[0][1], world, rank, directory)
+        finally:
+            reader.close()
 
-                    whole = handles[path].get_tensor(name).to(live.dtype)
-                    live.to_local().copy_(distribute_tensor(whole, live.device_mesh, live.placements).to_local())
-                    continue
-                target = live.to_local() if gather.is_dtensor(live) else live.data
-                target.copy_(handles[path].get_slice(name)[rows].to(target.dtype))
+
+def _load_own_rows(reader: SafetensorsReader, name: str, live, world: int, rank: int, directory: Path) -> None:
+    if name not in reader:
+        raise ResumeError(f"{directory} has no tensor {name}, which this model trains: resume with the model and "
+                          "adapter that saved it.")
+    rows = sharded.dtensor_rows(live, world, rank) if sharded.is_dtensor(live) else slice(None)
+    if rows is None:  # another placement: distribute the whole tensor as the model places it
+        from torch.distributed.tensor import distribute_tensor
+
+        whole = reader.read(name).to(live.dtype)
+        live.to_local().copy_(distribute_tensor(whole, live.device_mesh, live.placements).to_local())
+        return
+    target = live.to_local() if sharded.is_dtensor(live) else live.data
+    if rows == slice(None):
+        target.copy_(reader.read(name).to(target.dtype))
+    else:
+        target.copy_(reader.read_rows(name, rows.start, rows.stop).to(target.dtype).view(target.shape))
 
 
 def _load_converted(model, directory: Path) -> None:
@@ -65,9 +73,9 @@ def _load_converted(model, directory: Path) -> None:
 
     loaded = type(model).from_pretrained(str(directory), dtype=model.dtype, config=model.config).state_dict()
     with torch.no_grad():
-        for name, live in gather.state_tensors(model).items():
+        for name, live in sharded.state_tensors(model).items():
             whole = loaded[name].to(live.dtype)
-            if gather.is_dtensor(live):
+            if sharded.is_dtensor(live):
                 live.to_local().copy_(distribute_tensor(whole, live.device_mesh, live.placements).to_local())
             else:
                 live.data.copy_(whole)
@@ -92,7 +100,7 @@ def _by_name(model, optimizer, whole: dict) -> dict:
     ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     saved = [i for group in whole["param_groups"] for i in group["params"]]
     if len(saved) != len(ordered):
-        raise ValueError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model trains "
+        raise ResumeError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model trains "
                          f"{len(ordered)}: resume with the same model, adapter and trainable parameters.")
     name_of = dict(zip(saved, ordered, strict=True))
     groups = [{**g, "params": [name_of[i] for i in g["params"]]} for g in whole["param_groups"]]

@@ -3,7 +3,7 @@ from peft import LoraConfig
 
 import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
-from trl_ext.engines import checkpointing
+from trl_ext.engines import gradient_checkpointing
 
 
 def test_recompute_fix_detected_from_the_installed_deepspeed():
@@ -12,8 +12,8 @@ def test_recompute_fix_detected_from_the_installed_deepspeed():
     import deepspeed
     from packaging.version import Version
 
-    expected = Version(deepspeed.__version__) >= Version(checkpointing.DEEPSPEED_FIX_VERSION)
-    assert checkpointing.deepspeed_keeps_frozen_params_on_recompute() is expected
+    expected = Version(deepspeed.__version__) >= Version(gradient_checkpointing.DEEPSPEED_FIX_VERSION)
+    assert gradient_checkpointing.deepspeed_keeps_frozen_params_on_recompute() is expected
 
 
 def _trainer(tmp_path, **config):
@@ -28,32 +28,32 @@ def test_default_is_non_reentrant_without_input_hook(tmp_path):
     assert trainer.args.activation_checkpointing_kwargs == {"use_reentrant": False}
     assert not [m for m in trainer.model.modules() if getattr(m, "_require_grads_hooks", None)]
     trainer.train()
-    assert set(checkpointing.layer_settings(trainer.model).values()) == {False}
+    assert set(gradient_checkpointing.layer_settings(trainer.model).values()) == {False}
     assert not [m for m in trainer.model.modules() if getattr(m, "_require_grads_hooks", None)]
 
 
 def test_explicit_reentrant_kept(tmp_path):
     trainer = _trainer(tmp_path, gradient_checkpointing_kwargs={"use_reentrant": True})
     trainer.train()
-    assert set(checkpointing.layer_settings(trainer.model).values()) == {True}
+    assert set(gradient_checkpointing.layer_settings(trainer.model).values()) == {True}
 
 
 def test_unfixed_deepspeed_falls_back_with_one_line(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(checkpointing, "deepspeed_keeps_frozen_params_on_recompute", lambda: False)
+    monkeypatch.setattr(gradient_checkpointing, "deepspeed_keeps_frozen_params_on_recompute", lambda: False)
     args = type("Args", (), {"activation_checkpointing": True,
                              "deepspeed_plugin": type("P", (), {"zero_stage": 3})()})()
     frozen = type("M", (), {"parameters": lambda self: iter([type("P", (), {"requires_grad": False})()])})()
-    assert checkpointing.decide(args, frozen, None) is True
+    assert gradient_checkpointing.decide(args, frozen, None) is True
     assert "deepspeed>=0.19.3" in caplog.text
     caplog.clear()
-    assert checkpointing.decide(args, frozen, False) is False  # explicit choice wins
+    assert gradient_checkpointing.decide(args, frozen, False) is False  # explicit choice wins
     args.deepspeed_plugin.zero_stage = 2
-    assert checkpointing.decide(args, frozen, None) is False and caplog.text == ""
+    assert gradient_checkpointing.decide(args, frozen, None) is False and caplog.text == ""
 
 
 def test_overridden_setting_is_caught():
     layer = type("L", (), {})
-    policy = checkpointing.CheckpointingPolicy(use_reentrant=False)
+    policy = gradient_checkpointing.CheckpointingPolicy(use_reentrant=False)
     args = type("Args", (), {"activation_checkpointing": True})()
     model = type("M", (), {"modules": lambda self: iter([]), "named_modules": lambda self: iter([("x", layer())])})()
     with pytest.raises(RuntimeError, match="no layer checkpoints"):

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from trl_ext.errors import NONFINITE, CheckpointError
-from trl_ext.saving import safetensors_header
-from trl_ext.saving.shards import PREFIX_BYTES
+from trl_ext.files import header as safetensors_header
+from trl_ext.files.shards import PREFIX_BYTES
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FULL_WEIGHTS, FULL_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -156,7 +156,7 @@ def _base_shapes(base: str, sequence_classification: bool, num_labels: int,
     with torch.device("meta"):
         model = auto.from_config(config) if auto.__name__.startswith("Auto") else auto._from_config(config)
     if hub_layout:
-        from trl_ext.saving.hub_format import to_hub
+        from trl_ext.files.hub_names import to_hub
 
         return {name: list(t.shape) for name, t in to_hub(model, dict(model.state_dict())).items()}
     return {name: list(p.shape) for name, p in model.named_parameters()}

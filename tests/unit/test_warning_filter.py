@@ -1,4 +1,4 @@
-"""The third-party warnings trl_ext filters (engines/noise.py): each gone from where it is raised, nothing else."""
+"""The third-party warnings trl_ext filters (process/warning_filter.py): each gone where it is raised, nothing else."""
 
 import dataclasses
 import warnings
@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 import trl_ext
-from trl_ext.engines import noise
+from trl_ext.process import warning_filter
 
 RENAMED = "`gradient_checkpointing` is deprecated"
 
@@ -16,7 +16,7 @@ def _warnings_of(build, *, quiet: bool) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if quiet:
-            noise.quiet_known_noise.__wrapped__()  # the cached call installs the filters once per process
+            warning_filter.quiet_known_noise.__wrapped__()  # the cached call installs the filters once per process
         build()
     return [str(w.message) for w in caught]
 
@@ -28,7 +28,7 @@ def test_trls_default_gradient_checkpointing_warns_only_without_the_filter(tmp_p
         trl_ext.DPOConfig(output_dir=str(tmp_path), use_cpu=True)
 
     assert not any(RENAMED in m for m in _warnings_of(build, quiet=True))
-    monkeypatch.setattr(noise, "quiet_known_noise", lambda: None)  # the config's own call, off
+    monkeypatch.setattr(warning_filter, "quiet_known_noise", lambda: None)  # the config's own call, off
     assert any(RENAMED in m for m in _warnings_of(build, quiet=False))  # the warning exists, unfiltered
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from trl_ext import patches
-from trl_ext.saving.gather import full_shape
-from trl_ext.saving.shards import TensorSpec
+from trl_ext.engines.sharded import full_shape
+from trl_ext.errors import PlanError
+from trl_ext.files.shards import TensorSpec
 
 
 @dataclass
@@ -77,7 +78,7 @@ def plan(model, tensors: list[tuple[str, torch.Tensor]]) -> list[Unit]:
         Units in writing order; their outputs together are exactly what ``save_pretrained`` would write.
 
     Raises:
-        ValueError: when the conversions cannot be split into groups that are reverted on their own.
+        PlanError: when the conversions cannot be split into groups that are reverted on their own.
     """
     meta = _meta(tensors)
     whole = _revert(model, meta)
@@ -107,7 +108,7 @@ def plan(model, tensors: list[tuple[str, torch.Tensor]]) -> list[Unit]:
     expected = {n: (tuple(t.shape), t.dtype) for n, t in whole.items()}
     if planned != expected:
         differ = sorted(set(planned).symmetric_difference(expected))[:3]
-        raise ValueError(f"cannot plan {type(model).__name__}'s checkpoint layout module by module (transformers' "
+        raise PlanError(f"cannot plan {type(model).__name__}'s checkpoint layout module by module (transformers' "
                          f"conversions span modules; e.g. {differ}): save it with save_pretrained instead")
     return units
 

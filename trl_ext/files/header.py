@@ -1,5 +1,6 @@
 """The safetensors header (https://github.com/huggingface/safetensors#format), written and read in one place: by the
-streaming writer, by the audit that re-reads what it wrote, and by the streamed merge's reader.
+streaming writer (``shards``), by the checks that re-read what it wrote (``audit``, ``readback``), and by the lazy
+reader (``reader``).
 
 An 8-byte little-endian length, then a JSON object mapping each tensor's name to its dtype code, shape and
 ``data_offsets`` (relative to the data section), plus ``__metadata__``. ``read`` checks what ``safe_open`` checks
@@ -13,6 +14,8 @@ import struct
 from dataclasses import dataclass
 
 import torch
+
+from trl_ext.errors import UnreadableCheckpoint
 
 # Every dtype safetensors writes (its ``safetensors.torch._TYPES``; a unit test keeps the two equal).
 DTYPE_CODES = {
@@ -73,15 +76,15 @@ def read(fd: int) -> Header:
         The ``Header``, its entries in data order with absolute offsets.
 
     Raises:
-        ValueError: the file is not valid safetensors (short, truncated, sizes or offsets that do not add up; bad
-            JSON is a ``ValueError`` too); KeyError or TypeError for an entry without its fields.
+        UnreadableCheckpoint: the file is not valid safetensors (short, truncated, sizes or offsets that do not
+            add up); ValueError for bad JSON, KeyError or TypeError for an entry without its fields.
     """
     size = os.fstat(fd).st_size
     if size < 8:
-        raise ValueError(f"{size} bytes, shorter than a safetensors header")
+        raise UnreadableCheckpoint(f"{size} bytes, shorter than a safetensors header")
     (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
     if length > size - 8:
-        raise ValueError(f"the header claims {length} bytes, the file holds {size - 8}")
+        raise UnreadableCheckpoint(f"the header claims {length} bytes, the file holds {size - 8}")
     raw = json.loads(os.pread(fd, length, 8))
     metadata = raw.pop("__metadata__", None) or {}
     start, spans = 8 + length, []
@@ -89,15 +92,17 @@ def read(fd: int) -> Header:
         shape, code, (begin, end) = list(entry["shape"]), entry["dtype"], entry["data_offsets"]
         bits = ITEM_BITS.get(code)
         if bits is not None and (end - begin) * 8 != math.prod(shape) * bits:
-            raise ValueError(f"{name}: {end - begin} bytes for a {code} tensor of shape {shape}")
+            raise UnreadableCheckpoint(f"{name}: {end - begin} bytes for a {code} tensor of shape {shape}")
         spans.append((begin, end, name, shape, code))
     spans.sort()
     position = 0
     for begin, end, name, _, _ in spans:
         if begin != position:
-            raise ValueError(f"{name}: its data starts at byte {begin}, the previous tensor ends at {position}")
+            raise UnreadableCheckpoint(f"{name}: its data starts at byte {begin}, the previous tensor ends at "
+                                       f"{position}")
         position = end
     if position != size - start:
-        raise ValueError(f"the tensors need {position} bytes of data, the file holds {size - start} (truncated?)")
+        raise UnreadableCheckpoint(f"the tensors need {position} bytes of data, the file holds {size - start} "
+                                   "(truncated?)")
     entries = {name: Entry(shape, code, start + begin, start + end) for begin, end, name, shape, code in spans}
     return Header(entries, metadata)

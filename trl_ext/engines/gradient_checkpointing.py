@@ -20,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from trl_ext import patches
 from trl_ext.engines import fsdp
+from trl_ext.errors import SetupError
 from trl_ext.process import notice
 
 DEEPSPEED_FIX_VERSION = "0.19.3"
@@ -89,7 +90,7 @@ class FsdpCheckpointingCheck(TrainerCallback):
             return
         wrapped, layers = fsdp_checkpointed_layers(model)
         if not layers or wrapped != layers or layer_settings(model):
-            raise RuntimeError(
+            raise SetupError(
                 f"FSDP activation checkpointing should wrap every decoder layer non-reentrantly, once: {wrapped} of "
                 f"{layers} layers are wrapped, {len(layer_settings(model))} also use transformers' checkpointing.")
 
@@ -185,7 +186,7 @@ class CheckpointingPolicy(TrainerCallback):
         settings = layer_settings(model)
         wrong = sorted(name for name, value in settings.items() if value is not self.use_reentrant)
         if not settings or wrong:
-            raise RuntimeError(
+            raise SetupError(
                 f"Gradient checkpointing should run with use_reentrant={self.use_reentrant}, but "
                 + (f"{len(wrong)} layers use another setting (e.g. {wrong[0]})." if wrong else "no layer checkpoints.")
                 + " Something overrode `activation_checkpointing_kwargs` after the trainer was built."

@@ -1,0 +1,57 @@
+"""Which checkpoint a run resumes from: the one asked for, or with ``resume_from_checkpoint=True`` the newest committed
+``checkpoint-N`` of the output directory, the same on every rank and present on every node.
+
+Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden staging directory
+(``.checkpoint-N.trl_ext-partial``) until it is complete and checked, and ``get_last_checkpoint`` never matches it.
+Every answer is decided on rank 0 and broadcast: ranks that look at the files on their own can disagree (NFS attribute
+caching, node-local disks) and then take different collective paths, which hangs the job (KempnerForge#49).
+"""
+
+import os
+
+from transformers.trainer_utils import get_last_checkpoint
+
+from trl_ext.errors import ResumeError
+
+
+def last_committed(output_dir: str | os.PathLike) -> str | None:
+    """The newest committed ``checkpoint-N`` in ``output_dir`` (None if there is none, or no such directory).
+
+    Args:
+        output_dir: a run's output directory.
+
+    Returns:
+        The checkpoint's path, or None.
+    """
+    return get_last_checkpoint(str(output_dir)) if os.path.isdir(output_dir) else None
+
+
+def checkpoint_to_resume(args, wanted) -> str | None:
+    """The checkpoint every rank resumes from: ``wanted`` (a path, or True for the newest committed one), chosen on
+    rank 0 and broadcast; refused if some rank cannot see it. Collective when ``args.world_size > 1``.
+
+    Args:
+        args: the run's ``TrainingArguments``.
+        wanted: ``resume_from_checkpoint`` as given to ``train``: a path, or True.
+
+    Returns:
+        The same path on every rank (None: no checkpoint to resume; Trainer then says so for True).
+
+    Raises:
+        ResumeError: the checkpoint is missing where some rank runs.
+    """
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    path = last_committed(args.output_dir) if wanted is True else wanted
+    if args.world_size <= 1:
+        return path
+    chosen = [path]
+    broadcast_object_list(chosen, from_process=0)
+    path = chosen[0]
+    if path is None:
+        return None
+    missing = [rank for rank, seen in enumerate(gather_object([os.path.isdir(path)])) if not seen]
+    if missing:
+        raise ResumeError(f"checkpoint {path} (the one rank 0 resumes) is missing where rank {missing[0]} runs: give "
+                          "every node a copy of it, or resume from a checkpoint all nodes have.")
+    return path

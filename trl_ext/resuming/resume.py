@@ -1,0 +1,167 @@
+"""The trainer's one entry into resuming: ``prepare`` before Trainer's loop decides what to resume and how; the
+``Resume`` it returns answers Trainer's three loading hooks (weights, optimizer and scheduler, RNG states).
+
+    checkpoint = resume_from_checkpoint (a path, or True: the newest committed one)  -> choose
+      -> audited before anything loads                                              -> checks
+      -> saved on another number of processes? keep the global batch                 -> world_size
+         (DeepSpeed: convert to the universal checkpoint)                            -> universal
+    Trainer then loads: weights (FSDP2: each rank its rows; Hub layout: converted)   -> fsdp2, Resume.load_weights
+                        optimizer states (across the FSDP2 / one-process layouts)    -> fsdp2, Resume.load_optimizer
+                        RNG states (rank r takes rank r's)                           -> rng, Resume.load_rng
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import set_seed
+
+from trl_ext.engines import fsdp
+from trl_ext.errors import ResumeError, TrlExtError
+from trl_ext.files import hub_names
+from trl_ext.process import notice
+from trl_ext.resuming import checks, choose, fsdp2, rng, universal, world_size
+from trl_ext.saving import supports
+
+
+@dataclass
+class Resume:
+    """What a run resumes and how. A run that resumes nothing has ``checkpoint`` None; its hooks are Trainer's own
+    except where trl_ext's checkpoints need otherwise (FSDP2, the Hub's layout).
+
+    Args:
+        checkpoint: the ``checkpoint-N`` directory, the same on every rank.
+        plan: how a checkpoint saved on another number of processes resumes here (None: it does not say).
+    """
+
+    checkpoint: str | None = None
+    plan: world_size.Plan | None = None
+
+    def load_weights(self, trainer, checkpoint: str, model) -> bool:
+        """Load the weights of ``checkpoint`` where Trainer's own loader would get them wrong: under FSDP2 (each rank
+        reads its own rows of the Hub-format files) and a full model whose Hub layout differs from memory (Trainer
+        loads by name without transformers' conversions, leaving fused MoE experts untrained: transformers#48805).
+
+        Args:
+            trainer: the trainer.
+            checkpoint: the directory Trainer loads from.
+            model: the model to load into.
+
+        Returns:
+            True when loaded here; False to let Trainer load (DeepSpeed resumes from its own states, adapters and
+            unconverted models load by name).
+        """
+        if fsdp.is_fsdp2(trainer.accelerator):
+            fsdp2.load_checkpoint_weights(model, checkpoint)
+            return True
+        if (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or is_peft_model(model) or not supports(model)
+                or not hub_names.is_converted(model)):
+            return False
+        # from_pretrained applies the conversions; the copy is on CPU, as Trainer's own state dict would be
+        loaded = type(model).from_pretrained(checkpoint, dtype=model.dtype, config=model.config)
+        model.load_state_dict(loaded.state_dict(), strict=True)
+        return True
+
+    def load_optimizer(self, trainer, checkpoint: str) -> bool:
+        """Load optimizer and scheduler states written in the other layout than this run reads (a one-process
+        checkpoint resumed under FSDP2, or the reverse). Returns False to let Trainer load them."""
+        from transformers.trainer import SCHEDULER_NAME
+
+        sharded = fsdp.is_fsdp2(trainer.accelerator)
+        if trainer.is_deepspeed_enabled or not fsdp2.needs_conversion(checkpoint, sharded):
+            return False
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper holds torch's
+        fsdp2.load_optimizer_converted(trainer.model, optimizer, checkpoint, sharded)
+        trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        return True
+
+    def load_rng(self, trainer, checkpoint: str, trainer_load) -> None:
+        """Each rank's RNG state: Trainer's own (``trainer_load``), except on another number of processes, where rank
+        r takes rank r's saved state and a new rank is seeded from (seed, step, rank)."""
+        if self.plan is None or not self.plan.changed:
+            return trainer_load(checkpoint)
+        with rng.rng_checkpoint(checkpoint, self.plan, trainer.args.process_index) as found:
+            if found is not None:
+                return trainer_load(found)
+        set_seed(rng.seed_for_new_rank(trainer.args.seed, trainer.state.global_step, self.plan,
+                                       trainer.args.process_index))
+
+
+def _read_plan(trainer, checkpoint: str) -> world_size.Plan | None:
+    """How ``checkpoint`` was trained, read on rank 0 and broadcast (ranks that look at the files separately could
+    disagree and take different collective paths); a refusal is raised on every rank."""
+    from accelerate.utils import broadcast_object_list
+
+    args = trainer.args
+    answer = [None, None]
+    if args.process_index == 0:
+        try:
+            read = world_size.read_plan if trainer.is_deepspeed_enabled else world_size.read_trainer_plan
+            answer = [read(checkpoint, args), None]
+        except TrlExtError as exc:
+            answer = [None, exc]
+        except (OSError, ValueError, KeyError) as exc:
+            answer = [None, ResumeError(f"cannot read how {checkpoint} was trained: {exc}")]
+    if args.world_size > 1:
+        broadcast_object_list(answer, from_process=0)
+    plan, error = answer
+    if error is not None:
+        raise error
+    return plan
+
+
+def _convert_for_deepspeed(trainer, checkpoint: str, plan: world_size.Plan) -> None:
+    """DeepSpeed on another number of processes: the universal checkpoint, written once per copy of the checkpoint
+    (each node's local main with ``save_on_each_node``, else the main process); a failure is raised on every rank."""
+    from trl_ext import errors
+
+    args = trainer.args
+    writer = args.local_process_index == 0 if args.save_on_each_node else args.process_index == 0
+    error = None
+    if writer:
+        try:
+            universal.convert_to_universal(checkpoint, plan.tag)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below, so that none waits for a failed writer
+            error = ResumeError(f"converting {checkpoint} to DeepSpeed's universal checkpoint failed: {exc}")
+    if args.world_size > 1:
+        errors.agree(error)
+    elif error is not None:
+        raise error
+
+
+def prepare(trainer, resume_from_checkpoint) -> Resume:
+    """Before ``Trainer.train``: which checkpoint to resume (``choose``), audited (``checks``); on another number of
+    processes, the global batch kept (gradient accumulation) and, under DeepSpeed, the universal checkpoint made.
+    Collective: every rank calls it and gets the same answer or error.
+
+    Args:
+        trainer: the trainer about to train (its DeepSpeed engine is not built yet).
+        resume_from_checkpoint: as given to ``train``: None or False, a path, or True (the newest committed one).
+
+    Returns:
+        The ``Resume``: its ``checkpoint`` is the path to hand Trainer (None: nothing to resume, or True found
+        nothing and Trainer says so).
+
+    Raises:
+        ResumeError: a damaged checkpoint, one missing on some node, or a global batch that cannot be kept.
+    """
+    if not resume_from_checkpoint:
+        return Resume()
+    checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint)
+    if checkpoint is None:
+        return Resume()
+    config = getattr(trainer.model, "config", None)
+    checks.check_resume_checkpoint(checkpoint, getattr(config, "num_labels", 1))
+    plan = _read_plan(trainer, checkpoint)
+    if plan is None:
+        return Resume(checkpoint)
+    if not trainer.is_deepspeed_enabled:  # FSDP2, DDP, one process: optimizer states convert when loaded (fsdp2)
+        message = world_size.keep_global_batch(plan, trainer.args) if plan.changed else None
+    else:
+        if plan.changed:
+            _convert_for_deepspeed(trainer, checkpoint, plan)
+        message = universal.apply(plan, trainer.args, trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
+    if message:
+        notice(message)
+    return Resume(checkpoint, plan)

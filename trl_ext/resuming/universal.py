@@ -1,0 +1,70 @@
+"""A ZeRO checkpoint resumed on another number of processes, through DeepSpeed's universal checkpoint.
+
+A ZeRO checkpoint holds one optimizer partition per data-parallel rank, so DeepSpeed can only load it on the world
+size that wrote it. When that changed, the checkpoint is converted once to DeepSpeed's universal checkpoint
+(``deepspeed.checkpoint.ds_to_universal``, written beside the original in the checkpoint directory) and loaded with
+``load_universal``.
+"""
+
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from trl_ext.resuming.world_size import Plan, keep_global_batch
+
+UNIVERSAL_SUFFIX = "_universal"
+
+
+def convert_to_universal(checkpoint: str | os.PathLike, tag: str) -> None:
+    """Write DeepSpeed's universal checkpoint of ``checkpoint/tag`` to ``checkpoint/tag_universal`` (once; atomic).
+
+    Args:
+        checkpoint: the ``checkpoint-N`` directory.
+        tag: its DeepSpeed tag (``global_stepN``).
+    """
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    checkpoint = Path(checkpoint)
+    final = checkpoint / f"{tag}{UNIVERSAL_SUFFIX}"
+    if not final.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=checkpoint))
+        options = Namespace(input_folder=str(checkpoint / tag), output_folder=str(staging), num_extract_workers=1,
+                            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # its progress report is per parameter
+                ds_to_universal.main(options)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        staging.chmod(0o755)
+        os.replace(staging, final)
+    # What load_universal reads instead of ``latest``. Always rewritten: ds_to_universal writes one naming its
+    # output folder, here the staging directory.
+    tmp = checkpoint / f".latest_universal.{os.getpid()}"
+    tmp.write_text(final.name)
+    os.replace(tmp, checkpoint / "latest_universal")
+
+
+def apply(plan: Plan, args, deepspeed_config: dict) -> str | None:
+    """Set the resumed run's gradient accumulation (and DeepSpeed's batch sizes) to keep the global batch size, and
+    ask DeepSpeed for the universal checkpoint when the world size changed.
+
+    Args:
+        plan: from ``world_size.read_plan``.
+        args: the resumed run's ``TrainingArguments`` (changed in place).
+        deepspeed_config: the DeepSpeed config the engine will be built from (changed in place).
+
+    Returns:
+        The one-line notice to print, or None when nothing changed.
+    """
+    notice = keep_global_batch(plan, args)
+    deepspeed_config["gradient_accumulation_steps"] = plan.gradient_accumulation_steps
+    deepspeed_config["train_batch_size"] = plan.global_batch_size
+    if plan.changed:
+        deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    return notice

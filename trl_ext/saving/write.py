@@ -1,0 +1,164 @@
+"""The weights streamed into their files: every rank sends its parts of each file's tensors to the rank that writes
+that file (``gather.stream``), which writes them as they arrive (``files.shards.ShardStreamWriter``), so no rank holds
+the model, a shard or a whole large tensor. A tensor that transformers converts on save (fused MoE experts, say) is
+gathered whole with its conversion group, converted on the writing rank and written.
+
+A rank that fails while writing (disk full, say) keeps taking part in the transfers, writing nothing: the other ranks
+would otherwise wait for it forever. Its error is returned, never raised mid-transfer.
+"""
+
+from pathlib import Path
+
+import torch
+
+from trl_ext.engines.sharded import full_shape
+from trl_ext.errors import CheckpointError
+from trl_ext.files import hub_names
+from trl_ext.files.shards import ShardStreamWriter, TensorSpec
+from trl_ext.saving import gather
+from trl_ext.saving.job import SaveJob
+
+WRITE_FIX = ("nothing was committed and earlier saves are intact; free disk space or fix permissions there, then "
+             "save again (or resume from the last checkpoint)")
+
+
+def failed(message: str) -> CheckpointError:
+    """A save step's failure, as every rank raises it once the ranks agree."""
+    return CheckpointError(f"saving failed: {message}", kind="save")
+
+
+class _Collect:
+    """A sink that assembles each tensor whole (a conversion group's sources), on the writing rank. A failure is kept
+    for later, never raised mid-transfer (the other ranks are still sending)."""
+
+    def __init__(self, sources: list[tuple[str, torch.Tensor]], copy: bool):
+        self.shapes = {n: full_shape(t) for n, t in sources}
+        self.copy, self.tensors, self.error = copy, {}, None  # copy: gathered parameters are released after the gather
+
+    def begin(self, name):
+        self.name, self.pieces = name, []
+
+    def append(self, piece):
+        self.pieces.append(piece)
+
+    def end(self):
+        try:
+            pieces = self.pieces
+            whole = torch.cat([p.reshape(-1) for p in pieces]) if self.copy or len(pieces) > 1 else pieces[0]
+            self.tensors[self.name] = whole.view(self.shapes[self.name])
+        except Exception as exc:  # noqa: BLE001 - reported by convert_and_write once the transfer is over
+            self.error = self.error or exc
+
+    def result(self) -> dict[str, torch.Tensor]:
+        if self.error is not None:
+            raise self.error
+        return self.tensors
+
+
+class _Guarded:
+    """Passes tensors to the writer until it fails once; then only records why. The writing rank must keep taking
+    part in the collective transfers after a local failure (disk full, say), or the other ranks would hang."""
+
+    def __init__(self, writer: ShardStreamWriter, error: CheckpointError | None):
+        self.writer, self.error = writer, error
+
+    def _call(self, method, *args):
+        if self.error is None:
+            try:
+                getattr(self.writer, method)(*args)
+            except OSError as exc:  # disk full, permission denied, I/O error
+                self.error = failed(f"writing {self.writer.directory}: {exc}; {WRITE_FIX}")
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+                self.error = failed(f"writing {self.writer.directory}: {type(exc).__name__}: {exc}")
+
+    def convert_and_write(self, convert, outputs: list[TensorSpec]) -> None:
+        """Write ``convert()``'s tensors in the planned order (``outputs``)."""
+        if self.error is None:
+            try:
+                converted = convert()
+            except Exception as exc:  # noqa: BLE001 - as above
+                self.error = failed(f"converting {[s.name for s in outputs][:2]} to the checkpoint layout: {exc}")
+                return
+            for spec in outputs:
+                self._call("write", spec.name, converted[spec.name])
+
+    def begin(self, name):
+        self._call("begin", name)
+
+    def append(self, piece):
+        self._call("append", piece)
+
+    def end(self):
+        self._call("end")
+
+
+def _stream_units(job: SaveJob, units, sink, writer_rank: int | None) -> None:
+    """Feed the units' outputs to ``sink`` in plan order: renamed tensors streamed in chunks, converted groups gathered
+    whole (one at a time) and converted on the writing rank. Every rank calls it, as ``gather.stream``."""
+    run: list[tuple[str, torch.Tensor]] = []  # consecutive streamed tensors, under their Hub names
+    for unit in [*units, None]:
+        if unit is not None and not unit.converted:
+            run.append((unit.outputs[0].name, unit.sources[0][1]))
+            continue
+        if run:
+            gather.stream(run, sink, job.collective, writer_rank, job.group)
+            run = []
+        if unit is None:
+            continue
+        whole = _Collect(unit.sources, copy=job.collective) if sink is not None else None
+        gather.stream(unit.sources, whole, job.collective, writer_rank, job.group)
+        if sink is not None:
+            sink.convert_and_write(lambda: hub_names.to_hub(job.model, whole.result()), unit.outputs)
+
+
+def _units_by_file(ws) -> dict[str, list]:
+    """Each planned file's units, in plan order (a unit's outputs share a file)."""
+    file_of = {spec.name: filename for filename, specs in ws.plan.items() for spec in specs}
+    by_file = {filename: [] for filename in ws.plan}
+    for unit in ws.units:
+        by_file[file_of[unit.outputs[0].name]].append(unit)
+    return by_file
+
+
+def write_weights(job: SaveJob) -> tuple[CheckpointError | None, list[tuple[ShardStreamWriter, dict]]]:
+    """Every rank: each file's tensors streamed to the rank that writes it (with one copy, only to that rank; with a
+    copy per node, gathered whole by each node's writer). A writer that already failed keeps taking part, writing
+    nothing.
+
+    Args:
+        job: the save.
+
+    Returns:
+        The error (None if fine) and this rank's file writers with their plans, still syncing.
+    """
+    error, writers = None, []
+    for ws, ws_owners in zip(job.weight_sets, job.layout.owners):
+        files = {f: specs for f, specs in ws.plan.items() if ws_owners[job.copy_index][f] == job.rank}
+        writer = ShardStreamWriter(job.staging / ws.subdir, files) if files else None
+        sink = _Guarded(writer, error) if writer is not None else None
+        for filename, units in _units_by_file(ws).items():
+            writer_rank = ws_owners[0][filename] if len(ws_owners) == 1 else None
+            _stream_units(job, units, sink if filename in files else None, writer_rank)
+        if sink is None:
+            continue
+        writers.append((writer, files))
+        error = sink.error
+        if error is None:
+            try:
+                writer.finish()  # the last file's fsync goes on during the checks
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+                error = failed(str(exc))
+        else:
+            writer.abort()
+    return error, writers
+
+
+def synced(writers, staging: Path) -> CheckpointError | None:
+    """Every file on disk (or its fsync error) before anything is committed or removed."""
+    error = None
+    for writer, _ in writers:
+        try:
+            writer.wait()
+        except OSError as exc:
+            error = error or failed(f"syncing {staging} to disk: {exc}; {WRITE_FIX}")
+    return error
