@@ -22,6 +22,9 @@ try:
 except RuntimeError as exc:
     if trainer.accelerator.is_main_process:
         (out / "user_save_pretrained.error").write_text(str(exc))
+# The same call without trl_ext's guard (the class's own method): what PEFT and transformers write by themselves.
+type(trainer.model).save_pretrained(trainer.model, str(out / "upstream_save_pretrained"),
+                                    is_main_process=trainer.accelerator.is_main_process)
 # Handing save_pretrained the local state_dict bypasses the guard: under ZeRO-3 these are the [0] placeholders.
 trainer.model.save_pretrained(str(out / "raw_state_dict"), state_dict=trainer.model.state_dict(),
                               is_main_process=trainer.accelerator.is_main_process)

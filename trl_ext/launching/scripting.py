@@ -13,11 +13,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformers.trainer_utils import get_last_checkpoint
-
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch
 from trl_ext.process import end_together, env_world_size, notice
+from trl_ext.resuming.choose import last_committed
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
@@ -96,7 +95,7 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
     out = Path(training_args.output_dir)
     resume = training_args.resume_from_checkpoint
     if resume in RESUME_LAST:
-        last = get_last_checkpoint(str(out)) if out.is_dir() else None
+        last = last_committed(out)
         if last is None:
             raise UsageError(f"--resume_from_checkpoint {resume}: '{out}' holds no complete checkpoint-N to resume "
                              "from. Check --output_dir, or drop --resume_from_checkpoint to start a new run.")
