@@ -181,14 +181,21 @@ def test_notebook_launcher_refuses_after_single_process_use():
 
 
 def _bytes_read_by_a_rank_that_should_not_read(rank: int) -> int:
+    import importlib
+
     from transformers import AutoModelForCausalLM, modeling_utils
-    from transformers.distributed import utils as distributed_utils
 
     from tests.probes import weight_reads
     from trl_ext.assets import default_model_path
 
     torch.distributed.init_process_group("gloo")
-    distributed_utils.is_local_dist_rank_0 = lambda: False  # a second process of the machine
+    for where in ("transformers.distributed.utils", "transformers.modeling_utils"):  # it moved in 5.x
+        try:
+            module = importlib.import_module(where)
+        except ImportError:
+            continue
+        if hasattr(module, "is_local_dist_rank_0"):
+            module.is_local_dist_rank_0 = lambda: False  # a second process of the machine
     weight_reads.install()
     AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     assert modeling_utils.safe_open is not None

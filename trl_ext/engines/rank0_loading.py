@@ -14,8 +14,12 @@ from trl_ext.engines.fsdp import is_fsdp2, wrap_layers_the_model_has
 def _reads_weights() -> bool:
     """False on the processes that ``fsdp_cpu_ram_efficient_loading`` keeps from reading weights under FSDP2 (all but
     the first of each machine, as transformers decides it); they get their shards from rank 0 when sharded."""
-    from transformers.distributed.utils import is_local_dist_rank_0
     from transformers.integrations import is_fsdp_enabled
+
+    try:
+        from transformers.distributed.utils import is_local_dist_rank_0
+    except ImportError:  # transformers before the function moved (5.10 has it in modeling_utils)
+        from transformers.modeling_utils import is_local_dist_rank_0
 
     return not (is_fsdp_enabled() and os.environ.get("FSDP_VERSION") == "2" and not is_local_dist_rank_0())
 
