@@ -3,6 +3,13 @@ foreground and in the background, against the same path with one writing rank (a
 Trainer.save_model.
 
     python bench/save.py [--repeats 2] [--layers 12] [--hidden 768] [--moe] [--fsdp2] [--processes 4] [--impls ...]
+    python bench/save.py --checkpoints [--engines zero2 zero3 fsdp2] [--processes 2] [--hidden 512 --layers 8]
+
+With ``--checkpoints``: whole ``checkpoint-N``s of a full fine-tune with AdamW (weights, optimizer and scheduler
+states, RNG states) every 2 steps of 9, foreground vs ``save_in_background``, under each engine: how long each
+checkpoint holds the training loop (``_save_checkpoint``, plus the following step boundaries' checks), the first
+checkpoint and the later ones (median), the one-time reserve at the end of the first step, the step time, the
+training's wall time and rank 0's peak RSS growth; ratios against the foreground run of the same engine.
 
 The model is a random Llama with hidden 768, 12 layers and a 32k vocabulary (134M parameters, 537 MB in fp32), in
 the embedded model's format. Both sides train one step under ZeRO-3 (gather flag on, as transformers' path needs)
@@ -32,6 +39,7 @@ from tests.harness import (
 )
 
 IMPLS = ["transformers", "trl_ext-one-writer", "trl_ext", "trl_ext-background"]
+ENGINES = ["zero2", "zero3", "fsdp2"]
 
 
 def build_model(directory: Path, layers: int, moe: bool, hidden: int = 768) -> tuple[int, int]:
@@ -63,6 +71,39 @@ def build_model(directory: Path, layers: int, moe: bool, hidden: int = 768) -> t
     return sum(p.numel() * p.element_size() for p in model.parameters()), largest
 
 
+def checkpoints_main(cli) -> None:
+    """Whole checkpoints in a training run, foreground vs background, per engine (see the module docstring)."""
+    import statistics
+
+    work = Path(tempfile.mkdtemp(prefix="bench-checkpoints-"))
+    model_bytes, _ = build_model(work / "model", cli.layers, False, cli.hidden)
+    print(f"model: {model_bytes / 1e6:.0f} MB ({model_bytes // 4 / 1e6:.0f}M params, fp32); AdamW; "
+          f"{cli.processes} processes", flush=True)
+    worker = Path(__file__).with_name("_checkpoint_worker.py")
+    for engine in cli.engines:
+        config = write_accelerate_config(work / "configs" / engine, engine, cli.processes)
+        results = {"foreground": [], "background": []}
+        for repeat in range(cli.repeats):
+            for variant in results:
+                out = work / f"{engine}-{variant}-{repeat}"
+                run = accelerate_launch(worker, ["--model", str(work / "model"), "--output_dir", str(out),
+                                                 *(["--background"] if variant == "background" else [])],
+                                        config, timeout=1800)
+                lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
+                if run.returncode != 0 or not lines:
+                    sys.exit(f"{engine} {variant} failed ({run.returncode}):\n{run.output[-3000:]}")
+                r = json.loads(lines[-1][6:])
+                r["first_s"], r["later_s"] = r["blocked"][0], statistics.median(r["blocked"][1:])
+                results[variant].append(r)
+                print(f"repeat {repeat + 1} {engine} {variant:<10} blocked per checkpoint "
+                      f"{[round(b, 3) for b in r['blocked']]} s; reserve {r['reserve_s']:.3f} s; step "
+                      f"{r['step_s']:.2f} s; total {r['total_s']:.1f} s; peak +{r['peak_mb']:.0f} MiB", flush=True)
+        print(f"\n{engine}, {cli.processes} processes:")
+        print_ratio_table(results, {"first_s": "first checkpoint blocked (s)", "later_s": "later blocked (s)",
+                                    "reserve_s": "reserve (s)", "step_s": "step (s)", "total_s": "total (s)",
+                                    "peak_mb": "peak growth (MiB)"}, "foreground")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
@@ -73,7 +114,12 @@ def main():
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS, help="the variants to run (trl_ext, the "
                         "anchor of the ratios, always runs)")
+    parser.add_argument("--checkpoints", action="store_true",
+                        help="whole checkpoint-N's of a training run, foreground vs background (see above)")
+    parser.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES, help="with --checkpoints")
     cli = parser.parse_args()
+    if cli.checkpoints:
+        return checkpoints_main(cli)
     impls = [impl for impl in IMPLS if impl in cli.impls or impl == "trl_ext"]
 
     work = Path(tempfile.mkdtemp(prefix="bench-save-"))

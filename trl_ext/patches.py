@@ -248,6 +248,19 @@ PATCHES: dict[str, Patch] = {
         remove_when="TRL gives a quantized model's adapter the base's compute dtype under DeepSpeed",
         guard=_has("deepspeed.runtime.zero.partition_parameters.Init"),
     ),
+    "deferred-checkpoint-files": Patch(
+        target="torch.save and torch.distributed.checkpoint.save, on the training thread while a background "
+               "checkpoint's parts are copied",
+        why="Trainer, DeepSpeed's engine and accelerate write the optimizer, scheduler, RNG and ZeRO states of a "
+            "checkpoint themselves, in the foreground, with no hook to write them later from a copy",
+        upstream="none filed: transformers 5.24 Trainer._save_checkpoint, deepspeed 0.19 engine.save_checkpoint "
+                 "(its decoupled engine does not fit: saving/deferred.py says why), accelerate 1.15 "
+                 "save_fsdp_optimizer",
+        remove_when="Trainer writes a checkpoint's states through a pluggable writer that can stage them",
+        guard=_all(_has("torch.save", "obj", "f"),
+                   _has("torch.distributed.checkpoint.save", "state_dict", "storage_writer", "planner",
+                        "process_group")),
+    ),
     "trl-script-classes": Patch(
         target="trl.<Name>Trainer and trl.<Name>Config, while one of trl/scripts/<name>.py runs",
         why="TRL's scripts import their trainer and config from `trl` inside main() and make_parser(); `trl-ext "

@@ -30,9 +30,30 @@ def train_args(trainer: str, lora: bool, *extra: str) -> list[str]:
     return ["--trainer", trainer, *(["--lora"] if lora else []), *extra]
 
 
+# Each engine's shared launch (test_trajectory's): every trainer, full and LoRA, 4 steps of 4 rows.
+ENGINE_CASES = [("sft", False), ("sft", True), ("reward", False), ("reward", True), ("dpo", False), ("dpo", True)]
+
+
+def engine_args(backend: str, trainer: str, lora: bool, batch: int = 2, accumulation: int = 1) -> list[str]:
+    """One case of an engine's shared launch. ZeRO-3's is the suite's shared run; ZeRO-2's and FSDP2's full SFT saves
+    checkpoints 2 and 4 too, the foreground reference of tests/distributed/test_background_saves.py."""
+    if (backend, batch, accumulation) == ("zero3", 2, 1):
+        return train_args(trainer, lora, *ZERO3_TRAIN)  # the shared runs (their checkpoints change nothing here)
+    checkpoints = ["--save_steps", "2"] if (trainer, lora) == ("sft", False) and backend in ("zero2", "fsdp2") else []
+    return train_args(trainer, lora, "--max_steps", "4", "--batch", str(batch), "--grad_accum", str(accumulation),
+                      *checkpoints)
+
+
 # Set by .ci/oldest.sh: DeepSpeed 0.19.2 cannot run several engines one after another in one process, and there only
 # the runs that the selected tests use are wanted.
 ONE_RUN_PER_LAUNCH = "TRL_EXT_TESTS_ONE_RUN_PER_LAUNCH"
+
+
+def _with_output_dir(args: list[str], default: Path) -> tuple[list[str], Path]:
+    """``args`` with an ``--output_dir`` (``default`` unless they name one), and that directory."""
+    if "--output_dir" in args:
+        return list(args), Path(args[args.index("--output_dir") + 1])
+    return [*args, "--output_dir", str(default)], default
 
 
 class SharedRuns:
@@ -44,13 +65,13 @@ class SharedRuns:
 
     def get(self, script: str, backend: str, args: list[str], timeout: float = 300, num_processes: int = 2,
             **zero) -> Path:
-        """The output directory of ``script ARGS --output_dir OUT`` under ``backend``, launched on first use."""
+        """The output directory of ``script ARGS --output_dir OUT`` under ``backend``, launched on first use (``ARGS``
+        may name their own ``--output_dir``: a test's own run, made in a shared launch)."""
         key = (script, backend, tuple(args), tuple(sorted(zero.items())), num_processes)
         if key not in self.done:
             directory = self._directory()
-            out = directory / "out"
-            self.outputs[out] = self._launch(script, [*args, "--output_dir", str(out)], directory, backend, timeout,
-                                             num_processes, **zero)
+            args, out = _with_output_dir(args, directory / "out")
+            self.outputs[out] = self._launch(script, args, directory, backend, timeout, num_processes, **zero)
             self.done[key] = out
         return self.done[key]
 
@@ -62,8 +83,7 @@ class SharedRuns:
         if not todo or os.environ.get(ONE_RUN_PER_LAUNCH):  # then ``get`` launches each run when a test asks
             return
         directory = self._directory()
-        outs = [directory / f"out{i}" for i in range(len(todo))]
-        argvs = [[*args, "--output_dir", str(out)] for args, out in zip(todo, outs)]
+        argvs, outs = zip(*(_with_output_dir(args, directory / f"out{i}") for i, args in enumerate(todo)))
         output = self._launch("run_many.py", [script, json.dumps(argvs)], directory, backend, timeout, num_processes)
         for args, out in zip(todo, outs):
             self.done[script, backend, tuple(args), (), num_processes] = out

@@ -1,25 +1,27 @@
-"""Background saves under 2-process ZeRO-3 (``save_in_background``): training runs while a checkpoint is written,
-each rank copies only its own part, a ``kill -9`` mid-save costs nothing already committed, and runs with several
-background checkpoints resume exactly.
+"""Whole checkpoints in the background (``save_in_background``) under 2-process ZeRO-2, ZeRO-3 and FSDP2, full
+fine-tuning with AdamW: training runs while checkpoint-N's weights and optimizer states are written, every background
+checkpoint is the foreground one (byte for byte; DCP's ``.metadata`` by what it loads), a ``kill -9`` of every rank
+mid-save costs nothing already committed, resuming from a background checkpoint equals the uninterrupted run, and
+DeepSpeed's own tools read a background checkpoint as they read a foreground one.
 
-Three launches of ``train.py`` (4 steps, as the uninterrupted ``zero3_run`` of the same seed, but a checkpoint every
-step: 1-3 in the background, 4, the last, in the foreground):
-- held: checkpoint-2's writer waits until step 3 has ended (``--hold_save 2 3``): if training waited for the save,
-  the save would fail after 120 s;
-- killed: every rank is SIGKILLed while checkpoint-3 is written in the background;
-- resumed (one launch, ``run_many.py``): the killed run with ``resume_from_checkpoint=True``, and the held run's
-  checkpoint-3 resumed into a fresh directory.
-Each resume must end with the uninterrupted run's weights, optimizer states, scheduler and logged losses.
-The multi-process writing of background checkpoints (4 ranks, ZeRO-3 and FSDP2) is in ``test_parallel_writes``;
-a preemption while a background save is in flight in ``test_preemption``; the one-process cases in
+One launch of ``train.py`` per engine of its own (4 steps; the background runs save every step, 1-3 in the
+background and 4, the last, in the foreground): the held run (checkpoint-2's writers wait until step 3 has ended:
+``--hold_save 2 3``; if training waited for the save, the save would fail after 120 s), then the killed run (every rank
+SIGKILLed while checkpoint-3's optimizer states are written in the background), which ends the launch. The two
+resumes (the killed run with ``resume_from_checkpoint=True``, the held run's checkpoint-2 into a fresh directory) join
+the engine's shared launch, whose full SFT run (checkpoints 2 and 4 in the foreground) is the reference.
+The multi-process writing of background checkpoints (4 ranks, ZeRO-3 and FSDP2) is in ``test_parallel_writes``; a
+preemption while a background save is in flight in ``test_preemption``; the one-process cases in
 ``tests/unit/test_background_saves.py``.
 """
 
 import json
 
 import pytest
+import torch
 from transformers.trainer_utils import get_last_checkpoint
 
+from tests.distributed.conftest import ENGINE_CASES, ZERO3_CASES, engine_args
 from tests.distributed.test_reliability import assert_resumed_equals_uninterrupted, digest
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
@@ -28,77 +30,151 @@ from trl_ext.files.commit import PARTIAL_SUFFIX
 
 pytestmark = pytest.mark.slow
 
+ENGINES = ["zero2", "zero3", "fsdp2"]
 BACKGROUND = ["--trainer", "sft", "--max_steps", "4", "--save_steps", "1", "--config_json",
               json.dumps({"save_in_background": True})]
+OPTIMIZER_FILES = {"zero2": "optim_states.pt", "zero3": "optim_states.pt", "fsdp2": "optimizer_0/"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("background")
-    config = write_accelerate_config(tmp / "configs", "zero3")
+def engine_runs(tmp_path_factory, shared_runs):
+    """``engine_runs(engine)``: the directory of that engine's runs, its reference, the killed run's launch and what
+    the kill left (made once per engine)."""
+    made = {}
 
-    def launch(script, args, timeout=300):
-        return accelerate_launch(SCRIPTS / script, args, config, timeout=timeout)
+    def runs(engine: str):
+        if engine in made:
+            return made[engine]
+        tmp = tmp_path_factory.mktemp(f"background-{engine}")
+        config = write_accelerate_config(tmp / "configs", engine)
+        background = [*BACKGROUND, "--batch", "2", "--grad_accum", "1"] if engine != "zero3" else BACKGROUND
+        held_and_killed = [[*background, "--hold_save", "2", "3", "--output_dir", str(tmp / "held")],
+                           [*background, "--kill_during_states_save", "3", "--output_dir", str(tmp / "killed")]]
+        killed = accelerate_launch(SCRIPTS / "run_many.py", ["train.py", json.dumps(held_and_killed)], config,
+                                   timeout=600)
+        left = (get_last_checkpoint(str(tmp / "killed")), sorted(p.name for p in (tmp / "killed").iterdir()),
+                digest(tmp / "killed" / "checkpoint-2"))
+        resumes = [[*background, "--resume", "--output_dir", str(tmp / "killed")],
+                   [*background, "--resume_from", str(tmp / "held" / "checkpoint-2"), "--output_dir",
+                    str(tmp / "from2")]]
+        shared = [engine_args(engine, *case) for case in (ENGINE_CASES if engine != "zero3" else ZERO3_CASES)]
+        shared_runs.many("train.py", engine, [*shared, *resumes], timeout=900)
+        reference = shared_runs.get("train.py", engine, engine_args(engine, "sft", False))
+        for resumed in resumes:
+            shared_runs.get("train.py", engine, resumed)  # made by the launch above (or now, on its own)
+        made[engine] = tmp, reference, killed, left
+        return made[engine]
 
-    held = launch("train.py", [*BACKGROUND, "--hold_save", "2", "3", "--output_dir", str(tmp / "held")])
-    assert held.returncode == 0, held.output[-6000:]
-    killed = launch("train.py", [*BACKGROUND, "--kill_during_save", "3", "--output_dir", str(tmp / "killed")])
-    left = (get_last_checkpoint(str(tmp / "killed")), sorted(p.name for p in (tmp / "killed").iterdir()),
-            digest(tmp / "killed" / "checkpoint-2"))
-    argvs = [[*BACKGROUND, "--resume", "--output_dir", str(tmp / "killed")],
-             [*BACKGROUND, "--resume_from", str(tmp / "held" / "checkpoint-3"), "--output_dir", str(tmp / "from3")]]
-    resumed = launch("run_many.py", ["train.py", json.dumps(argvs)], timeout=400)
-    return tmp, killed, left, resumed
+    return runs
 
 
 def _saves(out, rank):
     return json.loads((out / f"saves_rank{rank}.json").read_text())
 
 
-def test_a_step_runs_while_a_checkpoint_is_written_and_each_rank_copies_only_its_own_part(runs, zero3_run):
-    tmp, *_ = runs
-    reference, _ = zero3_run("sft", False)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_step_runs_while_a_checkpoints_weights_and_optimizer_states_are_written(engine_runs, engine):
+    tmp, *_ = engine_runs(engine)
     out = tmp / "held"
-    writer = _saves(out, 0)  # the tiny model is one file: rank 0 writes it
-    (_, _, waits), = [e for e in writer["held"] if e[0] == "writer_waits"]
-    step3 = next(t for kind, step, t in writer["held"] if kind == "step_end" and step == 3)
-    started, finished = (next(t for kind, name, t in writer["events"] if kind == k and name == "checkpoint-2")
-                         for k in ("started", "finished"))
-    assert started < waits < step3 < finished, writer  # step 3 ran while checkpoint-2 was being written
-    assert [(k, n) for k, n, _ in writer["events"]] == [
-        (k, f"checkpoint-{s}") for s in (1, 2, 3) for k in ("started", "finished")]
-    for rank in (0, 1):  # each rank's CPU copy is its own ZeRO-3 partition of the weights, nothing more
+    assert any(e[0].endswith("_waits") for rank in (0, 1) for e in _saves(out, rank)["held"])  # a writer was held
+    for rank in (0, 1):
         saves = _saves(out, rank)
-        assert saves["snapshot_bytes"] == saves["own_bytes"] > 0, saves
-    for name in ("checkpoint-2", "checkpoint-4"):  # byte for byte the foreground saves of the same run
-        weights = [n for n in digest(reference / name) if n.endswith(".safetensors")]
-        assert weights and all(digest(out / name)[n] == digest(reference / name)[n] for n in weights), name
+        step3 = next(t for kind, step, t in saves["held"] if kind == "step_end" and step == 3)
+        events = saves["events"]
+        first, last = (next(i for i, (kind, name, _) in enumerate(events) if kind == k and name == "checkpoint-2")
+                       for k in ("started", "finished"))
+        states = [t for kind, name, t in events[first:last] if kind == "wrote" and "optim" in name]
+        assert states and events[first][2] < step3 < states[0] <= events[last][2], saves  # step 3 ran meanwhile
+        assert [(k, n) for k, n, _ in events if k != "wrote"] == [
+            (k, f"checkpoint-{s}") for s in (1, 2, 3) for k in ("started", "finished")]
+        # each rank's CPU copy of the weights is its own part (ZeRO-3, FSDP2), or the whole model on the writer
+        # (ZeRO-2's whole parameters); the states' copies were all allocated by the first step's reserve
+        own = saves["own_bytes"] if engine != "zero2" else saves["own_bytes"] if rank == 0 else 0
+        assert saves["snapshot_bytes"] == own, saves
+        assert saves["states_allocated"] == saves["states_allocated_at_reserve"] > 0, saves
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_background_checkpoints_are_the_foreground_ones(engine_runs, engine):
+    tmp, reference, *_ = engine_runs(engine)
+    out = tmp / "held"
+    for name in ("checkpoint-2", "checkpoint-4"):
+        want, got = digest(reference / name), digest(out / name)
+        assert set(want) == set(got), (name, sorted(set(want) ^ set(got)))
+        differ = sorted(f for f in want if want[f] != got[f])
+        # training_args.bin records save_in_background and save_steps, trainer_state.json save_steps; DCP's .metadata
+        # its writer's path and a random id
+        assert set(differ) <= {"training_args.bin", "trainer_state.json", "optimizer_0/.metadata"}, (name, differ)
+        states = [json.loads((d / name / "trainer_state.json").read_text()) for d in (reference, out)]
+        assert [{k: v for k, v in state.items() if k != "save_steps"} for state in states] == \
+            [{k: v for k, v in states[0].items() if k != "save_steps"}] * 2
+        assert any(OPTIMIZER_FILES[engine] in f for f in want), sorted(want)
+        if engine == "fsdp2":
+            assert _dcp_tensors(reference / name / "optimizer_0") == _dcp_tensors(out / name / "optimizer_0")
     for step in (1, 2, 3, 4):
         report = audit(str(out / f"checkpoint-{step}"), base=default_model_path())
         assert report.ok, report.format()
     assert not list(out.glob(".*")), "a staging directory was left behind"
 
 
-def test_kill_9_during_a_background_save_keeps_the_previous_checkpoint(runs, zero3_run):
-    tmp, killed, (last, names, before), _ = runs
-    reference, _ = zero3_run("sft", False)
+def _dcp_tensors(directory) -> dict:
+    """What DCP loads from a directory, each tensor as bytes (comparable with ==)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(directory), f"{tmp}/whole.pt")
+        whole = torch.load(f"{tmp}/whole.pt", weights_only=False)
+
+    def flat(obj, prefix=""):
+        if isinstance(obj, dict):
+            return {k: v for key, value in obj.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+        if isinstance(obj, (list, tuple)):
+            return {k: v for i, value in enumerate(obj) for k, v in flat(value, f"{prefix}{i}.").items()}
+        return {prefix: obj.numpy().tobytes() if isinstance(obj, torch.Tensor) else obj}
+
+    return flat(whole)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_kill_9_while_the_optimizer_states_are_written_keeps_the_previous_checkpoint(engine_runs, engine):
+    tmp, reference, killed, (last, names, before) = engine_runs(engine)
     out = tmp / "killed"
     assert not killed.timed_out and killed.returncode != 0, killed.output[-4000:]
     assert last == str(out / "checkpoint-2") and "checkpoint-3" not in names, names
     assert f".checkpoint-3{PARTIAL_SUFFIX}" in names  # the kill really hit checkpoint-3's save
-    weights = [n for n in digest(reference / "checkpoint-2") if n.endswith(".safetensors")]
-    assert all(before[n] == digest(reference / "checkpoint-2")[n] for n in weights)
     report = audit(str(out / "checkpoint-2"), base=default_model_path())
     assert report.ok, report.format()
 
 
-@pytest.mark.parametrize("case", ["killed", "from3"])
-def test_resume_from_a_background_checkpoint_equals_the_uninterrupted_run(runs, zero3_run, case):
-    tmp, _, (_, _, before), resumed = runs
-    reference, _ = zero3_run("sft", False)
-    assert resumed.returncode == 0, resumed.output[-6000:]
+@pytest.mark.parametrize("case", ["killed", "from2"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_resume_from_a_background_checkpoint_equals_the_uninterrupted_run(engine_runs, engine, case):
+    tmp, reference, _, (_, _, before) = engine_runs(engine)
     out = tmp / case
     if case == "killed":
         assert digest(out / "checkpoint-2") == before, "resuming changed the checkpoint it resumed from"
         assert not list(out.glob(".*")), "a staging directory from the interrupted save was left behind"
-    assert_resumed_equals_uninterrupted(reference, out, case, steps_run_here={"killed": 2, "from3": 1}[case])
+    assert_resumed_equals_uninterrupted(reference, out, f"{engine}-{case}", steps_run_here=2)
+
+
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_deepspeeds_tools_read_a_background_checkpoint_as_a_foreground_one(engine_runs, engine):
+    """zero_to_fp32 (and, for ZeRO-3, the universal-checkpoint conversion) give the same weights from both."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tmp, reference, *_ = engine_runs(engine)
+    fp32 = [get_fp32_state_dict_from_zero_checkpoint(str(d / "checkpoint-2")) for d in (reference, tmp / "held")]
+    assert fp32[0].keys() == fp32[1].keys() and all(torch.equal(fp32[0][k], fp32[1][k]) for k in fp32[0])
+    if engine == "zero3":  # converted in copies: the reference is the suite's shared run, read only
+        import shutil
+
+        from trl_ext.resuming.universal import convert_to_universal
+
+        copies = [tmp / f"universal-{i}" for i in range(2)]
+        for source, copy in zip((reference, tmp / "held"), copies):
+            shutil.copytree(source / "checkpoint-2", copy)
+            convert_to_universal(copy, "global_step2")
+        universal = [digest(copy / "global_step2_universal") for copy in copies]
+        assert universal[0] == universal[1]

@@ -9,12 +9,12 @@ Each engine is one launch that trains the six cases (``run_many.py``); ZeRO-3's 
 import pytest
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import ZERO3_TRAIN, train_args
+from tests.distributed.conftest import ENGINE_CASES, engine_args
 from tests.distributed.test_reliability import logged
 
 pytestmark = pytest.mark.slow
 
-CASES = [("sft", False), ("sft", True), ("reward", False), ("reward", True), ("dpo", False), ("dpo", True)]
+CASES = ENGINE_CASES
 # name: accelerate backend, processes, per-device batch, gradient accumulation steps (4 rows per optimizer step)
 ENGINES = {
     "one-process": ("ddp", 1, 4, 1),
@@ -32,18 +32,12 @@ RTOL = 1e-4  # losses and gradient norms: the same sums in another order (fp32)
 WEIGHTS_ATOL = 5e-5
 
 
-def _args(backend: str, trainer: str, lora: bool, batch: int, accumulation: int) -> list[str]:
-    if (backend, batch, accumulation) == ("zero3", 2, 1):
-        return train_args(trainer, lora, *ZERO3_TRAIN)  # the shared runs (their checkpoints change nothing here)
-    return train_args(trainer, lora, "--max_steps", "4", "--batch", str(batch), "--grad_accum", str(accumulation))
-
-
 @pytest.fixture(scope="module")
 def trajectories(shared_runs):
     """``{engine: {case: output directory}}``, one launch per engine."""
     found = {}
     for engine, (backend, processes, batch, accumulation) in ENGINES.items():
-        runs = [_args(backend, *case, batch, accumulation) for case in CASES]
+        runs = [engine_args(backend, *case, batch, accumulation) for case in CASES]
         shared_runs.many("train.py", backend, runs, num_processes=processes)
         found[engine] = {case: shared_runs.get("train.py", backend, args, num_processes=processes)
                          for case, args in zip(CASES, runs)}

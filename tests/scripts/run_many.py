@@ -14,13 +14,16 @@ from pathlib import Path
 import launched  # tests/scripts/, beside this file
 from accelerate.state import AcceleratorState, GradientState
 
-PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--fail_save", "--gather_whole",
-            "--signal_during_save", "--hold_save")
+# Options that patch the process for good (--hold_save does too, but does nothing once its step has passed).
+PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--kill_during_states_save", "--fail_save",
+            "--gather_whole", "--signal_during_save")
 
 if __name__ == "__main__":
     script = importlib.import_module(Path(sys.argv[1]).stem)  # beside this file, on sys.path
-    for argv in json.loads(sys.argv[2]):
-        assert not set(PATCHING) & set(argv), f"an option that patches the process: launch the script alone: {argv}"
+    argvs = json.loads(sys.argv[2])
+    for i, argv in enumerate(argvs):
+        last = i == len(argvs) - 1  # a fault that ends the launch (a kill) may come last
+        assert last or not set(PATCHING) & set(argv), f"an option that patches the process, not last: {argv}"
         script.main(argv)
         for cls in (AcceleratorState, GradientState):  # the next trainer builds its own accelerator
             cls._shared_state.clear()

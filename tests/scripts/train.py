@@ -25,6 +25,7 @@ from trl_ext.assets import default_model_path, load_default_dataset
 from trl_ext.engines.gradient_checkpointing import layer_settings
 from trl_ext.files import shards
 from trl_ext.process import env_rank
+from trl_ext.saving import deferred
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository's tests package
 import launched  # noqa: E402 - tests/scripts/, beside this file
@@ -155,39 +156,74 @@ class CountSteps(TrainerCallback):
         self.steps += 1
 
 
-def kill_every_rank_during_save(step: int, peers: list[int]) -> None:
-    """While checkpoint-``step``'s weights are being written (first tensor done), the writing rank SIGKILLs every
-    other rank and then itself: a whole job preempted mid-save."""
-    end = shards.ShardStreamWriter.end
+def kill_every_rank_during_save(step: int, peers: list[int], states: bool = False) -> None:
+    """While checkpoint-``step``'s weights are being written (first tensor done), or with ``states`` while a rank's
+    optimizer states are (its first file written), that rank SIGKILLs every other rank and then itself: a whole job
+    preempted mid-save."""
+    end, write_synced, write_dcp = shards.ShardStreamWriter.end, deferred.write_synced, deferred._write_dcp
+
+    def die():
+        for pid in peers:
+            if pid != os.getpid():
+                os.kill(pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def write_then_die(self):
         end(self)
         if f"checkpoint-{step}" in str(self.directory):
-            for pid in peers:
-                if pid != os.getpid():
-                    os.kill(pid, signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+            die()
 
-    shards.ShardStreamWriter.end = write_then_die
+    def write_state_then_die(write, path):
+        failure = write_synced(write, path)
+        if f"checkpoint-{step}" in path and "optim" in Path(path).name:
+            die()
+        return failure
+
+    def write_dcp_then_die(save, state_dict, kwargs):
+        failure = write_dcp(save, state_dict, kwargs)
+        if f"checkpoint-{step}" in str(kwargs["storage_writer"].path):
+            die()
+        return failure
+
+    if states:
+        deferred.write_synced, deferred._write_dcp = write_state_then_die, write_dcp_then_die
+    else:
+        shards.ShardStreamWriter.end = write_then_die
 
 
 class HoldSave(TrainerCallback):
-    """A background save provably overlaps training: the writer of checkpoint-``step`` waits, before its files are
-    finished, until optimizer step ``until`` has ended on its rank (if training waited for the save, it never would:
-    the save fails after 120 s). Records each step's end and the wait, with times, for the report."""
+    """A background save provably overlaps training: the writer of checkpoint-``step``'s weights and each rank's writer
+    of its optimizer states wait, before they finish, until optimizer step ``until`` has ended on their rank (if
+    training waited for the save, it never would: the save fails after 120 s). Records each step's end and each wait,
+    with times, for the report."""
 
     def __init__(self, step: int, until: int):
         self.step, self.until, self.reached, self.events = step, until, threading.Event(), []
-        finish = shards.ShardStreamWriter.finish
+        finish, write_synced, write_dcp = shards.ShardStreamWriter.finish, deferred.write_synced, deferred._write_dcp
+
+        def hold(what: str) -> None:
+            if not self.reached.is_set():
+                self.events.append((f"{what}_waits", step, time.monotonic()))
+                if not self.reached.wait(120):
+                    raise RuntimeError(f"no step ended while checkpoint-{step}'s {what} was being written")
 
         def held_finish(writer):
-            if f"checkpoint-{step}" in str(writer.directory) and not self.reached.is_set():
-                self.events.append(("writer_waits", step, time.monotonic()))
-                if not self.reached.wait(120):
-                    raise RuntimeError(f"no step ended while checkpoint-{step} was being written")
+            if f"checkpoint-{step}" in str(writer.directory):
+                hold("writer")
             finish(writer)
 
+        def held_write(write, path):  # torch.save'd states: DeepSpeed's ZeRO partitions, Trainer's optimizer.pt
+            if f"checkpoint-{step}" in path and "optim" in Path(path).name:
+                hold("optimizer")
+            return write_synced(write, path)
+
+        def held_dcp(save, state_dict, kwargs):  # FSDP2's sharded optimizer states
+            if f"checkpoint-{step}" in str(kwargs["storage_writer"].path):
+                hold("optimizer")
+            return write_dcp(save, state_dict, kwargs)
+
         shards.ShardStreamWriter.finish = held_finish
+        deferred.write_synced, deferred._write_dcp = held_write, held_dcp
 
     def on_step_end(self, args, state, control, **kwargs):
         self.events.append(("step_end", state.global_step, time.monotonic()))
@@ -316,6 +352,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--kill_rank", type=int, default=None)
     parser.add_argument("--kill_during_save", type=int, default=0,
                         help="SIGKILL every rank while checkpoint-N is written")
+    parser.add_argument("--kill_during_states_save", type=int, default=0,
+                        help="SIGKILL every rank while checkpoint-N's optimizer states are written (in the background)")
     parser.add_argument("--fail_save", type=int, default=0, help="the writer fails (--fail_errno) on checkpoint-N")
     parser.add_argument("--signal_at_step", type=int, default=0, help="send --signal while step N runs")
     parser.add_argument("--signal_during_save", type=int, default=0, help="send --signal while checkpoint-N is written")
@@ -323,7 +361,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--signal_rank", type=int, default=None, help="only this rank gets the signal")
     parser.add_argument("--fail_errno", default="ENOSPC", choices=["ENOSPC", "EACCES"])
     parser.add_argument("--hold_save", type=int, nargs=2, default=None, metavar=("N", "M"),
-                        help="checkpoint-N's writer waits until step M has ended (save_in_background)")
+                        help="checkpoint-N's writers (weights, optimizer states) wait until step M has ended "
+                             "(save_in_background)")
     parser.add_argument("--load_in_4bit", action="store_true", help="QLoRA: a BitsAndBytesConfig in model_init_kwargs")
     parser.add_argument("--bnb_4bit_quant_type", default="nf4", choices=["nf4", "fp4"])
     parser.add_argument("--bnb_4bit_quant_storage", default=None, help="default: bitsandbytes' (uint8)")
@@ -389,17 +428,28 @@ def main(argv: list[str] | None = None):
         os.makedirs(cli.output_dir, exist_ok=True)
         with open(os.path.join(cli.output_dir, f"weight_reads_rank{args.process_index}.json"), "w") as f:
             json.dump(dict(weight_reads.READS), f)
-    if cli.kill_during_save:
+    if cli.kill_during_save or cli.kill_during_states_save:
         peers = [os.getpid()]
         if torch.distributed.is_initialized():
             peers = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(peers, os.getpid())
-        kill_every_rank_during_save(cli.kill_during_save, peers)
+        kill_every_rank_during_save(cli.kill_during_save or cli.kill_during_states_save, peers,
+                                    states=bool(cli.kill_during_states_save))
     report = {"world_size": args.world_size, "zero_stage": None, "partition": None,
               "distributed_type": trainer.accelerator.distributed_type.value}
     if args.deepspeed_plugin is not None:
         report["zero_stage"] = args.deepspeed_plugin.zero_stage
     seen = record_samples(trainer)
+    allocated_at_reserve = None
+    if trainer._checkpoints.background is not None:  # what the first step's reserve allocated for the states
+        reserve = trainer._checkpoints.reserve
+
+        def reserving(trainer_):
+            nonlocal allocated_at_reserve
+            reserve(trainer_)
+            allocated_at_reserve = trainer._checkpoints.background.snapshot.allocated
+
+        trainer._checkpoints.reserve = reserving
     with step_peaks(trainer) if cli.tensor_peak else contextlib.nullcontext([]) as peaks:
         result = trainer.train(resume_from_checkpoint=cli.resume_from or (True if cli.resume else None))
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
@@ -420,9 +470,10 @@ def main(argv: list[str] | None = None):
     report["tensor_peak_per_step"] = peaks
     with open(os.path.join(cli.output_dir, f"seen_rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(seen, f)
-    if cli.save_steps or cli.resume or cli.resume_from:
-        full = (full_optimizer_state(trainer.model_wrapped) if trainer.is_deepspeed_enabled  # collective
-                else full_optimizer_state(trainer.model, trainer.optimizer))
+    zero2 = trainer.is_deepspeed_enabled and args.deepspeed_plugin.zero_stage < 3
+    if (cli.save_steps or cli.resume or cli.resume_from) and not zero2:  # ZeRO-2 links no optimizer states to its
+        full = (full_optimizer_state(trainer.model_wrapped) if trainer.is_deepspeed_enabled  # parameters on CPU
+                else full_optimizer_state(trainer.model, trainer.optimizer))  # (collective)
         if trainer.accelerator.is_main_process:
             save_file(full, os.path.join(cli.output_dir, "optimizer_full.safetensors"))
     resumes = cli.save_steps or cli.resume or cli.resume_from
@@ -434,14 +485,15 @@ def main(argv: list[str] | None = None):
         rank = trainer.accelerator.process_index
         save_file(optim, os.path.join(cli.output_dir, f"optimizer_rank{rank}.safetensors"))
     report["checkpointing"] = recorder.seen
-    saves = getattr(trainer, "_background", None)
-    if saves is not None:  # background saves: when each started and finished, and this rank's CPU copy
+    saves = trainer._checkpoints.background
+    if saves is not None:  # background saves: when each started and finished, and this rank's CPU copies
         own = [p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
                for p in trainer.model.parameters() if p.requires_grad or not cli.lora]
         with open(os.path.join(cli.output_dir, f"saves_rank{args.process_index}.json"), "w") as f:
             json.dump({"events": [(kind, Path(target).name, t) for kind, target, t in saves.events],
                        "held": hold.events if hold is not None else [], "snapshot_bytes": saves.snapshot_bytes,
-                       "own_bytes": sum(t.nbytes for t in own)}, f)
+                       "own_bytes": sum(t.nbytes for t in own), "states_allocated": saves.snapshot.allocated,
+                       "states_allocated_at_reserve": allocated_at_reserve}, f)
     if cli.load_in_4bit:
         report["quantization"] = quantization_report(trainer.model)
     if cli.save_model:

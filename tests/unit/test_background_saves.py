@@ -1,6 +1,8 @@
-"""Background saves in one process: training goes on while a checkpoint is written, a checkpoint appears (and older
-ones are rotated out) only once committed, and a failure stops training at the next step with the last good
-checkpoint kept. The multi-process cases are in tests/distributed/test_background_saves.py."""
+"""Background saves in one process: training goes on while a whole checkpoint (weights, optimizer, scheduler and RNG
+states) is written, every file is the foreground one, a checkpoint appears (and older ones are rotated out) only once
+committed, a failure in any part stops training at the next step with the last good checkpoint kept, the copies are
+allocated once (after the first step) or, where they do not fit, saves run in the foreground, and save_only_model is
+honoured. The multi-process cases are in tests/distributed/test_background_saves.py."""
 
 import errno
 import hashlib
@@ -18,7 +20,7 @@ import trl_ext
 from trl_ext.errors import CheckpointError
 from trl_ext.files import shards
 from trl_ext.files.audit import audit
-from trl_ext.saving import BackgroundSaves, pipeline
+from trl_ext.saving import BackgroundSaves, deferred, pipeline
 
 ROWS = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
         for i in range(16)]
@@ -37,14 +39,16 @@ class StepEnds(TrainerCallback):
 
 
 def _trainer(out: Path, tiny_model_path, callbacks=(), **config):
-    args = trl_ext.SFTConfig(output_dir=str(out), max_steps=4, save_steps=1, seed=0, per_device_train_batch_size=2,
-                             report_to="none", **config)
+    config = {"max_steps": 4, "save_steps": 1, **config}
+    args = trl_ext.SFTConfig(output_dir=str(out), seed=0, per_device_train_batch_size=2, report_to="none", **config)
     return trl_ext.SFTTrainer(model=tiny_model_path, args=args, train_dataset=Dataset.from_list(ROWS),
                               callbacks=list(callbacks))
 
 
-def _weights(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.safetensors"))}
+def _files(directory: Path) -> dict[str, str]:
+    """Every file's digest, but training_args.bin (it records save_in_background itself)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())
+            if p.is_file() and p.name != "training_args.bin"}
 
 
 @pytest.fixture(scope="module")
@@ -56,46 +60,59 @@ def foreground(tmp_path_factory, tiny_model_path):
 
 def test_a_step_runs_while_a_checkpoint_is_written_and_the_checkpoints_equal_the_foregrounds(
         tmp_path, monkeypatch, tiny_model_path, foreground):
-    """checkpoint-1's writer is held until step 2 has ended: the run completes only if training went on meanwhile
-    (events, not timings). Every checkpoint's weights equal the foreground run's, byte for byte."""
-    events, finish = [], shards.ShardStreamWriter.finish
+    """checkpoint-1's optimizer states are written only once step 2 has ended: the run completes only if training went
+    on meanwhile (events, not timings). Every file of every checkpoint is the foreground run's, byte for byte."""
+    events, write_synced = [], deferred.write_synced
     steps = StepEnds(2, events)
 
-    def held_finish(self):
-        if "checkpoint-1" in str(self.directory):
+    def held_write(write, path):
+        if "checkpoint-1" in path and Path(path).name == "optimizer.pt":
             events.append(("writing", 1))
-            assert steps.reached.wait(60), "no step ran while checkpoint-1 was being written"
-        finish(self)
+            assert steps.reached.wait(60), "no step ran while checkpoint-1's optimizer states were being written"
+        return write_synced(write, path)
 
-    monkeypatch.setattr(shards.ShardStreamWriter, "finish", held_finish)
+    monkeypatch.setattr(deferred, "write_synced", held_write)
     trainer = _trainer(tmp_path / "run", tiny_model_path, [steps], save_in_background=True)
     trainer.train()
     assert events.index(("writing", 1)) < events.index(("step_end", 2))
-    saves = [(kind, Path(target).name) for kind, target, _ in trainer._background.events]
-    assert saves == [("started", "checkpoint-1"), ("finished", "checkpoint-1"), ("started", "checkpoint-2"),
-                     ("finished", "checkpoint-2"), ("started", "checkpoint-3"), ("finished", "checkpoint-3")]
+    saves = trainer._checkpoints.background
+    assert [(kind, Path(target).name) for kind, target, _ in saves.events if kind != "wrote"] == [
+        (kind, f"checkpoint-{s}") for s in (1, 2, 3) for kind in ("started", "finished")]
+    parts = [name for kind, name, _ in saves.events if kind == "wrote"]
+    assert parts[:4] == ["checkpoint-1", "optimizer.pt", "scheduler.pt", "rng_state.pth"], parts
     # checkpoint-4 is the run's last: written in the foreground (nothing would run meanwhile)
     for step in (1, 2, 3, 4):
         name = f"checkpoint-{step}"
-        assert _weights(tmp_path / "run" / name) == _weights(foreground / name), name
+        assert _files(tmp_path / "run" / name) == _files(foreground / name), name
         assert audit(str(tmp_path / "run" / name)).ok
     assert not list((tmp_path / "run").glob(".*")), "a staging directory was left behind"
     model = trainer.model
-    assert trainer._background.snapshot_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert saves.snapshot_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@pytest.mark.parametrize("part", ["weights", "optimizer.pt"])
 def test_a_failed_background_save_stops_training_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch,
-                                                                                    tiny_model_path):
-    """checkpoint-3's writes fail (disk full) with save_total_limit=1: training stops at step 4 on the failure, and
-    checkpoint-2 is kept (never rotated out for a checkpoint that did not commit), whole and resumable."""
-    append = shards.ShardStreamWriter.append
+                                                                                    tiny_model_path, part):
+    """checkpoint-3's weights, or its optimizer states, fail to write (disk full) with save_total_limit=1: training
+    stops at step 4 on the failure, and checkpoint-2 is kept (never rotated out for a checkpoint that did not
+    commit), whole and resumable."""
+    append, write_synced = shards.ShardStreamWriter.append, deferred.write_synced
 
     def full_disk(self, piece):
         if "checkpoint-3" in str(self.directory):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         append(self, piece)
 
-    monkeypatch.setattr(shards.ShardStreamWriter, "append", full_disk)
+    def full_disk_for_states(write, path):
+        if "checkpoint-3" in path and Path(path).name == part:
+            return write_synced(lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))),
+                                path)
+        return write_synced(write, path)
+
+    if part == "weights":
+        monkeypatch.setattr(shards.ShardStreamWriter, "append", full_disk)
+    else:
+        monkeypatch.setattr(deferred, "write_synced", full_disk_for_states)
     trainer = _trainer(tmp_path / "run", tiny_model_path, save_in_background=True, save_total_limit=1)
     with pytest.raises(CheckpointError, match=r"No space left on device.*earlier saves are intact"):
         trainer.train()
@@ -103,16 +120,62 @@ def test_a_failed_background_save_stops_training_and_keeps_the_last_good_checkpo
     out = tmp_path / "run"
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
     assert [p.name for p in out.iterdir() if p.name.startswith("checkpoint-")] == ["checkpoint-2"]
-    assert audit(str(out / "checkpoint-2")).ok
+    assert audit(str(out / "checkpoint-2")).ok and (out / "checkpoint-2" / "optimizer.pt").is_file()
 
 
-def test_a_held_save_commits_only_once_released_and_never_after_abandon(tmp_path, tiny_model_path):
+def test_the_copies_are_allocated_once_after_the_first_step(tmp_path, tiny_model_path):
+    trainer = _trainer(tmp_path / "run", tiny_model_path, save_in_background=True, save_steps=2)
+    allocated = []
+    reserve = trainer._checkpoints.reserve
+
+    def reserving(trainer_):
+        reserve(trainer_)
+        allocated.append(trainer._checkpoints.background.snapshot.allocated)
+
+    trainer._checkpoints.reserve = reserving
+    trainer.train()
+    saves = trainer._checkpoints.background
+    assert allocated and allocated[0] > 0 and saves.snapshot.allocated == allocated[0]  # nothing after the reserve
+    optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    moments = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+                  if isinstance(t, torch.Tensor) and t.dim())
+    assert allocated[0] >= moments  # the optimizer's states (and the scheduler and RNG states) are copied
+
+
+def test_copies_that_do_not_fit_in_memory_leave_saves_in_the_foreground(tmp_path, tiny_model_path, monkeypatch,
+                                                                       caplog, foreground):
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 1000})())
+    trainer = _trainer(tmp_path / "run", tiny_model_path, save_in_background=True)
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        trainer.train()
+    said = [r.message for r in caplog.records if "save_in_background" in r.message]
+    assert len(said) == 1 and "their CPU copies need" in said[0] and "0.00 GiB is available" in said[0], said
+    saves = trainer._checkpoints.background
+    assert not saves.events and saves.snapshot.allocated == 0  # every checkpoint in the foreground, nothing copied
+    for step in (1, 2, 3, 4):
+        assert _files(tmp_path / "run" / f"checkpoint-{step}") == _files(foreground / f"checkpoint-{step}")
+
+
+@pytest.mark.parametrize("in_background", [False, True])
+def test_save_only_model_writes_the_weights_only(tmp_path, tiny_model_path, in_background):
+    trainer = _trainer(tmp_path / "run", tiny_model_path, save_in_background=in_background, save_only_model=True)
+    trainer.train()
+    for step in (1, 2, 3, 4):
+        names = sorted(p.name for p in (tmp_path / "run" / f"checkpoint-{step}").iterdir())
+        assert "model.safetensors" in names and not [n for n in names if n.startswith(("optimizer", "scheduler",
+                                                                                         "rng_state"))], names
+    if in_background:
+        assert trainer._checkpoints.background.snapshot.allocated == 0
+
+
+def test_a_held_save_is_written_only_once_released_and_never_after_abandon(tmp_path, tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     saves, done = BackgroundSaves(), []
-    pipeline.save(model, tmp_path / "held", background=saves, held=True)
+    pipeline.save(model, tmp_path / "held", background=saves, held=True)  # begun here: collected, not written
     (tmp_path / "held" / "optimizer.pt").write_bytes(b"written by the caller meanwhile")
-    saves._thread.join(0.5)
-    assert saves._thread.is_alive() and not (tmp_path / "held" / "model.safetensors").exists()
+    assert saves.collecting and saves._thread is None and not (tmp_path / "held" / "model.safetensors").exists()
     saves.release(lambda: done.append(True))
     saves.wait()
     assert done == [True] and audit(str(tmp_path / "held")).ok
@@ -122,9 +185,9 @@ def test_a_held_save_commits_only_once_released_and_never_after_abandon(tmp_path
     saves.abandon()
     assert not (tmp_path / "abandoned" / "model.safetensors").exists() and done == [True]
 
-    pipeline.save(model, tmp_path / "plain", background=saves)  # not held: committed as soon as it is written
+    pipeline.save(model, tmp_path / "plain", background=saves)  # not held: written and committed at once
     saves.wait()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
-    saves.release(lambda: done.append("now"))  # nothing held: runs at once
+    saves.release(lambda: done.append("now"))  # nothing collected: runs at once
     assert done == [True, "now"]

@@ -1,12 +1,15 @@
 """One save as an object: what each step of the pipeline needs, from the plan to the commit, carried through them in
 the foreground or on a background save's thread."""
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trl_ext.files.commit import PARTIAL_SUFFIX, commit
+
+logger = logging.getLogger("trl_ext")
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,10 @@ class SaveJob:
         return self.layout.copies.index(self.mine)
 
     def commit(self) -> None:
-        """The checked staging directory renamed into place (the copy's first rank)."""
-        (self.commit_with or commit)(self.staging, self.target)
+        """The checked staging directory renamed into place, on the copy's first rank (the others: nothing)."""
+        if self.is_writer:
+            (self.commit_with or commit)(self.staging, self.target)
+            logger.info(f"[trl_ext] saved and verified {self.target} in {time.monotonic() - self.started:.1f}s")
 
     def on(self, weight_sets: list, group=None, commit_with: Callable[[Path, Path], None] | None = None) -> "SaveJob":
         """The same save, streaming ``weight_sets`` (a background save's copies) over ``group``, committed by

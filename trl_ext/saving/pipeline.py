@@ -21,7 +21,6 @@ its parts.
 
 import logging
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -107,7 +106,8 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             to CPU memory, and ``background`` runs the rest (call it on every rank, each with its ``BackgroundSaves``;
             its ``wait`` reports the outcome). A model whose parts cannot be copied (NVMe offload, quantized
             partitions, 2-D meshes) is saved in the foreground.
-        held: with ``background``, commit only once ``background.release`` is called.
+        held: with ``background``, the weights join the save ``background`` is collecting (``begin``; begun here if
+            none is), written once ``background.release`` is called, with the rest of the checkpoint.
 
     Raises:
         errors.CheckpointError: the save failed or its files failed verification; nothing was committed and the
@@ -117,16 +117,19 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
         is_writer = training_args.should_save if training_args is not None else (
             not _distributed() or torch.distributed.get_rank() == 0)
     target = Path(output_dir).absolute()
+    if background is not None and not background.collecting:  # a save of its own, begun on every rank
+        background.begin(str(target))
+    release = background.release if background is not None and not held else (lambda: None)
     # Partitioned parameters need every rank at every transfer; whole ones are read by the writer alone.
     collective = _distributed() and any(is_partitioned(p) for p in model.parameters())
     if not collective and not is_writer:
-        if background is not None:  # it answers the step-boundary checks like the ranks that write
-            background.mark_in_flight(str(target))
+        release()  # this rank writes none of it, and takes part in its agreement
         return
     key = (id(model), str(max_shard_size), is_writer, collective, tuple(id(p) for p in model.parameters()))
-    layout = (background.layout(key, lambda: plan_layout(model, max_shard_size, is_writer, collective))
+    layout = (background.layout(key, lambda: plan_layout(model, max_shard_size, is_writer, collective))  # as reserve
               if background is not None else plan_layout(model, max_shard_size, is_writer, collective))
     if not layout.copies:  # no rank saves (the trainer's should_save is False everywhere)
+        release()
         return
     job = SaveJob(model, target, layout, torch.distributed.get_rank() if collective else 0, is_writer, collective,
                   processing_class, training_args, weight_sets=layout.weight_sets)
@@ -137,19 +140,63 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             background.say_foreground("some parameters are offloaded to NVMe, quantized or sharded over a 2-D mesh, "
                                       "whose parts cannot be copied")
         run(job)
+        release()
         return
     if held and is_writer:  # the caller writes the rest of the checkpoint there while the weights are written
         target.mkdir(parents=True, exist_ok=True)
-    job = job.on(copied, background.group() if collective else None, background.commit)
-    background.start(lambda: run(job), str(target), held=held)
+    job = job.on(copied, background.group() if collective else None)
+    background.add(target.name, lambda: write_and_check(job), commit=job.commit if is_writer else None)
+    release()
+
+
+def reserve(model, max_shard_size, is_writer: bool, background: BackgroundSaves, allocate: bool) -> int | None:
+    """The CPU copy a background save of ``model`` takes on this rank, planned (the layout ``save`` reuses) and, with
+    ``allocate``, allocated and filled once. Call on every rank, at the same point (planning is collective).
+
+    Args:
+        model: the model the background saves will write.
+        max_shard_size: as for ``save``.
+        is_writer: as for ``save``.
+        background: the ``BackgroundSaves`` whose buffers are reserved.
+        allocate: allocate the buffers (else only measure).
+
+    Returns:
+        Bytes of this rank's copy, or None when some parts cannot be copied (the saves then run in the foreground).
+    """
+    collective = _distributed() and any(is_partitioned(p) for p in model.parameters())
+    if not collective and not is_writer:
+        return 0
+    key = (id(model), str(max_shard_size), is_writer, collective, tuple(id(p) for p in model.parameters()))
+    layout = background.layout(key, lambda: plan_layout(model, max_shard_size, is_writer, collective))
+    if not allocate:
+        return background.copy_bytes(layout.weight_sets)
+    return None if background.copy(layout.weight_sets) is None else background.snapshot_bytes
 
 
 def run(job: SaveJob) -> None:
-    """The save after its plan, on every rank (in the foreground, or on a background save's thread with a process
-    group of its own): stage the directory, stream and write the weights, sync and check the files, agree, commit.
+    """The save after its plan, in the foreground, on every rank: ``write_and_check``, then every rank's outcome
+    agreed on and the commit.
 
     Raises:
         CheckpointError: on every rank, if any rank failed; nothing was committed.
+    """
+    error = write_and_check(job)
+    if job.collective:
+        errors.agree(error, job.group, prefer=(NONFINITE,))
+    elif error is not None:
+        raise error
+    job.commit()
+    if job.collective:
+        torch.distributed.barrier(group=job.group)  # nobody reads the checkpoint before it is in place
+
+
+def write_and_check(job: SaveJob) -> CheckpointError | None:
+    """Stage the directory, stream and write the weights, sync and check the files, on every rank that takes part (in
+    the foreground, or on a background save's thread with a process group of its own). Collective when the save is.
+
+    Returns:
+        This rank's failure (the copy's first rank: its copy's), or None; the files of a failed save are removed,
+        except those that failed verification (kept for inspection).
     """
     error = _stage(job) if job.is_writer else None
     if job.collective:  # the other writers open files in the staging directory: it must exist, or all stop here
@@ -167,15 +214,7 @@ def run(job: SaveJob) -> None:
         error = _check_directory(job, checked)
     if job.is_writer and error is not None and error.kind not in (VERIFICATION, NONFINITE):
         shutil.rmtree(job.staging, ignore_errors=True)  # files that failed verification are kept for inspection
-    if job.collective:
-        errors.agree(error, job.group, prefer=(NONFINITE,))
-    elif error is not None:
-        raise error
-    if job.is_writer:
-        job.commit()
-        logger.info(f"[trl_ext] saved and verified {job.target} in {time.monotonic() - job.started:.1f}s")
-    if job.collective:
-        torch.distributed.barrier(group=job.group)  # nobody reads the checkpoint before it is in place
+    return error
 
 
 def _stage(job: SaveJob) -> CheckpointError | None:

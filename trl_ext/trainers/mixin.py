@@ -9,7 +9,7 @@ import os
 import sys
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trl_ext import patches, resuming, saving
 from trl_ext.data import input_checks, model_paths, vision
@@ -26,8 +26,7 @@ from trl_ext.engines import (
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
 from trl_ext.process import destroy_gloo_group_at_exit, warning_filter
 from trl_ext.resuming.choose import last_committed
-from trl_ext.saving import background
-from trl_ext.saving.staged import StagedCheckpoint
+from trl_ext.saving.checkpoints import Checkpoints
 from trl_ext.trainers import compat, configs
 
 
@@ -92,16 +91,13 @@ class TrlExtMixin:
             self.add_callback(gradient_checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
             guard_save_pretrained(self.model)
-        self._background, self._held_save = None, False
-        if getattr(self.args, "save_in_background", False):  # checkpoints written while training goes on
-            self._background = saving.BackgroundSaves()
-            self.add_callback(background.StepBoundary(self._background))
+        self._checkpoints = Checkpoints(self)  # staged checkpoint-N; with save_in_background, written meanwhile
         self._preemption = None
         if preemption.wanted(self.args):  # SIGTERM/SIGUSR1: every rank stops at a step boundary, with a checkpoint
             preemption.replace_jit_checkpoint(self)
             self._preemption = preemption.Preemption()
-            if self._background is not None:  # the checkpoint in flight is committed before the exit
-                self._preemption.before_exit = functools.partial(self._background.wait, self.args.device)
+            if self._checkpoints.background is not None:  # the checkpoint in flight is committed before the exit
+                self._preemption.before_exit = functools.partial(self._checkpoints.background.wait, self.args.device)
             self.add_callback(self._preemption)
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
@@ -151,8 +147,8 @@ class TrlExtMixin:
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         except BaseException:  # a checkpoint still being written is not committed: the run stopped before it was whole
-            if self._background is not None:
-                self._background.abandon()
+            if self._checkpoints.background is not None:
+                self._checkpoints.background.abandon()
             raise
         finally:  # a failed run too gives the signals back their handlers; a preempted one is exiting
             if self._preemption is not None and not self._preemption.stopping:
@@ -205,8 +201,7 @@ class TrlExtMixin:
             saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
                         training_args=self.args,
                         max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE),
-                        is_writer=self._writes_files(), background=self._background if self._held_save else None,
-                        held=self._held_save)
+                        is_writer=self._writes_files(), background=self._checkpoints.collecting(), held=True)
         except CheckpointError as exc:
             diverged = self._diverged(exc)
             if diverged is None:
@@ -233,55 +228,17 @@ class TrlExtMixin:
                                f"{resume}.", kind=DIVERGED)
 
     def _save_checkpoint(self, model, trial):
-        """TRL's checkpoint save, written into a hidden directory and renamed to checkpoint-N once complete."""
+        """TRL's checkpoint save, written into a hidden directory and renamed to checkpoint-N once complete; with
+        ``save_in_background``, its files copied here and written while training goes on (``saving.checkpoints``)."""
         if trial is not None or self.hp_search_backend is not None or not patches.applies("staged-checkpoint-dir"):
             return super()._save_checkpoint(model, trial)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        writer = self._writes_files()
-        release, in_background = None, self._in_background()
-        if self._background is not None:
-            self._background.wait(self.args.device)  # the previous checkpoint: committed, or its failure raised here
-        if in_background:  # renamed into place and rotated once its weights are committed (background.py)
-            release = self._release_checkpoint
-        with StagedCheckpoint(self.args.output_dir, name, writer, self.accelerator.wait_for_everyone,
-                                     release) as staged:
+
+        def save_checkpoint(staging_run_dir: str) -> None:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the staging directory.
-            self._held_save = in_background
-            try:
-                with patches.swapped("staged-checkpoint-dir", self, "_get_output_dir",
-                                     lambda trial=None: str(staged.staging_run_dir)):
-                    super()._save_checkpoint(model, trial)
-            finally:
-                self._held_save = False
-            if self._storage and not self._storage.shared and writer and self.is_deepspeed_enabled:
-                # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's copy needs its own
-                (staged.staging_run_dir / name / "latest").write_text(f"global_step{self.state.global_step}")
-            if staged.staged_path(self.state.best_model_checkpoint):  # this checkpoint is the best so far
-                self.state.best_model_checkpoint = str(staged.final)
-                if self.args.should_save:
-                    self.state.save_to_json(str(staged.staging_run_dir / name / "trainer_state.json"))
-        if writer and not in_background:  # Trainer rotated inside the staging directory; rotate the real one
-            self._rotate_real_checkpoints()
+            with patches.swapped("staged-checkpoint-dir", self, "_get_output_dir", lambda trial=None: staging_run_dir):
+                super(TrlExtMixin, self)._save_checkpoint(model, trial)
 
-    def _in_background(self) -> bool:
-        """Whether this checkpoint is written in the background: asked for, and training goes on after it (the last
-        one, and a preempted run's, are written in the foreground: nothing would run while they are written)."""
-        return (self._background is not None and not self.control.should_training_stop
-                and self.state.global_step < self.state.max_steps)
-
-    def _release_checkpoint(self, put_in_place) -> None:
-        """A background checkpoint's other files are written: once its weights are committed, the writer renames it
-        into place and rotates older ones out (on the save's thread)."""
-
-        def then():
-            put_in_place()
-            self._rotate_real_checkpoints()
-
-        self._background.release(then if put_in_place is not None else None)
-
-    def _rotate_real_checkpoints(self) -> None:
-        rotate_checkpoints(output_dir=self.args.output_dir, save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self._checkpoints.save(self, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
