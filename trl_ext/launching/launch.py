@@ -16,6 +16,7 @@ import yaml
 from accelerate.utils.other import get_free_port
 
 from trl_ext.errors import UsageError
+from trl_ext.launching import slurm
 from trl_ext.process import env_rank, env_world_size
 
 RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
@@ -106,6 +107,33 @@ def relaunch_command(accelerate_config: str, script: str, script_args: list[str]
     return [*cmd, script, *script_args]
 
 
+def launch_command(accelerate_config: str, script: str, script_args: list[str],
+                   num_processes: int | None = None) -> tuple[list[str], str | None]:
+    """The ``accelerate launch`` command that runs ``script`` under ``accelerate_config``, and the line to print (None:
+    nothing to say here). On one node of a Slurm job (``launching.slurm``), Slurm's machines, ranks, address and port
+    replace the config's own; elsewhere, ``num_processes`` (default: one per GPU, 2 on CPU) on this machine.
+
+    Args:
+        accelerate_config: the accelerate config file.
+        script: the recipe.
+        script_args: its arguments.
+        num_processes: the processes the user asked for (``--num_processes``), or None.
+
+    Returns:
+        The command, and the line that says how it runs (printed by the first node only under Slurm).
+    """
+    under_slurm = slurm.machine_args(num_processes)
+    if under_slurm is not None:
+        machines, line = under_slurm
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config, *machines,
+               script, *script_args]
+        return cmd, line if os.environ.get("SLURM_NODEID", "0") == "0" else None
+    n = num_processes or default_num_processes()
+    return relaunch_command(accelerate_config, script, script_args, n), (
+        f"running under {accelerate_config} with {n} processes: accelerate launch --config_file {accelerate_config} "
+        f"--num_processes {n} {script} ...")
+
+
 def relaunch(accelerate_config: str, script: str, script_args: list[str], num_processes: int | None = None):
     """Replace this process by ``accelerate launch`` running ``script`` under ``accelerate_config``. Does not return.
 
@@ -116,12 +144,11 @@ def relaunch(accelerate_config: str, script: str, script_args: list[str], num_pr
                          "the command line; pass it once.")
     if env_rank() != 0:
         sys.exit(0)
-    n = num_processes or default_num_processes()
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIXES)}
     env[RELAUNCHED] = accelerate_config
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway, announcing it in a 4-line banner
-    cmd = relaunch_command(accelerate_config, script, script_args, n)
-    print(f"[trl_ext] running under {accelerate_config} with {n} processes: accelerate launch --config_file "
-          f"{accelerate_config} --num_processes {n} {script} ...", file=sys.stderr, flush=True)
+    cmd, line = launch_command(accelerate_config, script, script_args, num_processes)
+    if line is not None:
+        print(f"[trl_ext] {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execve(sys.executable, cmd, env)

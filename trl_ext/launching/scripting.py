@@ -15,8 +15,9 @@ from pathlib import Path
 
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch
-from trl_ext.process import end_together, env_world_size, notice
-from trl_ext.resuming.choose import last_committed
+from trl_ext.launching.slurm import NODE_ENV
+from trl_ext.process import end_together, env_world_size, notice, slurm
+from trl_ext.resuming.choose import after_requeue, last_committed, mark_for_job
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
@@ -42,6 +43,9 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[
         "--overwrite_output_dir: replace an output_dir that holds another run. Every option below is TRL's; on the "
         "command line it overrides the config.")
     accelerate_config, recipe_config, rest = launch.split_configs(argv)
+    if accelerate_config is None and os.environ.get(NODE_ENV) and not os.environ.get(launch.RELAUNCHED):  # a Slurm node
+        accelerate_config = str(Path(sys.argv[0]).resolve().parent.parent / "accelerate_configs" / "ddp.yaml")
+        notice(f"under Slurm without an accelerate config: {os.path.relpath(accelerate_config)} (data parallel)")
     num_processes, rest = launch.take_option(rest, "num_processes")
     overwrite = "--overwrite_output_dir" in rest
     parser_args = [a for a in rest if a != "--overwrite_output_dir"]
@@ -86,15 +90,23 @@ def _unknown_arguments_message(parser, error: str, config: str) -> str:
 def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> str:
     """Give each run its own directory unless the user chose one; never train over another run's output.
 
-    ``--resume_from_checkpoint true`` resolves to the last complete ``checkpoint-N`` of the output dir.
+    ``--resume_from_checkpoint true`` resolves to the last complete ``checkpoint-N`` of the output dir. Under Slurm
+    the default directory is named by the job id (the same when the job is requeued), and a job run again after a
+    requeue resumes from the newest checkpoint its earlier run committed there, by itself.
     """
+    job = slurm.current()
     if training_args.output_dir in (None, TRANSFORMERS_DEFAULT_OUTPUT_DIR):
-        training_args.output_dir = _same_on_all_ranks(
-            os.path.join("outputs", f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-        )
+        training_args.output_dir = (os.path.join("outputs", f"{recipe}-slurm-{job.job_id}") if job else
+                                    _same_on_all_ranks(os.path.join(
+                                        "outputs", f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")))
     out = Path(training_args.output_dir)
     resume = training_args.resume_from_checkpoint
-    if resume in RESUME_LAST:
+    requeued = after_requeue(out) if job is not None and not resume else None  # this job's own directory
+    if requeued is not None:
+        training_args.resume_from_checkpoint = requeued[0]
+        if requeued[0] is not None or job.restart > 0:
+            notice(requeued[1])
+    elif resume in RESUME_LAST:
         last = last_committed(out)
         if last is None:
             raise UsageError(f"--resume_from_checkpoint {resume}: '{out}' holds no complete checkpoint-N to resume "
@@ -111,6 +123,8 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
                 "--output_dir, pass --resume_from_checkpoint true to continue that run, or --overwrite_output_dir."
             )
         notice(f"--overwrite_output_dir: training into '{out}'; its files are replaced as the new run saves.")
+    if job is not None and job.node_rank == 0:  # this job's directory from now on: a requeued run resumes from it
+        mark_for_job(out)
     return str(out)
 
 

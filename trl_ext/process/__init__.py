@@ -22,8 +22,8 @@ def env_world_size() -> int:
 
 
 def notice(message: str) -> None:
-    """One-line notice, printed once per process (rank 0 only when distributed)."""
-    if env_rank() == 0:
+    """One-line notice, printed once per process (rank 0 only when distributed; under Slurm, the first node's)."""
+    if env_rank() == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
         logger.warning(f"[trl_ext] {message}")
 
 

@@ -1,0 +1,129 @@
+"""Slurm, in one process (the real cluster runs are in tests/slurm): the job read from Slurm's variables, the launch
+command Slurm's decisions make, the output directory named by the job and resumed after a requeue (never another
+job's), and the sbatch script's syntax."""
+
+import json
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+
+from tests.harness import REPO
+from trl_ext.errors import UsageError
+from trl_ext.launching import launch, scripting
+from trl_ext.launching import slurm as node_launcher
+from trl_ext.process import slurm
+from trl_ext.resuming import choose
+
+JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
+
+
+@pytest.fixture
+def in_job(monkeypatch):
+    """This process as one of job 4242's: first run (restart 0) unless the test says otherwise."""
+    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", node_launcher.NODE_ENV):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in JOB.items():
+        monkeypatch.setenv(key, value)
+    return monkeypatch
+
+
+def test_the_job_is_read_from_slurms_variables(in_job):
+    job = slurm.current()
+    assert (job.job_id, job.restart, job.nodes, job.node_rank) == ("4242", 0, 2, 0)
+    assert job.port == slurm.PORT_BASE + 4242 and slurm.PORT_BASE <= job.port < slurm.PORT_BASE + slurm.PORT_SPAN
+    in_job.setenv("SLURM_RESTART_COUNT", "2")
+    assert slurm.current().restart == 2
+    in_job.delenv("SLURM_JOB_ID")
+    assert slurm.current() is None
+
+
+def _node(in_job, gpus=0, node_rank=1):
+    in_job.setenv(node_launcher.NODE_ENV, json.dumps({"job_id": "4242", "restart": 0, "nodes": 2,
+                                                      "node_rank": node_rank, "address": "10.0.0.7", "port": 24242,
+                                                      "gpus": gpus}))
+
+
+@pytest.mark.parametrize("gpus, asked, total", [(0, None, 4), (8, None, 16), (0, 2, 2)])
+def test_slurm_decides_the_machines_ranks_address_and_port(in_job, gpus, asked, total):
+    _node(in_job, gpus)
+    cmd, _ = launch.launch_command("accelerate_configs/zero3.yaml", "recipes/dpo.py", ["--x"], asked)
+    options = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1)}
+    assert (options["--num_machines"], options["--machine_rank"], options["--main_process_ip"],
+            options["--main_process_port"], options["--num_processes"]) == ("2", "1", "10.0.0.7", "24242", str(total))
+    assert options["--deepspeed_multinode_launcher"] == "standard"  # torchrun on each node, not pdsh
+    assert cmd[-2:] == ["recipes/dpo.py", "--x"] and "--config_file" in cmd
+
+
+def test_the_log_says_once_what_slurm_replaced(in_job):
+    _node(in_job, node_rank=0)
+    _, line = launch.launch_command("accelerate_configs/zero3.yaml", "recipes/dpo.py", [])
+    assert "Slurm job 4242 (restart 0): 2 machine(s), this one number 0, 4 processes, rendezvous 10.0.0.7:24242" in line
+    assert "replace the accelerate config's machines, ranks, address and port" in line
+    in_job.setenv("SLURM_NODEID", "1")
+    assert launch.launch_command("accelerate_configs/zero3.yaml", "recipes/dpo.py", [])[1] is None
+
+
+def test_outside_slurm_the_launch_is_unchanged(monkeypatch):
+    monkeypatch.delenv(node_launcher.NODE_ENV, raising=False)
+    cmd, line = launch.launch_command("accelerate_configs/zero3.yaml", "recipes/dpo.py", [], 2)
+    assert "--num_machines" not in cmd and cmd[cmd.index("--num_processes") + 1] == "2" and "2 processes" in line
+
+
+def test_the_node_launcher_refuses_outside_a_job(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOBID", raising=False)
+    with pytest.raises(UsageError, match="runs inside a Slurm job"):
+        node_launcher.main(["recipes/dpo.py"])
+
+
+def _args(out, resume=None):
+    return SimpleNamespace(output_dir=str(out) if out else None, resume_from_checkpoint=resume)
+
+
+def test_the_output_directory_is_the_jobs_and_a_requeued_run_resumes_from_it(in_job, tmp_path, caplog):
+    in_job.chdir(tmp_path)
+    args = _args(None)
+    scripting.prepare_output_dir(args, "dpo")
+    out = tmp_path / "outputs" / "dpo-slurm-4242"
+    assert args.output_dir == "outputs/dpo-slurm-4242" and choose.job_of(out) == "4242"  # marked by the first node
+    (out / "checkpoint-20").mkdir()
+    (out / "checkpoint-40").mkdir()
+    (out / ".checkpoint-60.trl_ext-partial").mkdir()  # being written when the job died: never picked
+    in_job.setenv("SLURM_RESTART_COUNT", "1")
+    requeued = _args(None)
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        scripting.prepare_output_dir(requeued, "dpo")
+    assert requeued.resume_from_checkpoint == "outputs/dpo-slurm-4242/checkpoint-40"
+    assert "Slurm job 4242, restart 1: resuming from outputs/dpo-slurm-4242/checkpoint-40" in caplog.text
+
+
+def test_a_fresh_job_never_resumes_another_jobs_directory(in_job, tmp_path):
+    out = tmp_path / "mine"
+    (out / "checkpoint-20").mkdir(parents=True)
+    (out / choose.JOB_MARKER).write_text("1111")  # another job's
+    with pytest.raises(UsageError, match="already holds files from another run"):
+        scripting.prepare_output_dir(_args(out), "dpo")
+    asked = _args(out, resume="true")  # unless asked
+    scripting.prepare_output_dir(asked, "dpo")
+    assert asked.resume_from_checkpoint == str(out / "checkpoint-20")
+    assert choose.after_requeue(out) is None  # and a trainer does not resume it by itself
+
+
+def test_a_requeued_job_without_a_committed_checkpoint_starts_over(in_job, tmp_path, caplog):
+    out = tmp_path / "mine"
+    choose.mark_for_job(out)
+    in_job.setenv("SLURM_RESTART_COUNT", "1")
+    args = _args(out)
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        scripting.prepare_output_dir(args, "dpo")
+    assert args.resume_from_checkpoint is None and "holds no committed checkpoint yet" in caplog.text
+
+
+def test_the_sbatch_script_parses_and_asks_slurm_for_what_it_needs():
+    script = REPO / "recipes" / "slurm.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    for directive in ("--ntasks-per-node=1", "--signal=B:USR1@", "--requeue", "--open-mode=append"):
+        assert f"#SBATCH {directive}" in text, directive
+    assert "python -m trl_ext.launching.slurm" in text and "scontrol requeue" in text
