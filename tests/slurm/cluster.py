@@ -329,9 +329,11 @@ class SlurmCluster:
         self._wait(all_idle, timeout, "every node to be idle")
 
     # ----------------------------------------------------------------------------------------------- commands
-    def _run(self, argv: list[str], check: bool = True, timeout: float = 30, **kwargs) -> subprocess.CompletedProcess:
+    def _run(self, argv: list[str], check: bool = True, timeout: float = 30, env: dict[str, str] | None = None,
+             **kwargs) -> subprocess.CompletedProcess:
         try:
-            result = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout, **kwargs)
+            result = subprocess.run(argv, env=env or self.env, capture_output=True, text=True, timeout=timeout,
+                                    **kwargs)
         except subprocess.TimeoutExpired as error:
             raise SlurmError(f"`{shlex.join(argv)}` ran past {timeout}s\n{self.logs()}") from error
         if check and result.returncode != 0:
@@ -355,7 +357,7 @@ class SlurmCluster:
         return self._run(argv, check=check, timeout=timeout, **kwargs)
 
     def sbatch(self, args: list[str], script: str | Path, cwd: str | Path | None = None, name: str = "job",
-               script_args: list[str] = ()) -> str:
+               script_args: list[str] = (), env: dict[str, str] | None = None) -> str:
         """Submits a batch script.
 
         Args:
@@ -367,6 +369,7 @@ class SlurmCluster:
                 when None.
             name: A name for the script file and the default output file.
             script_args: Arguments for the script, after its path (`sbatch [options] script ARGS`).
+            env: Variables added to the job's environment (sbatch hands its own environment to the job).
 
         Returns:
             The job id.
@@ -380,7 +383,8 @@ class SlurmCluster:
         options = list(args)
         if not any(a == "-o" or a.startswith(("-o", "--output")) for a in options):
             options.append(f"--output={self.jobs_dir / name}-%j.out")
-        result = self._run(["sbatch", "--parsable", *options, str(path), *script_args], cwd=cwd or self.jobs_dir)
+        result = self._run(["sbatch", "--parsable", *options, str(path), *script_args], cwd=cwd or self.jobs_dir,
+                           env={**self.env, **(env or {})})
         job_id = result.stdout.strip().split(";")[0]
         if not job_id.isdigit():
             raise SlurmError(f"sbatch printed no job id: {result.stdout!r} {result.stderr!r}")

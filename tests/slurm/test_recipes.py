@@ -7,7 +7,6 @@ Every DPO run is the same job (ZeRO-3, 2 processes in all, the same seed and glo
 2-node run is the reference of all of them; the FSDP2 case trains SFT.
 """
 
-import os
 import time
 from pathlib import Path
 
@@ -31,15 +30,20 @@ ATOL = 1e-5
 
 
 def submit(cluster, out: Path, args: list[str], nodes: int = 2, sbatch: list[str] = (), env: dict | None = None):
-    """``sbatch -N<nodes> [sbatch] recipes/slurm.sbatch <args> --output_dir <out>``, from the repository."""
-    previous = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})  # sbatch hands its environment to the job
-    try:
-        return cluster.sbatch([f"-N{nodes}", f"--output={out}.log", *sbatch], SBATCH, cwd=REPO,
-                              script_args=[*args, "--output_dir", str(out)])
-    finally:
-        for key, value in previous.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    """``sbatch -N<nodes> [sbatch] recipes/slurm.sbatch <args> --output_dir <out>``, from the repository, with ``env``
+    added to the job's environment."""
+    return cluster.sbatch([f"-N{nodes}", f"--output={out}.log", *sbatch], SBATCH, cwd=REPO,
+                          script_args=[*args, "--output_dir", str(out)], env=env)
+
+
+def slowed(args: list[str], step_seconds: float | None = None, checkpoint: int | None = None):
+    """``args`` run through tests/slurm/slowed.py, and the environment that says what it slows in the first run."""
+    env = {"TRL_EXT_TEST_RECIPE": args[0]}
+    if step_seconds is not None:
+        env["TRL_EXT_TEST_STEP_SECONDS"] = str(step_seconds)
+    if checkpoint is not None:
+        env["TRL_EXT_TEST_SLOW_CHECKPOINT"] = str(checkpoint)
+    return ["tests/slurm/slowed.py", *args[1:]], env
 
 
 def finished(cluster, job: str, out: Path, timeout: float = 400, min_restarts: int = 0) -> str:
@@ -94,7 +98,8 @@ def test_two_nodes_train_what_one_node_trains(slurm_cluster, reference, tmp_path
 
 def test_a_requeued_job_resumes_from_its_checkpoint_by_itself(slurm_cluster, reference, tmp_path):
     out = tmp_path / "requeued"
-    job = submit(slurm_cluster, out, DPO)
+    args, env = slowed(DPO, step_seconds=0.25)  # its first run is still training when it is requeued
+    job = submit(slurm_cluster, out, args, env=env)
     wait_for(lambda: (out / f"checkpoint-{SAVE_STEPS}").is_dir(), 300, f"checkpoint-{SAVE_STEPS}")
     slurm_cluster.requeue(job)
     slurm_cluster.start_now(job)
@@ -105,11 +110,13 @@ def test_a_requeued_job_resumes_from_its_checkpoint_by_itself(slurm_cluster, ref
 
 
 def test_the_time_limit_warning_saves_requeues_and_resumes(slurm_cluster, reference, tmp_path):
-    """``--time=1 --signal=B:USR1@55``: Slurm's warning comes at its first check, about 30 s in, while the run trains
-    (or, if it comes before training starts, as soon as it has): the ranks save and stop, the script requeues the job.
-    The requeued run is given time to finish."""
+    """``--time=2 --signal=B:USR1@115``: Slurm's warning comes at its first check, about 30 s in, while the first run
+    trains (its steps are slowed so that it still does then; if the warning comes before training starts, it acts as
+    soon as training has): the ranks save and stop, the script requeues the job. The requeued run is given time to
+    finish."""
     out = tmp_path / "time-limit"
-    job = submit(slurm_cluster, out, DPO, sbatch=["--time=1", "--signal=B:USR1@55"])
+    args, env = slowed(DPO, step_seconds=0.5)
+    job = submit(slurm_cluster, out, args, sbatch=["--time=2", "--signal=B:USR1@115"], env=env)
     slurm_cluster.wait_state(job, {"PENDING", "RUNNING"}, timeout=300, min_restarts=1)
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=15"])
     slurm_cluster.start_now(job)
@@ -124,8 +131,8 @@ def test_a_requeue_while_a_checkpoint_is_written_resumes_the_previous_one(slurm_
     SIGKILL after KillWait. The requeued run resumes from checkpoint-20, the newest committed one."""
     out = tmp_path / "mid-save"
     slow = 2 * SAVE_STEPS
-    env = {"TRL_EXT_TEST_RECIPE": DPO[0], "TRL_EXT_TEST_SLOW_CHECKPOINT": str(slow)}
-    job = submit(slurm_cluster, out, ["tests/slurm/slow_save.py", *DPO[1:]], env=env)
+    args, env = slowed(DPO, checkpoint=slow)
+    job = submit(slurm_cluster, out, args, env=env)
     wait_for(lambda: (out / f".checkpoint-{slow}.trl_ext-partial").is_dir(), 300, f"checkpoint-{slow}'s save")
     time.sleep(2)  # well inside its writer's stall
     slurm_cluster.requeue(job)

@@ -81,6 +81,10 @@ def _args(out, resume=None):
     return SimpleNamespace(output_dir=str(out) if out else None, resume_from_checkpoint=resume)
 
 
+def _trainer_args(args):
+    return SimpleNamespace(output_dir=args.output_dir, process_index=0, world_size=1)
+
+
 def test_the_output_directory_is_the_jobs_and_a_requeued_run_resumes_from_it(in_job, tmp_path, caplog):
     in_job.chdir(tmp_path)
     args = _args(None)
@@ -92,10 +96,11 @@ def test_the_output_directory_is_the_jobs_and_a_requeued_run_resumes_from_it(in_
     (out / ".checkpoint-60.trl_ext-partial").mkdir()  # being written when the job died: never picked
     in_job.setenv("SLURM_RESTART_COUNT", "1")
     requeued = _args(None)
-    with caplog.at_level("WARNING", logger="trl_ext"):
-        scripting.prepare_output_dir(requeued, "dpo")
-    assert requeued.resume_from_checkpoint == "outputs/dpo-slurm-4242/checkpoint-40"
-    assert "Slurm job 4242, restart 1: resuming from outputs/dpo-slurm-4242/checkpoint-40" in caplog.text
+    scripting.prepare_output_dir(requeued, "dpo")  # the job's own directory is not refused: it trains on into it
+    assert requeued.output_dir == "outputs/dpo-slurm-4242" and requeued.resume_from_checkpoint is None
+    with caplog.at_level("WARNING", logger="trl_ext"):  # and its trainer resumes, saying so once
+        assert choose.requeued_checkpoint(_trainer_args(requeued)) == "outputs/dpo-slurm-4242/checkpoint-40"
+    assert caplog.text.count("Slurm job 4242, restart 1: resuming from outputs/dpo-slurm-4242/checkpoint-40") == 1
 
 
 def test_a_fresh_job_never_resumes_another_jobs_directory(in_job, tmp_path):
@@ -115,8 +120,9 @@ def test_a_requeued_job_without_a_committed_checkpoint_starts_over(in_job, tmp_p
     choose.mark_for_job(out)
     in_job.setenv("SLURM_RESTART_COUNT", "1")
     args = _args(out)
+    scripting.prepare_output_dir(args, "dpo")
     with caplog.at_level("WARNING", logger="trl_ext"):
-        scripting.prepare_output_dir(args, "dpo")
+        assert choose.requeued_checkpoint(_trainer_args(args)) is None
     assert args.resume_from_checkpoint is None and "holds no committed checkpoint yet" in caplog.text
 
 

@@ -17,7 +17,7 @@ from trl_ext.errors import UsageError
 from trl_ext.launching import launch
 from trl_ext.launching.slurm import NODE_ENV
 from trl_ext.process import end_together, env_world_size, notice, slurm
-from trl_ext.resuming.choose import after_requeue, last_committed, mark_for_job
+from trl_ext.resuming.choose import job_of, last_committed, mark_for_job
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
@@ -91,8 +91,9 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
     """Give each run its own directory unless the user chose one; never train over another run's output.
 
     ``--resume_from_checkpoint true`` resolves to the last complete ``checkpoint-N`` of the output dir. Under Slurm
-    the default directory is named by the job id (the same when the job is requeued), and a job run again after a
-    requeue resumes from the newest checkpoint its earlier run committed there, by itself.
+    the default directory is named by the job id (the same when the job is requeued) and marked for the job: run
+    again after a requeue, the job trains on into it, and the trainer resumes from the newest checkpoint its earlier
+    run committed there, by itself (``resuming.choose.requeued_checkpoint``).
     """
     job = slurm.current()
     if training_args.output_dir in (None, TRANSFORMERS_DEFAULT_OUTPUT_DIR):
@@ -101,12 +102,8 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
                                         "outputs", f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")))
     out = Path(training_args.output_dir)
     resume = training_args.resume_from_checkpoint
-    requeued = after_requeue(out) if job is not None and not resume else None  # this job's own directory
-    if requeued is not None:
-        training_args.resume_from_checkpoint = requeued[0]
-        if requeued[0] is not None or job.restart > 0:
-            notice(requeued[1])
-    elif resume in RESUME_LAST:
+    own = job is not None and job_of(out) == job.job_id  # the trainer resumes from its newest checkpoint by itself
+    if resume in RESUME_LAST:
         last = last_committed(out)
         if last is None:
             raise UsageError(f"--resume_from_checkpoint {resume}: '{out}' holds no complete checkpoint-N to resume "
@@ -116,7 +113,7 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
     elif resume and not (Path(resume) / "trainer_state.json").is_file():
         raise UsageError(f"--resume_from_checkpoint '{resume}' is not a checkpoint (no trainer_state.json in it). "
                          "Pass a checkpoint-N directory, or 'true' for the output dir's last one.")
-    elif out.is_dir() and any(out.iterdir()) and not resume:
+    elif out.is_dir() and any(out.iterdir()) and not resume and not own:
         if not overwrite:
             raise UsageError(
                 f"output_dir '{out}' already holds files from another run; nothing was changed. Choose a new "
