@@ -5,8 +5,8 @@ Blocked time per checkpoint: the time ``Trainer._save_checkpoint`` takes (a wait
 included) plus the following step boundaries' checks (``BackgroundSaves.poll``: an all-reduce while the save is in
 flight, then the agreement on its outcome), the slowest rank's. The wait for the last one when training ends is in the
 total time only (nothing trains then). Also: the one-time ``reserve`` at the end of the first step (the CPU
-copies planned and allocated), the training's wall time, and rank 0's peak RSS over its level when training started.
-Prints ``BENCH {json}`` on rank 0.
+copies planned and allocated), the training's wall time, rank 0's peak RSS over its level when training started,
+and the CPU copies rank 0 holds. Prints ``BENCH {json}`` on rank 0.
 """
 
 import argparse
@@ -99,17 +99,22 @@ def main():
             blocked.append(seconds)
         elif blocked:
             blocked[-1] += seconds
+    saves = trainer._checkpoints.background  # the CPU copies this rank holds for the rest of the run
+    copies = 0 if saves is None else saves.snapshot.allocated + sum(
+        b.numel() * b.element_size() for b in saves._buffers.values())
     world = torch.distributed.get_world_size()
     everyone = [None] * world
     torch.distributed.all_gather_object(everyone, {"blocked": blocked, "reserve": sum(reserve), "steps": steps,
-                                                   "total": total, "peak_mb": (monitor.peak - base) / 2**20})
+                                                   "total": total, "peak_mb": (monitor.peak - base) / 2**20,
+                                                   "copies_mb": copies / 2**20})
     if trainer.accelerator.is_main_process:
         slowest = [max(r["blocked"][i] for r in everyone) for i in range(len(blocked))]
         params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.model.parameters())
         print("BENCH " + json.dumps({"blocked": slowest, "reserve_s": max(r["reserve"] for r in everyone),
                                      "step_s": sorted(everyone[0]["steps"])[len(everyone[0]["steps"]) // 2],
                                      "total_s": max(r["total"] for r in everyone),
-                                     "peak_mb": everyone[0]["peak_mb"], "params": params}), flush=True)
+                                     "peak_mb": everyone[0]["peak_mb"], "copies_mb": everyone[0]["copies_mb"],
+                                     "params": params}), flush=True)
 
 
 if __name__ == "__main__":

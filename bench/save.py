@@ -26,6 +26,7 @@ loadable weights): trl_ext streams the DTensor shards, transformers gathers the 
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -93,16 +94,24 @@ def checkpoints_main(cli) -> None:
                 if run.returncode != 0 or not lines:
                     sys.exit(f"{engine} {variant} failed ({run.returncode}):\n{run.output[-3000:]}")
                 r = json.loads(lines[-1][6:])
-                r["first_s"], r["later_s"] = r["blocked"][0], statistics.median(r["blocked"][1:])
+                shutil.rmtree(out, ignore_errors=True)  # its checkpoints: several GB a run
+                # the last checkpoint (training's end) is written in the foreground in both variants
+                r["first_s"], r["later_s"], r["last_s"] = (r["blocked"][0], statistics.median(r["blocked"][1:-1]),
+                                                           r["blocked"][-1])
                 results[variant].append(r)
                 print(f"repeat {repeat + 1} {engine} {variant:<10} blocked per checkpoint "
                       f"{[round(b, 3) for b in r['blocked']]} s; reserve {r['reserve_s']:.3f} s; step "
-                      f"{r['step_s']:.2f} s; total {r['total_s']:.1f} s; peak +{r['peak_mb']:.0f} MiB", flush=True)
+                      f"{r['step_s']:.2f} s; total {r['total_s']:.1f} s; peak +{r['peak_mb']:.0f} MiB; CPU copies "
+                      f"{r['copies_mb']:.0f} MiB", flush=True)
         print(f"\n{engine}, {cli.processes} processes:")
         print_ratio_table(results, {"first_s": "first checkpoint blocked (s)", "later_s": "later blocked (s)",
-                                    "reserve_s": "reserve (s)", "step_s": "step (s)", "total_s": "total (s)",
-                                    "peak_mb": "peak growth (MiB)"}, "foreground")
-
+                                    "last_s": "last (foreground) blocked (s)", "step_s": "step (s)",
+                                    "total_s": "total (s)", "peak_mb": "peak growth (MiB)"}, "foreground")
+        med = {v: {k: statistics.median(r[k] for r in runs) for k in ("reserve_s", "copies_mb", "peak_mb")}
+               for v, runs in results.items()}
+        print(f"background: reserve at the end of the first step {med['background']['reserve_s']:.3f} s; rank 0's "
+              f"CPU copies {med['background']['copies_mb']:.0f} MiB; its peak growth over the foreground's "
+              f"{med['background']['peak_mb'] - med['foreground']['peak_mb']:.0f} MiB")
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,24 +7,7 @@ from trl_ext.process.warning_filter import quiet_known_logs
 
 quiet_known_logs()  # before trl imports peft, which imports bitsandbytes (see process/warning_filter.py)
 
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
-
 from trl_ext import moved  # noqa: E402
-from trl_ext.trainers import (
-    DPOConfig,
-    DPOTrainer,
-    GRPOConfig,
-    GRPOTrainer,
-    KTOConfig,
-    KTOTrainer,
-    RewardConfig,
-    RewardTrainer,
-    RLOOConfig,
-    RLOOTrainer,
-    SFTConfig,
-    SFTTrainer,
-    TrlExtMixin,
-)
 
 moved.register()  # import paths of earlier releases (trl_ext.saving.verify, ...)
 
@@ -50,3 +33,21 @@ __all__ = [
     "get_peft_config",
     "get_quantization_config",
 ]
+
+_FROM_TRL = {"ModelConfig", "ScriptArguments", "TrlParser", "get_peft_config", "get_quantization_config"}
+
+
+def __getattr__(name: str):
+    """The trainers and TRL's helpers, imported on first use: ``import trl_ext.<module>`` alone (the Slurm node
+    launcher, a process's helpers) then costs no import of TRL and transformers."""
+    import importlib
+
+    if name not in __all__:
+        raise AttributeError(f"module 'trl_ext' has no attribute {name!r}")
+    value = getattr(importlib.import_module("trl" if name in _FROM_TRL else "trl_ext.trainers"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -3,6 +3,8 @@ and resuming got a room of its own (``from trl_ext.saving.verify import audit`` 
 ``trl_ext`` is imported; each old path forwards attribute lookups to the modules that now hold its names."""
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
 import types
 
@@ -18,24 +20,35 @@ MOVED = {  # old module -> the modules that hold its names now, searched in orde
 }
 
 
-def _forwarding(old: str, new: tuple[str, ...]) -> types.ModuleType:
-    module = types.ModuleType(old, f"Moved to {', '.join(new)}.")
+class _Forwarding(importlib.abc.Loader):
+    """Creates the module of an old path: each attribute is looked up in the modules that now hold it."""
 
-    def __getattr__(name: str):
-        for target in new:
-            found = importlib.import_module(target)
-            if hasattr(found, name):
-                return getattr(found, name)
-        raise AttributeError(f"module {old!r} (moved to {', '.join(new)}) has no attribute {name!r}")
+    def create_module(self, spec):
+        old, new = spec.name, MOVED[spec.name]
+        module = types.ModuleType(old, f"Moved to {', '.join(new)}.")
 
-    module.__getattr__ = __getattr__
-    return module
+        def __getattr__(name: str):
+            for target in new:
+                found = importlib.import_module(target)
+                if hasattr(found, name):
+                    return getattr(found, name)
+            raise AttributeError(f"module {old!r} (moved to {', '.join(new)}) has no attribute {name!r}")
+
+        module.__getattr__ = __getattr__
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds the old paths when they are imported (not before: registering imports nothing)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.machinery.ModuleSpec(fullname, _Forwarding()) if fullname in MOVED else None
 
 
 def register() -> None:
     """Make every old path in ``MOVED`` importable (``import``, ``from ... import``, attribute access)."""
-    for old, new in MOVED.items():
-        if old not in sys.modules:
-            parent, _, leaf = old.rpartition(".")
-            sys.modules[old] = module = _forwarding(old, new)
-            setattr(importlib.import_module(parent), leaf, module)
+    if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

@@ -19,7 +19,7 @@ from trl_ext.files.audit import audit
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 SBATCH = REPO / "recipes" / "slurm.sbatch"
-STEPS, SAVE_STEPS = 120, 20
+STEPS, SAVE_STEPS = 60, 20
 DPO = ["recipes/dpo.py", "--config", "accelerate_configs/zero3.yaml", "--config", "recipes/configs/dpo.yaml",
        "--num_processes", "2", "--max_steps", str(STEPS), "--save_steps", str(SAVE_STEPS), "--save_strategy", "steps",
        "--eval_strategy", "no", "--per_device_train_batch_size", "4", "--report_to", "none"]
@@ -115,7 +115,7 @@ def test_the_time_limit_warning_saves_requeues_and_resumes(slurm_cluster, refere
     soon as training has): the ranks save and stop, the script requeues the job. The requeued run is given time to
     finish."""
     out = tmp_path / "time-limit"
-    args, env = slowed(DPO, step_seconds=0.5)
+    args, env = slowed(DPO, step_seconds=0.75)
     job = submit(slurm_cluster, out, args, sbatch=["--time=2", "--signal=B:USR1@115"], env=env)
     slurm_cluster.wait_state(job, {"PENDING", "RUNNING"}, timeout=300, min_restarts=1)
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=15"])
