@@ -11,6 +11,27 @@ from trl_ext import moved  # noqa: E402
 
 moved.register()  # import paths of earlier releases (trl_ext.saving.verify, ...)
 
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time, ``__getattr__`` below imports them on first use
+    from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+
+    from trl_ext.trainers import (
+        DPOConfig,
+        DPOTrainer,
+        GRPOConfig,
+        GRPOTrainer,
+        KTOConfig,
+        KTOTrainer,
+        RewardConfig,
+        RewardTrainer,
+        RLOOConfig,
+        RLOOTrainer,
+        SFTConfig,
+        SFTTrainer,
+        TrlExtMixin,
+    )
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -241,3 +241,24 @@ def test_fsdp2_class_swap_does_not_reach_the_metadata(tmp_path, tiny_model_path,
     else:
         mapping = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["auto_mapping"]
         assert mapping["base_model_class"] == "LlamaForCausalLM"
+
+
+def test_a_failed_write_on_a_nearly_full_disk_says_how_much_room_is_left(tmp_path, monkeypatch):
+    """DCP's writer reports a full disk as a zip-position error: the message adds the disk's free space."""
+    from types import SimpleNamespace
+
+    from trl_ext.saving import deferred, write
+
+    where = tmp_path / ".checkpoint-4.trl_ext-partial" / "checkpoint-4" / "optimizer_0"  # not created yet
+    monkeypatch.setattr(write.shutil, "disk_usage", lambda path: SimpleNamespace(free=5 << 20))
+    error = write.write_failed(str(where), RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos"))
+    assert error.kind == "save" and "RuntimeError: [enforce fail" in str(error)
+    assert f"(the disk holding {where} has 5 MiB free)" in str(error)
+
+    def full():
+        raise OSError(28, "No space left on device")
+
+    error = deferred.write_synced(full, str(tmp_path / "optimizer.pt"))
+    assert "No space left on device" in str(error) and "earlier saves are intact" in str(error)
+    monkeypatch.setattr(write.shutil, "disk_usage", lambda path: SimpleNamespace(free=50 << 30))
+    assert "MiB free" not in str(write.write_failed(str(where), RuntimeError("x")))  # plenty of room: not mentioned

@@ -55,6 +55,16 @@ def test_slurm_decides_the_machines_ranks_address_and_port(in_job, gpus, asked, 
     assert cmd[-2:] == ["recipes/dpo.py", "--x"] and "--config_file" in cmd
 
 
+def test_one_process_per_gpu_slurm_allocated_else_per_visible_device(in_job):
+    in_job.setenv("SLURM_GPUS_ON_NODE", "8")
+    in_job.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert node_launcher._gpus() == 8  # what Slurm allocated to this node
+    in_job.delenv("SLURM_GPUS_ON_NODE")
+    assert node_launcher._gpus() == 2
+    in_job.setenv("CUDA_VISIBLE_DEVICES", "-1")  # the usual way of hiding every GPU
+    assert node_launcher._gpus() == 0
+
+
 def test_the_log_says_once_what_slurm_replaced(in_job):
     _node(in_job, node_rank=0)
     _, line = launch.launch_command("accelerate_configs/zero3.yaml", "recipes/dpo.py", [])

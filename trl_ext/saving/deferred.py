@@ -26,13 +26,7 @@ import torch
 from trl_ext import patches
 from trl_ext.errors import CheckpointError
 from trl_ext.saving.snapshot import Snapshot
-
-WRITE_FIX = ("nothing was committed and earlier saves are intact; free disk space or fix permissions there, then "
-             "save again (or resume from the last checkpoint)")
-
-
-def _failed(message: str) -> CheckpointError:
-    return CheckpointError(f"saving failed: {message}", kind="save")
+from trl_ext.saving.write import write_failed
 
 
 def write_synced(write: Callable[[], None], path: str) -> CheckpointError | None:
@@ -52,10 +46,8 @@ def write_synced(write: Callable[[], None], path: str) -> CheckpointError | None
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError as exc:
-        return _failed(f"writing {path}: {exc}; {WRITE_FIX}")
     except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
-        return _failed(f"writing {path}: {type(exc).__name__}: {exc}")
+        return write_failed(path, exc)
     return None
 
 
@@ -63,8 +55,7 @@ def _write_dcp(save, state_dict, kwargs: dict) -> CheckpointError | None:
     try:
         save(state_dict, **kwargs)  # DCP syncs its files (FileSystemWriter's sync_files)
     except Exception as exc:  # noqa: BLE001 - DCP raises on every rank; any failure is agreed on, not left to hang
-        return _failed(f"writing {kwargs.get('storage_writer') and kwargs['storage_writer'].path}: "
-                       f"{type(exc).__name__}: {exc}")
+        return write_failed(os.fspath(kwargs["storage_writer"].path), exc)
     return None
 
 

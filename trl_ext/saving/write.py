@@ -7,6 +7,7 @@ A rank that fails while writing (disk full, say) keeps taking part in the transf
 would otherwise wait for it forever. Its error is returned, never raised mid-transfer.
 """
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,9 +23,37 @@ WRITE_FIX = ("nothing was committed and earlier saves are intact; free disk spac
              "save again (or resume from the last checkpoint)")
 
 
+LOW_DISK_BYTES = 1 << 30  # below this, a failed write says how much room its disk has left
+
+
 def failed(message: str) -> CheckpointError:
     """A save step's failure, as every rank raises it once the ranks agree."""
     return CheckpointError(f"saving failed: {message}", kind="save")
+
+
+def write_failed(where: str, exc: BaseException) -> CheckpointError:
+    """A failed write, said for people: an ``OSError`` with what to do, any other error with its class, and either
+    way the free space of the disk holding ``where`` when it is nearly full (a full disk reaches some writers, DCP's
+    among them, as an error that does not say so).
+
+    Args:
+        where: the file or directory being written.
+        exc: what the write raised.
+
+    Returns:
+        The error every rank raises once the ranks agree.
+    """
+    detail = f"{exc}; {WRITE_FIX}" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        free = None
+    low = f" (the disk holding {where} has {free / 2**20:.0f} MiB free)" if free is not None and free < LOW_DISK_BYTES \
+        else ""
+    return failed(f"writing {where}: {detail}{low}")
 
 
 class _Collect:
@@ -66,10 +95,8 @@ class _Guarded:
         if self.error is None:
             try:
                 getattr(self.writer, method)(*args)
-            except OSError as exc:  # disk full, permission denied, I/O error
-                self.error = failed(f"writing {self.writer.directory}: {exc}; {WRITE_FIX}")
-            except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
-                self.error = failed(f"writing {self.writer.directory}: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - any failure (disk full, say) must reach the other ranks
+                self.error = write_failed(str(self.writer.directory), exc)
 
     def convert_and_write(self, convert, outputs: list[TensorSpec]) -> None:
         """Write ``convert()``'s tensors in the planned order (``outputs``)."""
