@@ -12,30 +12,18 @@ and the CPU copies rank 0 holds. Prints ``BENCH {json}`` on rank 0.
 import argparse
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.harness, tests.probes
 
-import psutil
 import torch
+from _save_worker import PeakRSS  # bench/ is this script's directory
 from datasets import Dataset
 
 import trl_ext
 from trl_ext.saving import background as background_module
 from trl_ext.saving import checkpoints as checkpoints_module
-
-
-class PeakRSS(threading.Thread):
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.process, self.peak, self.running = psutil.Process(), 0, True
-
-    def run(self):
-        while self.running:
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(0.005)
 
 
 def timed(owner, name: str, record: list, kind: str | None = None):
