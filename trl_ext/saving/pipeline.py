@@ -120,14 +120,10 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     if background is not None and not background.collecting:  # a save of its own, begun on every rank
         background.begin(str(target))
     release = background.release if background is not None and not held else (lambda: None)
-    # Partitioned parameters need every rank at every transfer; whole ones are read by the writer alone.
-    collective = _distributed() and any(is_partitioned(p) for p in model.parameters())
-    if not collective and not is_writer:
+    collective, layout = _planned(model, max_shard_size, is_writer, background)
+    if layout is None:
         release()  # this rank writes none of it, and takes part in its agreement
         return
-    key = (id(model), str(max_shard_size), is_writer, collective, tuple(id(p) for p in model.parameters()))
-    layout = (background.layout(key, lambda: plan_layout(model, max_shard_size, is_writer, collective))  # as reserve
-              if background is not None else plan_layout(model, max_shard_size, is_writer, collective))
     if not layout.copies:  # no rank saves (the trainer's should_save is False everywhere)
         release()
         return
@@ -163,14 +159,30 @@ def reserve(model, max_shard_size, is_writer: bool, background: BackgroundSaves,
     Returns:
         Bytes of this rank's copy, or None when some parts cannot be copied (the saves then run in the foreground).
     """
-    collective = _distributed() and any(is_partitioned(p) for p in model.parameters())
-    if not collective and not is_writer:
+    _, layout = _planned(model, max_shard_size, is_writer, background)
+    if layout is None:
         return 0
-    key = (id(model), str(max_shard_size), is_writer, collective, tuple(id(p) for p in model.parameters()))
-    layout = background.layout(key, lambda: plan_layout(model, max_shard_size, is_writer, collective))
     if not allocate:
         return background.copy_bytes(layout.weight_sets)
     return None if background.copy(layout.weight_sets) is None else background.snapshot_bytes
+
+
+def _planned(model, max_shard_size, is_writer: bool, background: BackgroundSaves | None):
+    """Whether the save is collective, and its layout: planned once and kept by ``background`` (``save`` and
+    ``reserve`` find the same one), or planned now; None when this rank takes no part (whole parameters, not the
+    writer)."""
+    # Partitioned parameters need every rank at every transfer; whole ones are read by the writer alone.
+    collective = _distributed() and any(is_partitioned(p) for p in model.parameters())
+    if not collective and not is_writer:
+        return collective, None
+
+    def plan():
+        return plan_layout(model, max_shard_size, is_writer, collective)
+
+    if background is None:
+        return collective, plan()
+    key = (id(model), str(max_shard_size), is_writer, collective, tuple(id(p) for p in model.parameters()))
+    return collective, background.layout(key, plan)
 
 
 def run(job: SaveJob) -> None:
