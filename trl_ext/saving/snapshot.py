@@ -14,7 +14,6 @@ change (the next optimizer step).
 """
 
 import copy
-import threading
 from collections import OrderedDict
 
 import torch
@@ -39,9 +38,7 @@ class Snapshot:
         self.pinned = pinned
         self._buffers: dict[tuple, torch.UntypedStorage] = {}
         self.allocated = 0  # bytes allocated so far: after the first checkpoint (or a reserve), nothing more
-        self.copied = 0  # bytes copied by the last copies
-        self._event = None
-        self._lock = threading.Lock()
+        self._event = None  # on a GPU: recorded after the last copies
 
     def _buffer(self, key: tuple, nbytes: int) -> torch.UntypedStorage:
         buffer = self._buffers.get(key)
@@ -99,7 +96,6 @@ class Snapshot:
                 count[0] += 1
                 if source.nbytes():
                     target.copy_(source, non_blocking=self.pinned and source.device.type != "cpu")
-                self.copied += source.nbytes()
                 storages[source._cdata] = target
             y = torch.empty(0, dtype=x.dtype).set_(target, x.storage_offset(), x.size(), x.stride())
             if isinstance(x, torch.nn.Parameter):
@@ -138,15 +134,16 @@ class Snapshot:
             memo[id(o)] = copied
             return copied
 
-        with self._lock:
-            result = walk(obj)
-            if self.pinned and torch.cuda.is_available():
-                self._event = torch.cuda.Event()
-                self._event.record()
+        result = walk(obj)
+        if self.pinned and torch.cuda.is_available():
+            self._event = torch.cuda.Event()
+            self._event.record()
         return result
 
     def wait(self) -> None:
-        """Until the asynchronous copies (pinned buffers on a GPU) are complete; at once on a CPU."""
-        event, self._event = self._event, None
+        """Until the asynchronous copies (pinned buffers on a GPU) are complete; at once on a CPU. Both the saves'
+        thread (before it writes) and the training thread (before the next optimizer step) wait: the event stays, so
+        neither finds it gone while the other waits."""
+        event = self._event
         if event is not None:
             event.synchronize()
