@@ -27,12 +27,15 @@ ROWS = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistan
 
 
 class StepEnds(TrainerCallback):
-    """Records each step's end, and sets ``reached`` when step ``step`` ends."""
+    """Records each step's end, and sets ``reached`` when step ``step`` ends; with ``after``, that step's end first
+    waits for it (so the order of the two events is the same on a loaded machine as on an idle one)."""
 
-    def __init__(self, step: int, events: list):
-        self.step, self.events, self.reached = step, events, threading.Event()
+    def __init__(self, step: int, events: list, after: threading.Event | None = None):
+        self.step, self.events, self.reached, self.after = step, events, threading.Event(), after
 
     def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.after is not None:
+            assert self.after.wait(60), f"step {self.step} ended, and nothing it waited for happened"
         self.events.append(("step_end", state.global_step))
         if state.global_step == self.step:
             self.reached.set()
@@ -60,14 +63,17 @@ def foreground(tmp_path_factory, tiny_model_path):
 
 def test_a_step_runs_while_a_checkpoint_is_written_and_the_checkpoints_equal_the_foregrounds(
         tmp_path, monkeypatch, tiny_model_path, foreground):
-    """checkpoint-1's optimizer states are written only once step 2 has ended: the run completes only if training went
-    on meanwhile (events, not timings). Every file of every checkpoint is the foreground run's, byte for byte."""
-    events, write_synced = [], deferred.write_synced
-    steps = StepEnds(2, events)
+    """checkpoint-1's optimizer states start being written during step 2 and finish only once it has ended: the run
+    completes only if training went on meanwhile (events, not timings; step 2's end waits for the write to start, which
+    the saves' thread reaches after the weights, so that a loaded machine orders them as an idle one). Every file of
+    every checkpoint is the foreground run's, byte for byte."""
+    events, write_synced, writing = [], deferred.write_synced, threading.Event()
+    steps = StepEnds(2, events, after=writing)
 
     def held_write(write, path):
         if "checkpoint-1" in path and Path(path).name == "optimizer.pt":
             events.append(("writing", 1))
+            writing.set()
             assert steps.reached.wait(60), "no step ran while checkpoint-1's optimizer states were being written"
         return write_synced(write, path)
 
