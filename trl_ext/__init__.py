@@ -7,10 +7,6 @@ from trl_ext.process.warning_filter import quiet_known_logs
 
 quiet_known_logs()  # before trl imports peft, which imports bitsandbytes (see process/warning_filter.py)
 
-from trl_ext import moved  # noqa: E402
-
-moved.register()  # import paths of earlier releases (trl_ext.saving.verify, ...)
-
 from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, ``__getattr__`` below imports them on first use

@@ -163,7 +163,8 @@ def test_check_written_catches_changed_bytes_and_missing_tensors(tmp_path):
     assert problems_with(good) == ""
     header = writer.written["model.safetensors"].header
     # A header that is not the one written is parsed in full, to name what differs (here: b saved as float16).
-    other = safetensors_header.encode([specs[0], shards.TensorSpec("b", (4, 2), torch.float16)], {"format": "pt"})
+    other = safetensors_header.encode_header([specs[0], shards.TensorSpec("b", (4, 2), torch.float16)],
+                                             {"format": "pt"})
     assert "b: written ([4, 2], 'F16'), trained ([2, 2], 'F32')" in problems_with(other + good[len(header):])
     assert "cannot be read back" in problems_with(good[:-4])  # truncated
     nan = bytearray(good)

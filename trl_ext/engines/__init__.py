@@ -1,2 +1,2 @@
-"""How the training runs: hardware fixes, DeepSpeed and FSDP2, elastic resume, several nodes, the checkpointing
-policy, quantization."""
+"""How the training runs: hardware fixes, DeepSpeed and FSDP2, several nodes, gradient checkpointing, quantization,
+rank-0 loading."""

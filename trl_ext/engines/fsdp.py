@@ -2,7 +2,7 @@
 
 On machines without a GPU accelerate's FSDP path runs on CPU processes with gloo (``runtime.fsdp_on_cpu``); with
 ``fsdp_cpu_ram_efficient_loading`` only the first process of each machine reads the weights (``rank0_loading``);
-resuming reads each rank's own rows of trl_ext's Hub-format checkpoints (``fsdp_resume``).
+resuming reads each rank's own rows of trl_ext's Hub-format checkpoints (``resuming.fsdp2``).
 """
 
 import os

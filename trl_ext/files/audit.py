@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from trl_ext.errors import NONFINITE, CheckpointError
-from trl_ext.files import header as safetensors_header
+from trl_ext.files.header import read_header
 from trl_ext.files.shards import PREFIX_BYTES
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -63,11 +63,11 @@ class Report:
 def read_safetensors(path: Path) -> tuple[dict[str, tuple[list[int], str]], dict[str, bytes]]:
     """One file's tensors, {name: (shape, dtype code)}, and the first ``PREFIX_BYTES`` of each one's data.
 
-    The header is checked as ``safe_open`` checks it (``safetensors_header.read``); only the prefixes of the data are
+    The header is checked as ``safe_open`` checks it (``header.read_header``); only the prefixes of the data are
     read. Raises one of ``UNREADABLE`` for a broken file.
     """
     with open(path, "rb", buffering=0) as f:
-        header = safetensors_header.read(f.fileno())
+        header = read_header(f.fileno())
         tensors = {name: (e.shape, e.code) for name, e in header.entries.items()}
         prefixes = {name: os.pread(f.fileno(), min(e.end - e.begin, PREFIX_BYTES), e.begin)
                     for name, e in header.entries.items()}

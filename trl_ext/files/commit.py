@@ -21,13 +21,25 @@ _WEIGHTS_FILE = re.compile(
     r"^(model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
 
 
+def fsync(path: str | os.PathLike) -> None:
+    """A file (its contents) or a directory (its entries: a rename into it) on disk.
+
+    Args:
+        path: the file or directory.
+
+    Raises:
+        OSError: it cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    with contextlib.suppress(OSError):  # some filesystems refuse to sync a directory; the rename stands anyway
+        fsync(path)
 
 
 def sync_files(directory: Path) -> None:
@@ -40,11 +52,7 @@ def sync_files(directory: Path) -> None:
     """
     for path in sorted(Path(directory).rglob("*")):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync(path)
     _fsync_dir(Path(directory))
 
 

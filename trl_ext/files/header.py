@@ -46,7 +46,7 @@ class Header:
     metadata: dict[str, str]
 
 
-def encode(specs, metadata: dict[str, str]) -> bytes:
+def encode_header(specs, metadata: dict[str, str]) -> bytes:
     """The header bytes (length included) for tensors written in ``specs`` order.
 
     Args:
@@ -66,7 +66,7 @@ def encode(specs, metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def read(fd: int) -> Header:
+def read_header(fd: int) -> Header:
     """Parse and check the header of the open safetensors file ``fd`` (positioned reads; the file is not mapped).
 
     Args:

@@ -1,12 +1,12 @@
 """The check after every save, before anything is committed: the files re-read and compared with what was planned
 and trained (headers byte-identical, the first ``PREFIX_BYTES`` of each tensor, ``adapter_config.json``), plus the
-``verify`` audit of their contents."""
+``files.audit`` audit of their contents."""
 
 import json
 import os
 from pathlib import Path
 
-from trl_ext.files import audit as verify
+from trl_ext.files import audit
 from trl_ext.files.header import DTYPE_CODES
 from trl_ext.files.shards import PREFIX_BYTES, WrittenFile
 
@@ -45,8 +45,8 @@ def check_files(root: Path, plan: dict, written: dict[str, WrittenFile]) -> tupl
         record = written.get(filename, WrittenFile())
         try:
             read = _read_as_planned(root / filename, specs, record)
-            found, read = (expected, read) if read is not None else verify.read_safetensors(root / filename)
-        except verify.UNREADABLE as exc:
+            found, read = (expected, read) if read is not None else audit.read_safetensors(root / filename)
+        except audit.UNREADABLE as exc:
             problems.append(f"{filename}: cannot be read back ({exc})")
             continue
         missing = sorted(set(expected) - set(found))
@@ -69,13 +69,13 @@ def check_files(root: Path, plan: dict, written: dict[str, WrittenFile]) -> tupl
 def check_directory(path: str, plan: dict, tensors: dict, prefixes: dict, peft_config=None,
                     num_labels: int = 1) -> list[str]:
     """The whole directory, once every file passed ``check_files``: the weight files are the planned ones, and the
-    ``verify`` audit's checks pass on every tensor (``tensors``, ``prefixes``: ``check_files``' results, merged)."""
+    audit's checks pass on every tensor (``tensors``, ``prefixes``: ``check_files``' results, merged)."""
     root = Path(path)
-    report = verify.Report(str(path))
-    files = sorted(f.name for f in verify.weight_files(root, report))
+    report = audit.Report(str(path))
+    files = sorted(f.name for f in audit.weight_files(root, report))
     if not report.problems and files != sorted(plan):
         report.problems.append(f"the weight files are {files}, the save planned {sorted(plan)}")
-    verify.check_contents(root, tensors, prefixes, report, None, num_labels)
+    audit.check_contents(root, tensors, prefixes, report, None, num_labels)
     if peft_config is not None:
         report.problems += check_adapter_config(path, peft_config)
     return report.problems

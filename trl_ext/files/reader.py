@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from trl_ext.errors import UnreadableCheckpoint
-from trl_ext.files import header as safetensors_header
-from trl_ext.files.header import DTYPE_CODES
+from trl_ext.files.header import DTYPE_CODES, read_header
 from trl_ext.files.shards import TensorSpec
 
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -55,7 +54,7 @@ class SafetensorsReader:
         for path in files:
             try:
                 with open(path, "rb", buffering=0) as f:
-                    header = safetensors_header.read(f.fileno())
+                    header = read_header(f.fileno())
             except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
                 raise UnreadableCheckpoint(f"{path.name}: cannot be read as safetensors ({exc})") from exc
             self.metadata.update(header.metadata)

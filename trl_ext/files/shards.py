@@ -16,7 +16,7 @@ import torch
 from transformers.utils.hub import convert_file_size_to_int
 
 from trl_ext.errors import CheckpointError
-from trl_ext.files import header as safetensors_header
+from trl_ext.files.header import encode_header
 
 # Each tensor's first bytes are kept by the writer and compared with the file after the save. 4 KiB catches misplaced
 # or unwritten data as well as more would; 64 KiB re-read most of a LoRA adapter (a quarter of its save time).
@@ -130,7 +130,7 @@ class ShardStreamWriter:
             self._close_file()
             self._file = open(self.directory / filename, "wb")
             self._filename = filename
-            self.written[filename].header = safetensors_header.encode(self._plan[filename], self.metadata)
+            self.written[filename].header = encode_header(self._plan[filename], self.metadata)
             self._file.write(self.written[filename].header)
         self._written, self._prefix = 0, bytearray()
         return spec
