@@ -1,5 +1,6 @@
-"""This process as the launcher started it: its rank and the world size (readable before any process group), the
-one-line notices trl_ext prints, and a clean exit for its gloo process group."""
+"""This process as the launcher started it: its rank and the world size (readable before any process group), whether
+it runs in a process group and the decisions taken on rank 0 for every rank, the one-line notices trl_ext prints, and a
+clean exit for its gloo process group."""
 
 import atexit
 import functools
@@ -21,6 +22,34 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def distributed() -> bool:
+    """Whether this process runs in a default process group (a multi-process launch, once it exists)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def decided_on_rank0(decide, group=None):
+    """``decide()`` run on rank 0 only, its answer (any picklable object) returned on every rank: for what reads the
+    disk or the environment, where ranks could see different things (a file being written, a clock). A collective
+    when distributed; ``decide()`` alone otherwise.
+
+    Args:
+        decide: computes the answer; called on rank 0 only.
+        group: the process group (default: the default one).
+
+    Returns:
+        Rank 0's answer, on every rank.
+    """
+    if not distributed():
+        return decide()
+    import torch.distributed as dist
+
+    answer = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(answer, src=0, group=group)
+    return answer[0]
+
+
 def notice(message: str) -> None:
     """One-line notice, printed once per process (rank 0 only when distributed; under Slurm, the first node's)."""
     if env_rank() == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
@@ -30,7 +59,7 @@ def notice(message: str) -> None:
 def _destroy_gloo_group() -> None:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+    if distributed() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
 
 
@@ -47,7 +76,7 @@ def end_together() -> None:
     """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return
     dist.barrier()
     if dist.get_backend() != "gloo":
