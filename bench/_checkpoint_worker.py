@@ -1,12 +1,12 @@
 """A full fine-tune (AdamW) that saves a whole ``checkpoint-N`` every ``--save_steps`` steps, in the foreground or
-with ``save_in_background``, timing how long each checkpoint holds the training loop.
+with ``save_in_background`` (or none, ``--save_steps 0``), reporting what each checkpoint cost as the trainer logs it.
 
-Blocked time per checkpoint: the time ``Trainer._save_checkpoint`` takes (a wait for the previous background save
-included) plus the following step boundaries' checks (``BackgroundSaves.poll``: an all-reduce while the save is in
-flight, then the agreement on its outcome), the slowest rank's. The wait for the last one when training ends is in the
-total time only (nothing trains then). Also: the one-time ``reserve`` at the end of the first step (the CPU
-copies planned and allocated), the training's wall time, rank 0's peak RSS over its level when training started,
-and the CPU copies rank 0 holds. Prints ``BENCH {json}`` on rank 0.
+Per checkpoint, the slowest rank's: ``checkpoint/held_save_s`` (inside ``_save_checkpoint``), ``held_copy_wait_s``
+(the wait for its copies before the next optimizer step), ``held_previous_s`` (the wait for the previous checkpoint),
+their sum ``held_s``, and ``write_s`` (its files written, synced, checked and committed): ``Checkpoints.history``, what
+``checkpoint/*`` logs. Also: the one-time ``reserve`` at the end of the first step, each step's time, the training's
+wall time, rank 0's peak RSS over its level when training started, and the CPU copies rank 0 holds. Prints
+``BENCH {json}`` on rank 0.
 """
 
 import argparse
@@ -20,24 +20,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import torch
 from _save_worker import PeakRSS  # bench/ is this script's directory
 from datasets import Dataset
+from transformers import TrainerCallback
 
 import trl_ext
-from trl_ext.saving import background as background_module
-from trl_ext.saving import checkpoints as checkpoints_module
 
 
-def timed(owner, name: str, record: list, kind: str | None = None):
-    original = getattr(owner, name)
+class Steps(TrainerCallback):
+    """Each optimizer step's wall time (from its begin to its end)."""
 
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            seconds = time.perf_counter() - start
-            record.append((kind, seconds) if kind else seconds)
+    def __init__(self):
+        self.times, self._start = [], None
 
-    setattr(owner, name, wrapper)
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self._start)
 
 
 def main():
@@ -46,31 +44,27 @@ def main():
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--background", action="store_true")
     parser.add_argument("--steps", type=int, default=9)
-    parser.add_argument("--save_steps", type=int, default=2)
+    parser.add_argument("--save_steps", type=int, default=2, help="0: no checkpoints")
     cli = parser.parse_args()
 
-    args = trl_ext.SFTConfig(output_dir=cli.output_dir, max_steps=cli.steps, save_steps=cli.save_steps,
-                             per_device_train_batch_size=1, report_to="none", gradient_checkpointing=False,
-                             max_length=32, optim="adamw_torch", save_in_background=cli.background)
+    args = trl_ext.SFTConfig(output_dir=cli.output_dir, max_steps=cli.steps, save_steps=cli.save_steps or 500,
+                             save_strategy="steps" if cli.save_steps else "no", per_device_train_batch_size=1,
+                             report_to="none", gradient_checkpointing=False, max_length=32, optim="adamw_torch",
+                             save_in_background=cli.background, logging_steps=1)
     data = Dataset.from_list([{"messages": [{"role": "user", "content": "1+1"},
                                             {"role": "assistant", "content": "2"}]}] * 64)
     trainer = trl_ext.SFTTrainer(model=cli.model, args=args, train_dataset=data)
-    events, reserve, steps = [], [], []  # events: ("save" | "poll" | "wait", seconds)
-    timed(trainer, "_save_checkpoint", events, "save")
-    timed(background_module.BackgroundSaves, "poll", events, "poll")  # each step boundary
-    timed(checkpoints_module.Checkpoints, "reserve", reserve)
-    step_start = [None]
+    checkpoints, reserve = trainer._checkpoints, []
+    original_reserve = checkpoints.reserve
 
-    from transformers import TrainerCallback
+    def timed_reserve():
+        start = time.perf_counter()
+        original_reserve()
+        reserve.append(time.perf_counter() - start)
 
-    class Steps(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            step_start[0] = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            steps.append(time.perf_counter() - step_start[0])
-
-    trainer.add_callback(Steps())
+    checkpoints.reserve = timed_reserve
+    steps = Steps()
+    trainer.add_callback(steps)
     monitor = PeakRSS()
     base = monitor.process.memory_info().rss
     monitor.start()
@@ -80,26 +74,16 @@ def main():
     total = time.perf_counter() - start
     monitor.running = False
     monitor.join()
-    # Each checkpoint's blocking: its _save_checkpoint, plus the boundary polls until the next one
-    blocked = []
-    for kind, seconds in events:
-        if kind == "save":
-            blocked.append(seconds)
-        elif blocked:
-            blocked[-1] += seconds
-    saves = trainer._checkpoints.background  # the CPU copies this rank holds for the rest of the run
-    copies = 0 if saves is None else saves.snapshot.allocated + sum(
-        b.numel() * b.element_size() for b in saves._buffers.values())
+    copies = checkpoints.snapshot.allocated if checkpoints.snapshot is not None else 0
     world = torch.distributed.get_world_size()
     everyone = [None] * world
-    torch.distributed.all_gather_object(everyone, {"blocked": blocked, "reserve": sum(reserve), "steps": steps,
-                                                   "total": total, "peak_mb": (monitor.peak - base) / 2**20,
+    torch.distributed.all_gather_object(everyone, {"reserve": max(reserve, default=0.0), "total": total,
+                                                   "peak_mb": (monitor.peak - base) / 2**20,
                                                    "copies_mb": copies / 2**20})
     if trainer.accelerator.is_main_process:
-        slowest = [max(r["blocked"][i] for r in everyone) for i in range(len(blocked))]
         params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.model.parameters())
-        print("BENCH " + json.dumps({"blocked": slowest, "reserve_s": max(r["reserve"] for r in everyone),
-                                     "step_s": sorted(everyone[0]["steps"])[len(everyone[0]["steps"]) // 2],
+        print("BENCH " + json.dumps({"checkpoints": checkpoints.history,  # already the slowest rank's
+                                     "reserve_s": max(r["reserve"] for r in everyone), "steps": steps.times,
                                      "total_s": max(r["total"] for r in everyone),
                                      "peak_mb": everyone[0]["peak_mb"], "copies_mb": everyone[0]["copies_mb"],
                                      "params": params}), flush=True)

@@ -71,7 +71,7 @@ def main():
     monitor = PeakRSS()
     base = monitor.process.memory_info().rss
     monitor.start()
-    saves = trl_ext.saving.BackgroundSaves() if cli.impl == "trl_ext-background" else None
+    saves = Background() if cli.impl == "trl_ext-background" else None
     timings = [save_once(trainer, saves, os.path.join(cli.output_dir, f"saved-{i}"), cli.max_shard_size)
                for i in range(2)]
     monitor.running = False
@@ -79,7 +79,7 @@ def main():
     world = torch.distributed.get_world_size()
     per_rank, copies = [None] * world, [None] * world
     torch.distributed.all_gather_object(per_rank, written["bytes"] // 2)
-    torch.distributed.all_gather_object(copies, saves.snapshot_bytes if saves is not None else 0)
+    torch.distributed.all_gather_object(copies, saves.weight_bytes if saves is not None else 0)
     if trainer.accelerator.is_main_process:
         params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.model.parameters())
         (first_blocked, first_save), (blocked, save) = timings
@@ -96,10 +96,12 @@ def save_once(trainer, saves, directory: str, max_shard_size: str) -> tuple[floa
     start = time.perf_counter()
     if saves is None:
         trainer.save_model(directory)
-    else:  # the call trainer.save_model makes, in the background (save_in_background does it for checkpoints)
+    else:  # the call trainer.save_model makes inside a background checkpoint (save_in_background)
+        save = saves.begin(directory)
         trl_ext.saving.save(trainer.model, directory, processing_class=trainer.processing_class,
-                            training_args=trainer.args, max_shard_size=max_shard_size, background=saves)
-    blocked = time.perf_counter() - start  # this rank's training would resume here
+                            training_args=trainer.args, max_shard_size=max_shard_size, into=save)
+        saves.release(save)
+    blocked = time.perf_counter() - start  # this rank's next optimizer step could run here (the copies are made)
     if saves is not None:
         saves.wait()
     torch.distributed.barrier()
@@ -107,6 +109,35 @@ def save_once(trainer, saves, directory: str, max_shard_size: str) -> tuple[floa
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, blocked if saves is not None else elapsed)
     return max(everyone), elapsed
+
+
+class Background:
+    """The weights of a background checkpoint alone (``saving.checkpoints`` runs the same steps around Trainer's
+    save): staged, copied (waited for, as the next optimizer step would), then written on the saves' thread."""
+
+    def __init__(self):
+        from trl_ext.saving.executor import Executor
+        from trl_ext.saving.snapshot import Snapshot
+
+        self.executor, self.snapshot, self.weight_bytes, self._save = Executor(), Snapshot(), 0, None
+
+    def begin(self, directory: str):
+        from trl_ext.saving.executor import Save
+
+        self.snapshot.begin()
+        self._save = Save(directory, self.executor, self.snapshot)
+        return self._save
+
+    def release(self, save) -> None:
+        self.snapshot.start()
+        self.snapshot.wait_for_copies()
+        self.weight_bytes = save.weight_bytes
+        self.executor.run(save)
+
+    def wait(self) -> None:
+        self.executor.join()
+        if self._save.error is not None:
+            raise self._save.error
 
 
 def count_written_bytes() -> dict:

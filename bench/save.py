@@ -3,13 +3,15 @@ foreground and in the background, against the same path with one writing rank (a
 Trainer.save_model.
 
     python bench/save.py [--repeats 2] [--layers 12] [--hidden 768] [--moe] [--fsdp2] [--processes 4] [--impls ...]
-    python bench/save.py --checkpoints [--engines zero2 zero3 fsdp2] [--processes 2] [--hidden 512 --layers 8]
+    python bench/save.py --checkpoints [--engines zero2 zero3 fsdp2] [--processes_list 2 4] [--hidden 512 --layers 8]
 
 With ``--checkpoints``: whole ``checkpoint-N``s of a full fine-tune with AdamW (weights, optimizer and scheduler
-states, RNG states) every 2 steps of 9, foreground vs ``save_in_background``, under each engine: how long each
-checkpoint holds the training loop (``_save_checkpoint``, plus the following step boundaries' checks), the first
-checkpoint and the later ones (median), the one-time reserve at the end of the first step, the step time, the
-training's wall time and rank 0's peak RSS growth; ratios against the foreground run of the same engine.
+states, RNG states) every 2 steps of 9, under each engine and number of processes: the same run without checkpoints,
+with them in the foreground, and with ``save_in_background``. How long each checkpoint holds training, as the trainer
+logs it (``checkpoint/held_s``: inside ``_save_checkpoint``, plus the wait for its copies before the next optimizer
+step, plus any wait for the previous checkpoint), the first checkpoint and the later ones (median), the training's
+wall time in the three runs, the step after a background checkpoint, the one-time reserve at the end of the first step
+and rank 0's CPU copies.
 
 The model is a random Llama with hidden 768, 12 layers and a 32k vocabulary (134M parameters, 537 MB in fp32), in
 the embedded model's format. Both sides train one step under ZeRO-3 (gather flag on, as transformers' path needs)
@@ -73,45 +75,91 @@ def build_model(directory: Path, layers: int, moe: bool, hidden: int = 768) -> t
 
 
 def checkpoints_main(cli) -> None:
-    """Whole checkpoints in a training run, foreground vs background, per engine (see the module docstring)."""
+    """Whole checkpoints in a training run: none, in the foreground, in the background, per engine and number of
+    processes (see the module docstring)."""
     import statistics
 
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoints-"))
     model_bytes, _ = build_model(work / "model", cli.layers, False, cli.hidden)
-    print(f"model: {model_bytes / 1e6:.0f} MB ({model_bytes // 4 / 1e6:.0f}M params, fp32); AdamW; "
-          f"{cli.processes} processes", flush=True)
+    print(f"model: {model_bytes / 1e6:.0f} MB ({model_bytes // 4 / 1e6:.0f}M params, fp32); AdamW; {cli.steps} "
+          f"steps, a checkpoint every {cli.save_steps}", flush=True)
     worker = Path(__file__).with_name("_checkpoint_worker.py")
-    for engine in cli.engines:
-        config = write_accelerate_config(work / "configs" / engine, engine, cli.processes)
-        results = {"foreground": [], "background": []}
-        for repeat in range(cli.repeats):
-            for variant in results:
-                out = work / f"{engine}-{variant}-{repeat}"
-                run = accelerate_launch(worker, ["--model", str(work / "model"), "--output_dir", str(out),
-                                                 *(["--background"] if variant == "background" else [])],
-                                        config, timeout=1800)
-                lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
-                if run.returncode != 0 or not lines:
-                    sys.exit(f"{engine} {variant} failed ({run.returncode}):\n{run.output[-3000:]}")
-                r = json.loads(lines[-1][6:])
-                shutil.rmtree(out, ignore_errors=True)  # its checkpoints: several GB a run
-                # the last checkpoint (training's end) is written in the foreground in both variants
-                r["first_s"], r["later_s"], r["last_s"] = (r["blocked"][0], statistics.median(r["blocked"][1:-1]),
-                                                           r["blocked"][-1])
-                results[variant].append(r)
-                print(f"repeat {repeat + 1} {engine} {variant:<10} blocked per checkpoint "
-                      f"{[round(b, 3) for b in r['blocked']]} s; reserve {r['reserve_s']:.3f} s; step "
-                      f"{r['step_s']:.2f} s; total {r['total_s']:.1f} s; peak +{r['peak_mb']:.0f} MiB; CPU copies "
-                      f"{r['copies_mb']:.0f} MiB", flush=True)
-        print(f"\n{engine}, {cli.processes} processes:")
-        print_ratio_table(results, {"first_s": "first checkpoint blocked (s)", "later_s": "later blocked (s)",
-                                    "last_s": "last (foreground) blocked (s)", "step_s": "step (s)",
-                                    "total_s": "total (s)", "peak_mb": "peak growth (MiB)"}, "foreground")
-        med = {v: {k: statistics.median(r[k] for r in runs) for k in ("reserve_s", "copies_mb", "peak_mb")}
-               for v, runs in results.items()}
-        print(f"background: reserve at the end of the first step {med['background']['reserve_s']:.3f} s; rank 0's "
-              f"CPU copies {med['background']['copies_mb']:.0f} MiB; its peak growth over the foreground's "
-              f"{med['background']['peak_mb'] - med['foreground']['peak_mb']:.0f} MiB")
+    variants = {"none": ["--save_steps", "0"], "foreground": [], "background": ["--background"]}
+    rows = []
+    for processes in cli.processes_list:
+        for engine in cli.engines:
+            config = write_accelerate_config(work / "configs" / f"{engine}-{processes}", engine, processes)
+            results = {v: [] for v in variants}
+            for repeat in range(cli.repeats):
+                for variant, extra in variants.items():
+                    out = work / f"{engine}-{processes}-{variant}-{repeat}"
+                    run = accelerate_launch(worker, ["--model", str(work / "model"), "--output_dir", str(out),
+                                                     "--steps", str(cli.steps), "--save_steps", str(cli.save_steps),
+                                                     *extra], config, timeout=1800)
+                    lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
+                    if run.returncode != 0 or not lines:
+                        sys.exit(f"{engine} {variant} failed ({run.returncode}):\n{run.output[-3000:]}")
+                    r = json.loads(lines[-1][6:])
+                    shutil.rmtree(out, ignore_errors=True)  # its checkpoints: several GB a run
+                    results[variant].append(r)
+                    held = [round(c["checkpoint/held_s"], 3) for c in r["checkpoints"]]
+                    print(f"{engine} x{processes} {variant:<10} repeat {repeat + 1}: held per checkpoint {held} s; "
+                          f"total {r['total_s']:.1f} s; median step {statistics.median(r['steps']):.2f} s",
+                          flush=True)
+            rows.append(_checkpoint_row(engine, processes, results, cli.save_steps))
+            _print_checkpoint_row(rows[-1])
+    print("\n| engine, processes | fg held first, later (s) | bg held first, later (s) = in the save + copy wait "
+          "| bg/fg first, later | wall: none, fg, bg (s) | bg/fg wall | bg/none wall | rank-0 copies (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['engine']}, {row['processes']} | {row['fg_first']:.2f}, {row['fg_later']:.2f} | "
+              f"{row['bg_first']:.3f}, {row['bg_later']:.3f} = {row['bg_save']:.3f} + {row['bg_wait']:.3f} | "
+              f"{row['bg_first'] / row['fg_first']:.3f}x, {row['bg_later'] / row['fg_later']:.3f}x | "
+              f"{row['none_s']:.1f}, {row['fg_s']:.1f}, {row['bg_s']:.1f} | {row['bg_s'] / row['fg_s']:.2f}x | "
+              f"{row['bg_s'] / row['none_s']:.2f}x | {row['copies_mb']:.0f} |")
+
+
+def _checkpoint_row(engine: str, processes: int, results: dict, save_steps: int) -> dict:
+    """Medians over the repeats: the first checkpoint's hold and the later ones' (the middle checkpoints: the last is
+    written in the foreground in both variants), in the background split into the save and the copy wait."""
+    import statistics
+
+    def middle(run):  # the background checkpoints after the first
+        return run["checkpoints"][1:-1]
+
+    def med(values):
+        return statistics.median(values)
+
+    fg, bg = results["foreground"], results["background"]
+    return {"engine": engine, "processes": processes,
+            "fg_first": med([r["checkpoints"][0]["checkpoint/held_s"] for r in fg]),
+            "fg_later": med([c["checkpoint/held_s"] for r in fg for c in middle(r)]),
+            "bg_first": med([r["checkpoints"][0]["checkpoint/held_s"] for r in bg]),
+            "bg_later": med([c["checkpoint/held_s"] for r in bg for c in middle(r)]),
+            "bg_save": med([c["checkpoint/held_save_s"] for r in bg for c in r["checkpoints"][:-1]]),
+            "bg_wait": med([c["checkpoint/held_copy_wait_s"] for r in bg for c in r["checkpoints"][:-1]]),
+            "bg_write": med([c["checkpoint/write_s"] for r in bg for c in r["checkpoints"][:-1]]),
+            "none_s": med([r["total_s"] for r in results["none"]]), "fg_s": med([r["total_s"] for r in fg]),
+            "bg_s": med([r["total_s"] for r in bg]),
+            # the step right after a checkpoint, against the median step of the run without checkpoints
+            "bg_step_after": med([r["steps"][s] for r in bg for s in range(save_steps, len(r["steps"]) - 1,
+                                                                            save_steps)]),
+            "none_step": med([s for r in results["none"] for s in r["steps"]]),
+            "reserve_s": med([r["reserve_s"] for r in bg]), "copies_mb": med([r["copies_mb"] for r in bg])}
+
+
+def _print_checkpoint_row(row: dict) -> None:
+    r = row
+    print(f"\n{r['engine']}, {r['processes']} processes: held by a checkpoint, foreground first {r['fg_first']:.3f} s, "
+          f"later {r['fg_later']:.3f} s; background first {r['bg_first']:.3f} s, later {r['bg_later']:.3f} s "
+          f"({r['bg_first'] / r['fg_first']:.3f}x, {r['bg_later'] / r['fg_later']:.3f}x; in the save "
+          f"{r['bg_save']:.3f} s + waiting for the copies {r['bg_wait']:.3f} s; its write {r['bg_write']:.2f} s "
+          f"meanwhile). Wall time: no checkpoints {r['none_s']:.1f} s, foreground {r['fg_s']:.1f} s "
+          f"({r['fg_s'] / r['none_s']:.2f}x), background {r['bg_s']:.1f} s ({r['bg_s'] / r['none_s']:.2f}x; "
+          f"{r['bg_s'] / r['fg_s']:.2f}x the foreground's). The step after a background checkpoint "
+          f"{r['bg_step_after']:.2f} s against {r['none_step']:.2f} s without checkpoints; reserve "
+          f"{r['reserve_s']:.2f} s once; rank 0's CPU copies {r['copies_mb']:.0f} MiB.", flush=True)
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,6 +169,9 @@ def main():
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE, whose experts are converted on save")
     parser.add_argument("--fsdp2", action="store_true", help="under FSDP2 instead of DeepSpeed ZeRO-3")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--processes_list", type=int, nargs="+", default=[2], help="with --checkpoints")
+    parser.add_argument("--steps", type=int, default=9, help="with --checkpoints: training steps")
+    parser.add_argument("--save_steps", type=int, default=2, help="with --checkpoints: a checkpoint every N steps")
     parser.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS, help="the variants to run (trl_ext, the "
                         "anchor of the ratios, always runs)")
     parser.add_argument("--checkpoints", action="store_true",

@@ -1,13 +1,17 @@
 """Whole checkpoints in the background (``save_in_background``) under 2-process ZeRO-2, ZeRO-3 and FSDP2, full
-fine-tuning with AdamW: training runs while checkpoint-N's weights and optimizer states are written, every background
-checkpoint is the foreground one (byte for byte; DCP's ``.metadata`` by what it loads), a ``kill -9`` of every rank
-mid-save costs nothing already committed, resuming from a background checkpoint equals the uninterrupted run, and
-DeepSpeed's own tools read a background checkpoint as they read a foreground one.
+fine-tuning with AdamW: the next step's forward and backward run while checkpoint-N's parts are copied and its
+optimizer step only after the copies end; training runs while checkpoint-N's weights and optimizer states are written;
+every background checkpoint is the foreground one (byte for byte; DCP's ``.metadata`` by what it loads), and would not
+be without the wait before the optimizer step; ZeRO-2's weights are copied once; a ``kill -9`` of every rank mid-save
+costs nothing already committed; resuming from a background checkpoint equals the uninterrupted run; DeepSpeed's own
+tools read a background checkpoint as they read a foreground one.
 
 One launch of ``train.py`` per engine of its own (4 steps; the background runs save every step, 1-3 in the
-background and 4, the last, in the foreground): the held run (checkpoint-2's writers wait until step 3 has ended:
-``--hold_save 2 3``; if training waited for the save, the save would fail after 120 s), then the killed run (every rank
-SIGKILLed while checkpoint-3's optimizer states are written in the background), which ends the launch. The two
+background and 4, the last, in the foreground): the held run (checkpoint-1's writers wait until step 2 has ended:
+``--hold_save 1 2``; checkpoint-2's copies until step 3's backward has begun: ``--slow_copy 2``; if training waited for
+either, it would fail after 120 s), the unguarded run (checkpoint-2's copies made after step 3, whose wait for them is
+removed: ``--unguarded_copy 2``), then the killed run (every rank SIGKILLed while checkpoint-3's optimizer states are
+written in the background), which ends the launch. The two
 resumes (the killed run with ``resume_from_checkpoint=True``, the held run's checkpoint-2 into a fresh directory) join
 the engine's shared launch, whose full SFT run (checkpoints 2 and 4 in the foreground) is the reference.
 The multi-process writing of background checkpoints (4 ranks, ZeRO-3 and FSDP2) is in ``test_parallel_writes``; a
@@ -48,8 +52,10 @@ def engine_runs(tmp_path_factory, shared_runs):
         tmp = tmp_path_factory.mktemp(f"background-{engine}")
         config = write_accelerate_config(tmp / "configs", engine)
         background = [*BACKGROUND, "--batch", "2", "--grad_accum", "1"] if engine != "zero3" else BACKGROUND
-        held_and_killed = [[*background, "--hold_save", "2", "3", "--output_dir", str(tmp / "held")],
-                           [*background, "--kill_during_states_save", "3", "--output_dir", str(tmp / "killed")]]
+        held_and_killed = [
+            [*background, "--hold_save", "1", "2", "--slow_copy", "2", "--output_dir", str(tmp / "held")],
+            [*background, "--unguarded_copy", "2", "--output_dir", str(tmp / "unguarded")],
+            [*background, "--kill_during_states_save", "3", "--output_dir", str(tmp / "killed")]]
         killed = accelerate_launch(SCRIPTS / "run_many.py", ["train.py", json.dumps(held_and_killed)], config,
                                    timeout=600)
         left = (get_last_checkpoint(str(tmp / "killed")), sorted(p.name for p in (tmp / "killed").iterdir()),
@@ -79,19 +85,50 @@ def test_a_step_runs_while_a_checkpoints_weights_and_optimizer_states_are_writte
     assert any(e[0].endswith("_waits") for rank in (0, 1) for e in _saves(out, rank)["held"])  # a writer was held
     for rank in (0, 1):
         saves = _saves(out, rank)
-        step3 = next(t for kind, step, t in saves["held"] if kind == "step_end" and step == 3)
+        step2 = next(t for kind, step, t in saves["held"] if kind == "step_end" and step == 2)
         events = saves["events"]
-        first, last = (next(i for i, (kind, name, _) in enumerate(events) if kind == k and name == "checkpoint-2")
+        first, last = (next(i for i, (kind, name, _) in enumerate(events) if kind == k and name == "checkpoint-1")
                        for k in ("started", "finished"))
         states = [t for kind, name, t in events[first:last] if kind == "wrote" and "optim" in name]
-        assert states and events[first][2] < step3 < states[0] <= events[last][2], saves  # step 3 ran meanwhile
-        assert [(k, n) for k, n, _ in events if k != "wrote"] == [
+        assert states and events[first][2] < step2 < states[0] <= events[last][2], saves  # step 2 ran meanwhile
+        assert [(k, n) for k, n, _ in events if k in ("started", "finished")] == [
             (k, f"checkpoint-{s}") for s in (1, 2, 3) for k in ("started", "finished")]
         # each rank's CPU copy of the weights is its own part (ZeRO-3, FSDP2), or the whole model on the writer
-        # (ZeRO-2's whole parameters); the states' copies were all allocated by the first step's reserve
+        # (ZeRO-2's whole parameters); every copy was allocated by the first step's reserve
         own = saves["own_bytes"] if engine != "zero2" else saves["own_bytes"] if rank == 0 else 0
-        assert saves["snapshot_bytes"] == own, saves
-        assert saves["states_allocated"] == saves["states_allocated_at_reserve"] > 0, saves
+        assert saves["weight_bytes"] == own, saves
+        assert saves["allocated"] == saves["allocated_at_reserve"] > 0, saves
+        costs = saves["costs"]  # every checkpoint's cost, the slowest rank's (the same on every rank)
+        assert len(costs) == 4 and costs == _saves(out, 1 - rank)["costs"], costs
+        assert all(c["checkpoint/write_s"] > 0 and c["checkpoint/bytes"] > 0 for c in costs), costs
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_next_forward_and_backward_run_while_the_copies_are_made_and_the_optimizer_step_waits(engine_runs,
+                                                                                                    engine):
+    tmp, reference, *_ = engine_runs(engine)
+    for rank in (0, 1):
+        order = [(event, step) for event, step, _ in _saves(tmp / "held", rank)["copy_order"]]
+        at = {event: order.index((event, step)) for event, step in [
+            ("copies_started", 2), ("forward", 3), ("backward", 3), ("copies_done", 2), ("optimizer_step", 3)]}
+        assert at["copies_started"] < at["forward"] < at["backward"] < at["copies_done"] < at["optimizer_step"], order
+    # checkpoint-2 of the held run is the foreground's (test_background_checkpoints_are_the_foreground_ones); without
+    # the wait, the copies hold step 3's values: the same comparison fails
+    for rank in (0, 1):
+        order = [(event, step) for event, step, _ in _saves(tmp / "unguarded", rank)["copy_order"]]
+        assert order.index(("step_end", 3)) < order.index(("copies_done", 2)), order
+    want, got = digest(reference / "checkpoint-2"), digest(tmp / "unguarded" / "checkpoint-2")
+    differ = sorted(f for f in want if want[f] != got.get(f))
+    assert any(OPTIMIZER_FILES[engine] in f for f in differ) and any("safetensors" in f for f in differ), differ
+
+
+def test_zero2_copies_its_weights_once(engine_runs):
+    """The writer's weights (its safetensors) and DeepSpeed's model states (the same flat 16-bit buffers) share one
+    copy: rank 0, which writes both, holds one model more than rank 1 (which writes neither), not two."""
+    tmp, *_ = engine_runs("zero2")
+    ranks = [_saves(tmp / "held", r) for r in (0, 1)]
+    weights = ranks[0]["own_bytes"]
+    assert weights <= ranks[0]["allocated"] - ranks[1]["allocated"] < 1.5 * weights, ranks
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -25,7 +25,7 @@ from trl_ext.engines import sharded
 from trl_ext.files import shards
 from trl_ext.process import env_rank
 from trl_ext.saving import gather
-from trl_ext.saving.staged import StagedCheckpoint
+from trl_ext.saving.checkpoints import Staging
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -78,18 +78,18 @@ def head_stats(model) -> dict:
 def kill_during_save(save_number: int) -> None:
     """Simulate a crash: rank 0 SIGKILLs itself after writing the first tensor of the N-th checkpoint save."""
     saves = {"count": 0}
-    enter, end = StagedCheckpoint.__enter__, shards.ShardStreamWriter.end
+    create, end = Staging.create, shards.ShardStreamWriter.end
 
-    def counting_enter(self):
+    def counting_create(self):
         saves["count"] += 1
-        return enter(self)
+        return create(self)
 
     def write_then_die(self):
         end(self)
         if saves["count"] == save_number and env_rank() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    StagedCheckpoint.__enter__ = counting_enter
+    Staging.create = counting_create
     shards.ShardStreamWriter.end = write_then_die
 
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 import launched  # noqa: E402 - tests/scripts/, beside this file
 
 from tests.probes import weight_reads  # noqa: E402
+from tests.probes.copy_order import CopyOrder  # noqa: E402
 from tests.probes.gather_count import GatherCount, model_numel  # noqa: E402
 from tests.probes.tensor_peak import step_peaks  # noqa: E402
 
@@ -194,16 +195,19 @@ def kill_every_rank_during_save(step: int, peers: list[int], states: bool = Fals
 class HoldSave(TrainerCallback):
     """A background save provably overlaps training: the writer of checkpoint-``step``'s weights and each rank's writer
     of its optimizer states wait, before they finish, until optimizer step ``until`` has ended on their rank (if
-    training waited for the save, it never would: the save fails after 120 s). Records each step's end and each wait,
+    training waited for the save, it never would: the save fails after 120 s); and that step's end waits until one of
+    them waits, so the order is the same on a loaded machine as on an idle one. Records each step's end and each wait,
     with times, for the report."""
 
     def __init__(self, step: int, until: int):
         self.step, self.until, self.reached, self.events = step, until, threading.Event(), []
+        self.waiting = threading.Event()
         finish, write_synced, write_dcp = shards.ShardStreamWriter.finish, deferred.write_synced, deferred._write_dcp
 
         def hold(what: str) -> None:
             if not self.reached.is_set():
                 self.events.append((f"{what}_waits", step, time.monotonic()))
+                self.waiting.set()
                 if not self.reached.wait(120):
                     raise RuntimeError(f"no step ended while checkpoint-{step}'s {what} was being written")
 
@@ -226,6 +230,8 @@ class HoldSave(TrainerCallback):
         deferred.write_synced, deferred._write_dcp = held_write, held_dcp
 
     def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.until and not self.waiting.wait(120):
+            raise RuntimeError(f"step {self.until} ended and no writer of checkpoint-{self.step} was being held")
         self.events.append(("step_end", state.global_step, time.monotonic()))
         if state.global_step == self.until:
             self.reached.set()
@@ -363,6 +369,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--hold_save", type=int, nargs=2, default=None, metavar=("N", "M"),
                         help="checkpoint-N's writers (weights, optimizer states) wait until step M has ended "
                              "(save_in_background)")
+    parser.add_argument("--slow_copy", type=int, default=0, help="checkpoint-N's copies wait until the next step's "
+                        "backward has begun (save_in_background; tests/probes/copy_order.py)")
+    parser.add_argument("--unguarded_copy", type=int, default=0, help="checkpoint-N's copies run after the next "
+                        "optimizer step, whose wait for them is removed: the checkpoint must differ")
     parser.add_argument("--load_in_4bit", action="store_true", help="QLoRA: a BitsAndBytesConfig in model_init_kwargs")
     parser.add_argument("--bnb_4bit_quant_type", default="nf4", choices=["nf4", "fp4"])
     parser.add_argument("--bnb_4bit_quant_storage", default=None, help="default: bitsandbytes' (uint8)")
@@ -441,15 +451,19 @@ def main(argv: list[str] | None = None):
         report["zero_stage"] = args.deepspeed_plugin.zero_stage
     seen = record_samples(trainer)
     allocated_at_reserve = None
-    if trainer._checkpoints.background is not None:  # what the first step's reserve allocated for the states
+    if trainer._checkpoints.snapshot is not None:  # what the first step's reserve allocated for the copies
         reserve = trainer._checkpoints.reserve
 
-        def reserving(trainer_):
+        def reserving():
             nonlocal allocated_at_reserve
-            reserve(trainer_)
-            allocated_at_reserve = trainer._checkpoints.background.snapshot.allocated
+            reserve()
+            allocated_at_reserve = trainer._checkpoints.snapshot.allocated
 
         trainer._checkpoints.reserve = reserving
+    copy_order = None
+    if cli.slow_copy or cli.unguarded_copy:
+        copy_order = CopyOrder(trainer, cli.slow_copy or cli.unguarded_copy, guarded=bool(cli.slow_copy))
+        trainer.add_callback(copy_order)
     with step_peaks(trainer) if cli.tensor_peak else contextlib.nullcontext([]) as peaks:
         result = trainer.train(resume_from_checkpoint=cli.resume_from or (True if cli.resume else None))
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
@@ -485,15 +499,17 @@ def main(argv: list[str] | None = None):
         rank = trainer.accelerator.process_index
         save_file(optim, os.path.join(cli.output_dir, f"optimizer_rank{rank}.safetensors"))
     report["checkpointing"] = recorder.seen
-    saves = trainer._checkpoints.background
-    if saves is not None:  # background saves: when each started and finished, and this rank's CPU copies
+    checkpoints = trainer._checkpoints
+    if checkpoints.executor is not None:  # background saves: when each started and finished, and the CPU copies
         own = [p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
                for p in trainer.model.parameters() if p.requires_grad or not cli.lora]
+        last = checkpoints.last
         with open(os.path.join(cli.output_dir, f"saves_rank{args.process_index}.json"), "w") as f:
-            json.dump({"events": [(kind, Path(target).name, t) for kind, target, t in saves.events],
-                       "held": hold.events if hold is not None else [], "snapshot_bytes": saves.snapshot_bytes,
-                       "own_bytes": sum(t.nbytes for t in own), "states_allocated": saves.snapshot.allocated,
-                       "states_allocated_at_reserve": allocated_at_reserve}, f)
+            json.dump({"events": checkpoints.executor.events, "held": hold.events if hold is not None else [],
+                       "weight_bytes": last.weight_bytes if last is not None else 0,
+                       "own_bytes": sum(t.nbytes for t in own), "allocated": checkpoints.snapshot.allocated,
+                       "allocated_at_reserve": allocated_at_reserve, "costs": checkpoints.history,
+                       "copy_order": copy_order.events if copy_order is not None else []}, f)
     if cli.load_in_4bit:
         report["quantization"] = quantization_report(trainer.model)
     if cli.save_model:

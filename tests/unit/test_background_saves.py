@@ -1,8 +1,10 @@
 """Background saves in one process: training goes on while a whole checkpoint (weights, optimizer, scheduler and RNG
-states) is written, every file is the foreground one, a checkpoint appears (and older ones are rotated out) only once
+states) is copied and written, every file is the foreground one, the next optimizer step waits for the copies (and,
+without that wait, the checkpoint would be wrong), a checkpoint appears (and older ones are rotated out) only once
 committed, a failure in any part stops training at the next step with the last good checkpoint kept, the copies are
-allocated once (after the first step) or, where they do not fit, saves run in the foreground, and save_only_model is
-honoured. The multi-process cases are in tests/distributed/test_background_saves.py."""
+allocated once (after the first step) or, where they do not fit, saves run in the foreground, save_only_model is
+honoured, and every checkpoint's cost is logged. The multi-process cases are in
+tests/distributed/test_background_saves.py."""
 
 import errno
 import hashlib
@@ -17,10 +19,13 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 import trl_ext
+from tests.probes.copy_order import CopyOrder
 from trl_ext.errors import CheckpointError
 from trl_ext.files import shards
 from trl_ext.files.audit import audit
-from trl_ext.saving import BackgroundSaves, deferred, pipeline
+from trl_ext.saving import deferred, pipeline
+from trl_ext.saving.executor import Executor, Save
+from trl_ext.saving.snapshot import Snapshot
 
 ROWS = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
         for i in range(16)]
@@ -81,10 +86,10 @@ def test_a_step_runs_while_a_checkpoint_is_written_and_the_checkpoints_equal_the
     trainer = _trainer(tmp_path / "run", tiny_model_path, [steps], save_in_background=True)
     trainer.train()
     assert events.index(("writing", 1)) < events.index(("step_end", 2))
-    saves = trainer._checkpoints.background
-    assert [(kind, Path(target).name) for kind, target, _ in saves.events if kind != "wrote"] == [
+    executor = trainer._checkpoints.executor
+    assert [(kind, name) for kind, name, _ in executor.events if kind in ("started", "finished")] == [
         (kind, f"checkpoint-{s}") for s in (1, 2, 3) for kind in ("started", "finished")]
-    parts = [name for kind, name, _ in saves.events if kind == "wrote"]
+    parts = [name for kind, name, _ in executor.events if kind == "wrote"]
     assert parts[:4] == ["checkpoint-1", "optimizer.pt", "scheduler.pt", "rng_state.pth"], parts
     # checkpoint-4 is the run's last: written in the foreground (nothing would run meanwhile)
     for step in (1, 2, 3, 4):
@@ -93,7 +98,40 @@ def test_a_step_runs_while_a_checkpoint_is_written_and_the_checkpoints_equal_the
         assert audit(str(tmp_path / "run" / name)).ok
     assert not list((tmp_path / "run").glob(".*")), "a staging directory was left behind"
     model = trainer.model
-    assert saves.snapshot_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert trainer._checkpoints.last.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    costs = trainer._checkpoints.history
+    assert len(costs) == 4 and not [h for h in trainer.state.log_history if "checkpoint/held_s" in h]
+    for cost in costs:
+        assert cost["checkpoint/held_s"] == pytest.approx(cost["checkpoint/held_save_s"] + cost[
+            "checkpoint/held_copy_wait_s"] + cost["checkpoint/held_previous_s"], abs=1e-3)
+        assert cost["checkpoint/write_s"] > 0 and cost["checkpoint/bytes"] > 0
+    committed = sum(f.stat().st_size for f in (tmp_path / "run" / "checkpoint-4").iterdir())
+    assert costs[-1]["checkpoint/bytes"] == committed
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_the_next_forward_and_backward_run_while_the_copies_are_made_and_the_optimizer_step_waits(
+        tmp_path, tiny_model_path, foreground, guarded):
+    """checkpoint-1's copies are held until step 2's backward has begun: step 2's forward and backward run while they
+    are made, its optimizer step starts only after they end, and the checkpoint is the foreground's, byte for byte.
+    Without the wait before the optimizer step (``guarded=False``: the copies then run after that step), the
+    checkpoint holds step 2's values: the comparison above would fail, as it must."""
+    trainer = _trainer(tmp_path / "run", tiny_model_path, save_in_background=True)
+    order = CopyOrder(trainer, 1, guarded=guarded)
+    trainer.add_callback(order)
+    trainer.train()
+    events = [(event, step) for event, step, _ in order.events]
+    at = {event: events.index((event, step)) for event, step in [
+        ("forward", 2), ("backward", 2), ("copies_started", 1), ("copies_done", 1), ("optimizer_step", 2)]}
+    same = _files(tmp_path / "run" / "checkpoint-1") == _files(foreground / "checkpoint-1")
+    if guarded:
+        assert at["copies_started"] < at["forward"] < at["backward"] < at["copies_done"] < at["optimizer_step"], events
+        assert same
+    else:
+        assert at["optimizer_step"] < at["copies_done"], events
+        differ = [n for n, d in _files(tmp_path / "run" / "checkpoint-1").items()
+                  if d != _files(foreground / "checkpoint-1")[n]]
+        assert not same and {"model.safetensors", "optimizer.pt"} <= set(differ), differ
 
 
 @pytest.mark.parametrize("part", ["weights", "optimizer.pt"])
@@ -134,14 +172,14 @@ def test_the_copies_are_allocated_once_after_the_first_step(tmp_path, tiny_model
     allocated = []
     reserve = trainer._checkpoints.reserve
 
-    def reserving(trainer_):
-        reserve(trainer_)
-        allocated.append(trainer._checkpoints.background.snapshot.allocated)
+    def reserving():
+        reserve()
+        allocated.append(trainer._checkpoints.snapshot.allocated)
 
     trainer._checkpoints.reserve = reserving
     trainer.train()
-    saves = trainer._checkpoints.background
-    assert allocated and allocated[0] > 0 and saves.snapshot.allocated == allocated[0]  # nothing after the reserve
+    snapshot = trainer._checkpoints.snapshot
+    assert allocated and allocated[0] > 0 and snapshot.allocated == allocated[0]  # nothing after the reserve
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     moments = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
                   if isinstance(t, torch.Tensor) and t.dim())
@@ -158,8 +196,8 @@ def test_copies_that_do_not_fit_in_memory_leave_saves_in_the_foreground(tmp_path
         trainer.train()
     said = [r.message for r in caplog.records if "save_in_background" in r.message]
     assert len(said) == 1 and "their CPU copies need" in said[0] and "0.00 GiB is available" in said[0], said
-    saves = trainer._checkpoints.background
-    assert not saves.events and saves.snapshot.allocated == 0  # every checkpoint in the foreground, nothing copied
+    checkpoints = trainer._checkpoints
+    assert not checkpoints.executor.events and checkpoints.snapshot.allocated == 0  # all in the foreground
     for step in (1, 2, 3, 4):
         assert _files(tmp_path / "run" / f"checkpoint-{step}") == _files(foreground / f"checkpoint-{step}")
 
@@ -172,28 +210,41 @@ def test_save_only_model_writes_the_weights_only(tmp_path, tiny_model_path, in_b
         names = sorted(p.name for p in (tmp_path / "run" / f"checkpoint-{step}").iterdir())
         assert "model.safetensors" in names and not [n for n in names if n.startswith(("optimizer", "scheduler",
                                                                                          "rng_state"))], names
-    if in_background:
-        assert trainer._checkpoints.background.snapshot.allocated == 0
+    if in_background:  # the weights' copies only: no optimizer, scheduler or RNG states
+        weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        assert trainer._checkpoints.snapshot.allocated == weights
 
 
-def test_a_held_save_is_written_only_once_released_and_never_after_abandon(tmp_path, tiny_model_path):
+def test_a_save_is_written_only_once_run_and_never_once_cancelled(tmp_path, tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    saves, done = BackgroundSaves(), []
-    pipeline.save(model, tmp_path / "held", background=saves, held=True)  # begun here: collected, not written
+    executor, snapshot, done = Executor(), Snapshot(), []
+
+    def save_to(name: str) -> Save:
+        snapshot.begin()
+        save = Save(tmp_path / name, executor, snapshot)
+        pipeline.save(model, tmp_path / name, into=save)  # staged and queued, nothing written
+        save.commits.append(lambda: done.append(name))
+        return save
+
+    save = save_to("held")
     (tmp_path / "held" / "optimizer.pt").write_bytes(b"written by the caller meanwhile")
-    assert saves.collecting and saves._thread is None and not (tmp_path / "held" / "model.safetensors").exists()
-    saves.release(lambda: done.append(True))
-    saves.wait()
-    assert done == [True] and audit(str(tmp_path / "held")).ok
+    assert not executor.events and not (tmp_path / "held" / "model.safetensors").exists()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    snapshot.start()
+    snapshot.wait_for_copies()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # after the copies: not in the checkpoint
+    executor.run(save)
+    executor.join()
+    assert save.error is None and done == ["held"] and audit(str(tmp_path / "held")).ok
     assert (tmp_path / "held" / "optimizer.pt").read_bytes() == b"written by the caller meanwhile"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "held").state_dict()
+    assert all(torch.equal(reloaded[k], before[k]) for k in before)
 
-    pipeline.save(model, tmp_path / "abandoned", background=saves, held=True)
-    saves.abandon()
-    assert not (tmp_path / "abandoned" / "model.safetensors").exists() and done == [True]
-
-    pipeline.save(model, tmp_path / "plain", background=saves)  # not held: written and committed at once
-    saves.wait()
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
-    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), model.state_dict().values()))
-    saves.release(lambda: done.append("now"))  # nothing collected: runs at once
-    assert done == [True, "now"]
+    save = save_to("cancelled")
+    save.cancelled = True  # training stopped before the save was whole
+    snapshot.start()
+    executor.run(save)
+    executor.join()
+    assert isinstance(save.error, CheckpointError) and "abandoned" in str(save.error) and done == ["held"]
+    assert not (tmp_path / "cancelled" / "model.safetensors").exists()

@@ -138,7 +138,7 @@ def local_part(param, world: int) -> tuple[torch.Tensor, Callable[[int], int]]:
     return part, lambda r: max(0, min(size, param.ds_numel - r * size))  # the last parts carry padding
 
 
-def local_copy(tensor: torch.Tensor, buffer: Callable[[int, torch.dtype], torch.Tensor] | None = None
+def local_copy(tensor: torch.Tensor, copy: Callable[[torch.Tensor], torch.Tensor] | None = None
                ) -> "LocalCopy | torch.Tensor | None":
     """What a background save keeps of ``tensor`` when it starts: this rank's part of a partitioned tensor (a
     ``LocalCopy``), or a whole tensor, copied to CPU memory. None for parts that cannot be streamed (NVMe offload,
@@ -146,9 +146,8 @@ def local_copy(tensor: torch.Tensor, buffer: Callable[[int, torch.dtype], torch.
 
     Args:
         tensor: a live parameter or buffer, possibly ZeRO-3 or FSDP2 sharded.
-        buffer: ``buffer(numel, dtype)``: a flat CPU tensor to copy into (reused from one save to the next, copying
-            is 3x faster than into new memory); default: new memory. Copies into pinned memory are asynchronous:
-            synchronize the accelerator before reading them.
+        copy: ``copy(part)``: the CPU copy of ``part`` (the tensor itself, or this rank's part of it, flattened), with
+            its shape (a background save's snapshot, which may complete it later); default: a new CPU tensor now.
 
     Returns:
         The copy, or None.
@@ -161,10 +160,9 @@ def local_copy(tensor: torch.Tensor, buffer: Callable[[int, torch.dtype], torch.
         part, owned_by = local_part(tensor, world)
         owned = [owned_by(r) for r in range(world)]
     else:
-        part = tensor.detach().reshape(-1)
-    copy = buffer(part.numel(), part.dtype) if buffer is not None else torch.empty(part.numel(), dtype=part.dtype)
-    copy.copy_(part, non_blocking=copy.is_pinned())
-    return copy.view(tensor.shape) if owned is None else LocalCopy(copy, owned, full_shape(tensor))
+        part = tensor.detach()
+    copied = copy(part) if copy is not None else part.to("cpu", copy=True)
+    return copied if owned is None else LocalCopy(copied, owned, full_shape(tensor))
 
 
 @contextlib.contextmanager

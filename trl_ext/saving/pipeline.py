@@ -15,10 +15,11 @@ model (``plan_layout``: the weight sets, which rank writes which file of which c
 Each step returns its error instead of raising, so that every rank reaches the agreement: a failure on one rank never
 hangs the others. Under ZeRO-3 and FSDP2 every rank writes: one copy of the checkpoint is shared by all ranks
 (storage every node sees), or each node's ranks write that node's copy (node-local storage, ``save_on_each_node``).
-In the background (``background.BackgroundSaves``), steps 1-6 run on a thread of their own, on each rank's CPU copy of
-its parts.
+In a background checkpoint (``into``, an ``executor.Save``), steps 1-6 run on the saves' thread, on each rank's CPU
+copy of its parts.
 """
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -27,26 +28,24 @@ import torch
 from accelerate.utils import is_peft_model
 
 from trl_ext import errors
-from trl_ext.engines.sharded import is_partitioned
+from trl_ext.engines.sharded import LocalCopy, is_partitioned, local_copy
 from trl_ext.errors import NONFINITE, VERIFICATION, CheckpointError
 from trl_ext.files import readback
+from trl_ext.process import distributed
 from trl_ext.saving import write
-from trl_ext.saving.background import BackgroundSaves
-from trl_ext.saving.job import Layout, SaveJob
-from trl_ext.saving.metadata import write_metadata
+from trl_ext.saving.executor import Save
 from trl_ext.saving.plan import (
     DEFAULT_MAX_SHARD_SIZE,
+    Layout,
+    SaveJob,
     assign_files,
     check_dtypes,
     plan_weight_sets,
     split_for_writers,
 )
+from trl_ext.saving.write import write_metadata
 
 logger = logging.getLogger("trl_ext")
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _ranks_where(flag: bool) -> list[int]:
@@ -82,7 +81,7 @@ def plan_layout(model, max_shard_size, is_writer: bool, collective: bool) -> Lay
 
 def save(model, output_dir: str, *, processing_class=None, training_args=None,
          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool | None = None,
-         background: BackgroundSaves | None = None, held: bool = False) -> None:
+         into: Save | None = None) -> None:
     """Save ``model`` (a transformers model or a PEFT model, possibly ZeRO-3 or FSDP2 sharded) to ``output_dir``.
 
     PEFT models are written as the adapter only (``adapter_model.safetensors`` + ``adapter_config.json``); other
@@ -102,87 +101,109 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             FSDP2 files may be smaller, so that every rank has some to write (``split_for_writers``).
         is_writer: whether this rank leads a copy of the checkpoint: stages it, writes its configuration files and
             commits it (default: ``training_args.should_save``, else rank 0).
-        background: save in the background: this call returns once each rank has copied its own part of the weights
-            to CPU memory, and ``background`` runs the rest (call it on every rank, each with its ``BackgroundSaves``;
-            its ``wait`` reports the outcome). A model whose parts cannot be copied (NVMe offload, quantized
-            partitions, 2-D meshes) is saved in the foreground.
-        held: with ``background``, the weights join the save ``background`` is collecting (``begin``; begun here if
-            none is), written once ``background.release`` is called, with the rest of the checkpoint.
+        into: a checkpoint being saved in the background (``executor.Save``, on every rank): this call returns once
+            each rank has staged the copy of its own part of the weights, which the checkpoint writes with its other
+            parts. A model whose parts cannot be copied (NVMe offload, quantized partitions, 2-D meshes) is saved in
+            the foreground, said once.
 
     Raises:
         errors.CheckpointError: the save failed or its files failed verification; nothing was committed and the
-            previous contents of ``output_dir`` are untouched. In the background: raised by ``background.wait``.
+            previous contents of ``output_dir`` are untouched. In the background: raised on every rank at the next
+            step boundary after the write.
     """
     if is_writer is None:
         is_writer = training_args.should_save if training_args is not None else (
-            not _distributed() or torch.distributed.get_rank() == 0)
+            not distributed() or torch.distributed.get_rank() == 0)
     target = Path(output_dir).absolute()
-    if background is not None and not background.collecting:  # a save of its own, begun on every rank
-        background.begin(str(target))
-    release = background.release if background is not None and not held else (lambda: None)
-    collective, layout = _planned(model, max_shard_size, is_writer, background)
-    if layout is None:
-        release()  # this rank writes none of it, and takes part in its agreement
-        return
-    if not layout.copies:  # no rank saves (the trainer's should_save is False everywhere)
-        release()
+    collective, layout = _planned(model, max_shard_size, is_writer, into)
+    if layout is None or not layout.copies:  # this rank takes no part, or no rank saves (should_save everywhere False)
         return
     job = SaveJob(model, target, layout, torch.distributed.get_rank() if collective else 0, is_writer, collective,
                   processing_class, training_args, weight_sets=layout.weight_sets)
-    # Copies to CPU in the foreground; the same choice on every rank (the layout and the engine are the same)
-    copied = background.copy(layout.weight_sets) if background is not None else None
-    if copied is None:
-        if background is not None:
-            background.say_foreground("some parameters are offloaded to NVMe, quantized or sharded over a 2-D mesh, "
-                                      "whose parts cannot be copied")
-        run(job)
-        release()
-        return
-    if held and is_writer:  # the caller writes the rest of the checkpoint there while the weights are written
-        target.mkdir(parents=True, exist_ok=True)
-    job = job.on(copied, background.group() if collective else None)
-    background.add(target.name, lambda: write_and_check(job), commit=job.commit if is_writer else None)
-    release()
+    if into is not None:
+        # the same choice on every rank: it depends on the engine's settings, not on the rank
+        copied = stage_weights(layout.weight_sets, into)
+        if copied is not None:
+            if is_writer:  # the caller writes the rest of the checkpoint there while the weights are written
+                target.mkdir(parents=True, exist_ok=True)
+            job = job.on(copied, into.group() if collective else None)
+            into.add(target.name, lambda: write_and_check(job), commit=job.commit if is_writer else None)
+            return
+        into.foreground(CANNOT_COPY)
+    run(job)
 
 
-def reserve(model, max_shard_size, is_writer: bool, background: BackgroundSaves, allocate: bool) -> int | None:
-    """The CPU copy a background save of ``model`` takes on this rank, planned (the layout ``save`` reuses) and, with
-    ``allocate``, allocated and filled once. Call on every rank, at the same point (planning is collective).
+CANNOT_COPY = ("some parameters are offloaded to NVMe, quantized or sharded over a 2-D mesh, whose parts cannot be "
+               "copied")
+
+
+def stage_weights(weight_sets, into: Save):
+    """The weight sets with each source replaced by this rank's CPU copy of it (``engines.sharded.local_copy``: its
+    own part of a partitioned tensor, or the whole tensor), staged in ``into``'s snapshot: copied while training goes
+    on, or measured. None if some source cannot be copied (the same on every rank: it depends on the engine's
+    settings).
+
+    Args:
+        weight_sets: the layout's weight sets (live tensors).
+        into: the checkpoint the copies belong to (or a reserve, or a measure).
+
+    Returns:
+        The weight sets around the copies, or None.
+    """
+    copied = []
+    for ws in weight_sets:
+        units = []
+        for unit in ws.units:
+            sources = []
+            for name, tensor in unit.sources:
+                copy = local_copy(tensor, lambda part: into.stage(part, "weights"))
+                if copy is None:
+                    return None
+                part = copy.part if isinstance(copy, LocalCopy) else copy
+                into.weight_bytes += part.numel() * part.element_size()
+                sources.append((name, copy))
+            units.append(dataclasses.replace(unit, sources=sources))
+        copied.append(dataclasses.replace(ws, units=units))
+    return copied
+
+
+def reserve(model, max_shard_size, is_writer: bool, into: Save) -> int | None:
+    """The CPU copy a background save of ``model`` takes on this rank, planned (the layout ``save`` reuses) and staged
+    in ``into`` (a reserve: allocated and filled once; or a measure). Call on every rank, at the same point (planning
+    is collective).
 
     Args:
         model: the model the background saves will write.
         max_shard_size: as for ``save``.
         is_writer: as for ``save``.
-        background: the ``BackgroundSaves`` whose buffers are reserved.
-        allocate: allocate the buffers (else only measure).
+        into: a ``Save`` in ``Mode.RESERVE`` or ``Mode.MEASURE``.
 
     Returns:
-        Bytes of this rank's copy, or None when some parts cannot be copied (the saves then run in the foreground).
+        Bytes of this rank's copy of the weights, or None when some parts cannot be copied (the saves then run in the
+        foreground).
     """
-    _, layout = _planned(model, max_shard_size, is_writer, background)
+    _, layout = _planned(model, max_shard_size, is_writer, into)
     if layout is None:
         return 0
-    if not allocate:
-        return background.copy_bytes(layout.weight_sets)
-    return None if background.copy(layout.weight_sets) is None else background.snapshot_bytes
+    return None if stage_weights(layout.weight_sets, into) is None else into.weight_bytes
 
 
-def _planned(model, max_shard_size, is_writer: bool, background: BackgroundSaves | None):
-    """Whether the save is collective, and its layout: planned once and kept by ``background`` (``save`` and
+def _planned(model, max_shard_size, is_writer: bool, into: Save | None):
+    """Whether the save is collective, and its layout: planned once and kept by the saves' executor (``save`` and
     ``reserve`` find the same one), or planned now; None when this rank takes no part (whole parameters, not the
     writer)."""
     # Partitioned parameters need every rank at every transfer; whole ones are read by the writer alone.
-    collective = _distributed() and any(is_partitioned(p) for p in model.parameters())
+    collective = distributed() and any(is_partitioned(p) for p in model.parameters())
     if not collective and not is_writer:
         return collective, None
 
     def plan():
         return plan_layout(model, max_shard_size, is_writer, collective)
 
-    if background is None:
+    if into is None:
         return collective, plan()
     key = (id(model), str(max_shard_size), is_writer, collective, tuple(id(p) for p in model.parameters()))
-    return collective, background.layout(key, plan)
+    return collective, into.layout(key, plan)
 
 
 def run(job: SaveJob) -> None:

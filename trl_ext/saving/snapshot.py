@@ -1,22 +1,54 @@
-"""A checkpoint's state copied into CPU buffers that are kept and reused from one checkpoint to the next, so that the
-files can be written later, on another thread, while training changes the originals.
+"""A checkpoint's state copied into CPU buffers kept from one checkpoint to the next (the saves' one buffer pool), so
+that its files can be written on another thread while training goes on, and copied while the next forward and
+backward run.
+
+``stage`` walks what a save writes, on the training thread: it builds the CPU copy's structure around buffers of the
+pool, copies small tensors at once and queues the others. ``start`` runs the queued copies beside training: on a CUDA
+stream of their own for GPU tensors (after an event recorded on the compute stream, so they copy the values of the
+checkpoint's step), on a thread for tensors in CPU memory (so the CPU-only tests exercise the same ordering).
+``wait_for_copies`` ends them before anything changes the originals; the saves' thread ends them (``copied``) before
+it writes.
+
+What changes the originals in place, and so waits for the copies (``wait_for_copies`` runs as a step pre-hook of the
+torch optimizer under every engine's wrappers, ``saving.checkpoints``):
+
+- the optimizer step: the trained weights, their fp32 masters, the optimizer's moments and step counts. It runs only
+  at a gradient-accumulation boundary, so the copies may overlap several micro-batches' forward and backward;
+- DeepSpeed's ``engine.step()``, which accelerate calls inside ``backward`` (before Trainer's own
+  ``on_pre_optimizer_step``): after the optimizer step it rewrites the 16-bit partitions (ZeRO-3's ``ds_tensor``) and
+  ZeRO-1/2's flat 16-bit buffers from the fp32 masters. The pre-hook on the optimizer it wraps runs before both;
+- FSDP2's sharded parameters (each DTensor's local shard): the optimizer step updates them; forward and backward only
+  read them to all-gather.
+
+Copied at once instead, on the training thread (in the compute stream's order on a GPU): what changes outside the
+optimizer step, the model's buffers (``copy_at_once``: a forward pass may update them, as BatchNorm's running
+statistics), and every tensor of at most ``SMALL_BYTES`` (counters, scalars: cheaper at once). The rest of what a
+checkpoint holds does not change before the optimizer step: the RNG states are new tensors (the generators' state is
+copied by ``get_rng_state``), the scheduler's state and loss scalers are numbers (copied with the structure), the
+trainer state is JSON written at once. Gradients are not part of a checkpoint.
 
 The copy preserves what ``torch.save`` writes, so a file saved from the copy is byte for byte the file saved from the
 original: ``torch.save`` writes each tensor's whole storage, so a view of a larger flat buffer (ZeRO-2's fp32
-partition, the views of DeepSpeed's flat 16-bit model) is copied as the same view of a copy of its whole storage;
-tensors sharing a storage share one copied storage; a tensor's attributes (ZeRO-3's ``ds_id``) and an
-``OrderedDict``'s ``_metadata`` are copied too. A DTensor (FSDP2) keeps its mesh, placements and global shape around a
-copy of this rank's shard. Everything else is ``copy.deepcopy``'d, with one memo, so shared objects stay shared.
+partition, the views of DeepSpeed's flat 16-bit model) is copied as the same view of a copy of its whole storage.
+Storages are copied once per checkpoint, whichever file or part meets them first: tensors sharing a storage share one
+copied storage, and ZeRO-2's weights (the safetensors) and DeepSpeed's model states (``mp_rank_00_model_states.pt``,
+the same flat buffers) share one copy. A tensor's attributes (ZeRO-3's ``ds_id``) and an ``OrderedDict``'s
+``_metadata`` are copied too. A DTensor (FSDP2) keeps its mesh, placements and global shape around a copy of this
+rank's shard. Everything else is ``copy.deepcopy``'d, with one memo, so shared objects stay shared.
 
-Buffers are keyed by the file's name and the storage's position in it, the same from one checkpoint to the next. On a
-GPU they are pinned and the copies asynchronous: ``wait`` before the copied tensors are read, or before the originals
-change (the next optimizer step).
+Buffers are keyed by the part's name and the storage's position in it, the same from one checkpoint to the next, and
+pinned on a GPU machine (copies from the GPU run asynchronously only into page-locked memory).
 """
 
 import copy
+import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
+
+SMALL_BYTES = 4 << 10  # at most this, a tensor is copied at once (counters, scalars): a queued copy costs more
 
 
 def _dtensor_class():
@@ -25,6 +57,75 @@ def _dtensor_class():
     except ImportError:  # torch without DTensor
         return None
     return DTensor
+
+
+class _Copies:
+    """One checkpoint's queued copies, running beside training: GPU sources on ``stream``, CPU ones on a thread."""
+
+    def __init__(self, queued: list[tuple[torch.UntypedStorage, torch.UntypedStorage]], stream,
+                 on_copies: Callable[[str], None] | None):
+        # ``stream`` is None unless some source is on the GPU (the small ones were copied on the compute stream)
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self._event = None  # recorded on ``stream`` after the GPU copies
+        self._waited_on_gpu = None  # recorded on the compute stream where the optimizer step waited for them
+        gpu = [(t, s) for t, s in queued if s.device.type != "cpu"]
+        cpu = [(t, s) for t, s in queued if s.device.type == "cpu"]
+        if stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()  # the compute stream's work so far: the values of the checkpoint's step
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                for target, source in gpu:
+                    target.copy_(source, non_blocking=True)
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record(stream)
+        self._thread = None
+        if cpu or on_copies is not None:
+            self._thread = threading.Thread(target=self._copy, args=(cpu, on_copies), name="trl_ext-copies",
+                                            daemon=True)
+            self._thread.start()
+
+    def _copy(self, pairs, on_copies) -> None:
+        try:
+            if on_copies is not None:
+                on_copies("start")  # tests: copies slowed on purpose
+            for target, source in pairs:
+                target.copy_(source)
+            if on_copies is not None:
+                on_copies("end")
+        except BaseException as exc:  # noqa: BLE001 - reported by the saves' thread, on every rank
+            self.error = exc
+        self.ended = time.monotonic()
+
+    def done(self) -> bool:
+        return (self._thread is None or not self._thread.is_alive()) and (self._event is None or self._event.query())
+
+    def wait_for_training(self) -> None:
+        """Before the originals change: the CPU copies joined; the GPU ones ordered before the compute stream's next
+        work (the host does not wait for them)."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._event is not None and self._waited_on_gpu is None:
+            self._waited_on_gpu = torch.cuda.Event(enable_timing=True)
+            self._waited_on_gpu.record()
+            torch.cuda.current_stream().wait_event(self._event)
+
+    def wait(self) -> None:
+        """Until every copy is complete (the saves' thread, before it reads them)."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._event is not None:
+            self._event.synchronize()
+
+    def gpu_stall(self) -> float:
+        """Seconds the compute stream waited for the GPU copies before the optimizer step (0 if they were done)."""
+        if self._event is None or self._waited_on_gpu is None:
+            return 0.0
+        self._event.synchronize()
+        self._waited_on_gpu.synchronize()
+        return max(0.0, self._waited_on_gpu.elapsed_time(self._event) / 1000)
 
 
 class Snapshot:
@@ -38,7 +139,27 @@ class Snapshot:
         self.pinned = pinned
         self._buffers: dict[tuple, torch.UntypedStorage] = {}
         self.allocated = 0  # bytes allocated so far: after the first checkpoint (or a reserve), nothing more
-        self._event = None  # on a GPU: recorded after the last copies
+        self.nbytes = 0  # the bytes this checkpoint's copies take
+        self.on_copies: Callable[[str], None] | None = None  # tests: called on the copies' thread ("start", "end")
+        self.copy_at_once: set[int] = set()  # storages (``_cdata``) that change outside the optimizer step
+        self._stream = None
+        self._begin()
+
+    def _begin(self) -> None:
+        # source storage (torch.save's key) -> (the source, kept alive until copied; its copy)
+        self._storages: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self._counts: dict[str, int] = {}
+        self._queued: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self._copies: _Copies | None = None
+        self._on_gpu = False  # some source is on the GPU: the copies end with an event of their stream
+        self.nbytes = 0
+
+    def begin(self) -> None:
+        """A new checkpoint: the previous one's copies are complete (the saves' thread waited for them), its buffers
+        are reused."""
+        if self._copies is not None:
+            self._copies.wait()
+        self._begin()
 
     def _buffer(self, key: tuple, nbytes: int) -> torch.UntypedStorage:
         buffer = self._buffers.get(key)
@@ -50,7 +171,7 @@ class Snapshot:
 
     @staticmethod
     def measure(obj) -> int:
-        """The bytes ``copy`` would hold for ``obj`` (each distinct storage once; a DTensor's local shard)."""
+        """The bytes ``stage`` would hold for ``obj`` (each distinct storage once; a DTensor's local shard)."""
         dtensor, seen, total = _dtensor_class(), set(), 0
 
         def walk(o):
@@ -72,31 +193,42 @@ class Snapshot:
         walk(obj)
         return total
 
+    def _storage_copy(self, source: torch.UntypedStorage, key: str, at_once: bool) -> torch.UntypedStorage:
+        found = self._storages.get(source._cdata)
+        if found is not None:
+            return found[1]
+        count = self._counts.get(key, 0)
+        self._counts[key] = count + 1
+        target = self._buffer((key, count), source.nbytes())
+        self._storages[source._cdata] = (source, target)
+        self.nbytes += source.nbytes()
+        self._on_gpu = self._on_gpu or source.device.type != "cpu"
+        if source.nbytes():
+            if at_once or source.nbytes() <= SMALL_BYTES or source._cdata in self.copy_at_once:
+                # on a GPU, in the compute stream's order: before the next forward changes a buffer
+                target.copy_(source, non_blocking=self.pinned and source.device.type != "cpu")
+            else:
+                self._queued.append((target, source))
+        return target
+
     @torch.no_grad()
-    def copy(self, obj, key: str):
-        """A copy of ``obj`` with every tensor in this snapshot's CPU buffers (see the module docstring).
+    def stage(self, obj, key: str, at_once: bool = False):
+        """A copy of ``obj`` with every tensor in this snapshot's CPU buffers (see the module docstring): the small
+        ones copied now, the others once ``start`` runs them.
 
         Args:
-            obj: what a save writes (a state dict, nested in dicts, lists and tuples).
-            key: the file's name, the same at every checkpoint (buffers are reused by it).
+            obj: what a save writes (a tensor, or a state dict nested in dicts, lists and tuples).
+            key: the part's name, the same at every checkpoint (buffers are reused by it).
+            at_once: copy everything now (reserving the buffers when training starts).
 
         Returns:
-            The copy, which ``torch.save`` writes to the same bytes as ``obj``.
+            The copy, which ``torch.save`` writes to the same bytes as ``obj`` once the copies are complete.
         """
         dtensor = _dtensor_class()
-        storages: dict[int, torch.UntypedStorage] = {}  # the source storage (as torch.save keys them) -> its copy
         memo: dict[int, object] = {}
-        count = [0]
 
         def tensor(x: torch.Tensor) -> torch.Tensor:
-            source = x.untyped_storage()
-            target = storages.get(source._cdata)
-            if target is None:
-                target = self._buffer((key, count[0]), source.nbytes())
-                count[0] += 1
-                if source.nbytes():
-                    target.copy_(source, non_blocking=self.pinned and source.device.type != "cpu")
-                storages[source._cdata] = target
+            target = self._storage_copy(x.untyped_storage(), key, at_once)
             y = torch.empty(0, dtype=x.dtype).set_(target, x.storage_offset(), x.size(), x.stride())
             if isinstance(x, torch.nn.Parameter):
                 y = torch.nn.Parameter(y, requires_grad=x.requires_grad)
@@ -134,16 +266,45 @@ class Snapshot:
             memo[id(o)] = copied
             return copied
 
-        result = walk(obj)
-        if self.pinned and torch.cuda.is_available():
-            self._event = torch.cuda.Event()
-            self._event.record()
-        return result
+        return walk(obj)
 
-    def wait(self) -> None:
-        """Until the asynchronous copies (pinned buffers on a GPU) are complete; at once on a CPU. Both the saves'
-        thread (before it writes) and the training thread (before the next optimizer step) wait: the event stays, so
-        neither finds it gone while the other waits."""
-        event = self._event
-        if event is not None:
-            event.synchronize()
+    def start(self) -> None:
+        """Run the queued copies beside training (see the module docstring); at once if there are none."""
+        if self._copies is not None:
+            return
+        if self._on_gpu and self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._copies = _Copies(self._queued, self._stream if self._on_gpu else None, self.on_copies)
+        self._queued = []
+
+    def wait_for_copies(self) -> float:
+        """On the training thread, before anything changes the originals (the next optimizer step): the copies are
+        complete (CPU), or ordered before the compute stream's next work (GPU, without blocking the host).
+
+        Returns:
+            The seconds the training thread waited.
+        """
+        if self._copies is None:
+            return 0.0
+        start = time.monotonic()
+        self._copies.wait_for_training()
+        return time.monotonic() - start
+
+    def copied(self) -> BaseException | None:
+        """On the saves' thread, before it writes: waits until every copy is complete.
+
+        Returns:
+            What a copy raised, or None.
+        """
+        if self._copies is None:
+            return None  # nothing was staged
+        self._copies.wait()
+        return self._copies.error
+
+    def in_flight(self) -> bool:
+        """Whether copies were started and are not complete."""
+        return self._copies is not None and not self._copies.done()
+
+    def gpu_stall(self) -> float:
+        """Seconds the GPU's compute stream waited for this checkpoint's copies before the optimizer step."""
+        return self._copies.gpu_stall() if self._copies is not None else 0.0

@@ -96,8 +96,7 @@ class TrlExtMixin:
         if preemption.wanted(self.args):  # SIGTERM/SIGUSR1: every rank stops at a step boundary, with a checkpoint
             preemption.replace_jit_checkpoint(self)
             self._preemption = preemption.Preemption()
-            if self._checkpoints.background is not None:  # the checkpoint in flight is committed before the exit
-                self._preemption.before_exit = functools.partial(self._checkpoints.background.wait, self.args.device)
+            self._preemption.before_exit = self._checkpoints.wait_for_writes  # the checkpoint in flight is committed
             self.add_callback(self._preemption)
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
@@ -147,8 +146,7 @@ class TrlExtMixin:
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         except BaseException:  # a checkpoint still being written is not committed: the run stopped before it was whole
-            if self._checkpoints.background is not None:
-                self._checkpoints.background.abandon()
+            self._checkpoints.abandon()
             raise
         finally:  # a failed run too gives the signals back their handlers; a preempted one is exiting
             if self._preemption is not None and not self._preemption.stopping:
@@ -201,7 +199,7 @@ class TrlExtMixin:
             saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
                         training_args=self.args,
                         max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE),
-                        is_writer=self._writes_files(), background=self._checkpoints.collecting(), held=True)
+                        is_writer=self._writes_files(), into=self._checkpoints.collecting)
         except CheckpointError as exc:
             diverged = self._diverged(exc)
             if diverged is None:
@@ -238,7 +236,7 @@ class TrlExtMixin:
             with patches.swapped("staged-checkpoint-dir", self, "_get_output_dir", lambda trial=None: staging_run_dir):
                 super(TrlExtMixin, self)._save_checkpoint(model, trial)
 
-        self._checkpoints.save(self, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint)
+        self._checkpoints.save(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

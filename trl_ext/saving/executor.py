@@ -1,0 +1,174 @@
+"""The saves' thread: one checkpoint at a time, its parts written, checked, agreed on and committed while training
+goes on.
+
+A ``Save`` is one checkpoint, collected on the training thread: its parts are copied (``stage``, into the snapshot's
+buffers) and queued (``add``), the weights by ``pipeline.save`` and the files other libraries write by ``deferred``.
+``Executor.run`` then runs it on a thread of its own, on every rank: it waits until the copies are complete, writes and
+checks every part, agrees on every rank's outcome over a gloo process group of the saves' own (so their collectives
+never interleave with training's), and runs the commits (the weights renamed into the checkpoint, the checkpoint
+renamed into place, retention). A failure on any rank commits nothing, on every rank.
+"""
+
+import datetime
+import enum
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from trl_ext import errors
+from trl_ext.errors import CheckpointError
+from trl_ext.process import distributed
+from trl_ext.saving.snapshot import Snapshot
+
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # as the default group's: one transfer or agreement of a save
+Task = Callable[[], "CheckpointError | None"]  # writes and checks one part; returns its failure, never raises
+
+
+class Mode(enum.Enum):
+    """What a ``Save`` does with the parts it is given."""
+
+    WRITE = "write"  # copy them and write them on the saves' thread: a checkpoint in the background
+    RESERVE = "reserve"  # copy them at once and write nothing: the buffers allocated when training starts
+    MEASURE = "measure"  # count the bytes their copies would take, copy nothing
+
+
+def failed(exc: BaseException) -> CheckpointError:
+    """Any exception of a save's part as the ``CheckpointError`` every rank raises."""
+    return exc if isinstance(exc, CheckpointError) else CheckpointError(
+        f"saving failed: {type(exc).__name__}: {exc}", kind="save")
+
+
+class Save:
+    """One checkpoint in the background: its parts, copied and queued on the training thread, then run by the
+    ``Executor``.
+
+    Args:
+        target: the directory it commits (``checkpoint-N``).
+        executor: runs it (its process group and layouts).
+        snapshot: the buffer pool its parts are copied into.
+        mode: ``Mode.WRITE``, or a reserve or a measure of the copies (nothing is written).
+    """
+
+    def __init__(self, target: Path, executor: "Executor", snapshot: Snapshot, mode: Mode = Mode.WRITE):
+        self.target, self.executor, self.snapshot, self.mode = Path(target), executor, snapshot, mode
+        self.parts: list[tuple[str, Task]] = []
+        self.commits: list[Callable[[], None]] = []
+        self.measured = 0  # Mode.MEASURE: the bytes the copies would take
+        self.weight_bytes = 0  # the bytes of this rank's parts of the weights (the layout's sources)
+        self.cancelled = False
+        self.error: BaseException | None = None  # set by the saves' thread
+        self.write_s = 0.0  # the saves' thread: from its start to the commit
+        self.committed_bytes = 0  # the committed checkpoint's files (its writer)
+        self.costs: dict[str, float] = {}  # how long the training thread was held for it, by part
+        self.copies_waited = False  # the training thread has waited for its copies
+        self.foreground: Callable[[str], None] = lambda why: None  # says, once, why a part is saved at once
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    def group(self):
+        """The process group of the saves' transfers and agreements (None outside a distributed run)."""
+        return self.executor.group()
+
+    def layout(self, key, compute: Callable[[], object]):
+        """A save's layout, planned once per model (``Executor.layout``)."""
+        return self.executor.layout(key, compute)
+
+    def stage(self, obj, key: str):
+        """``obj``'s CPU copy (``Snapshot.stage``), or, when measuring, ``obj`` itself with its bytes counted."""
+        if self.mode is Mode.MEASURE:
+            self.measured += Snapshot.measure(obj)
+            return obj
+        return self.snapshot.stage(obj, key, at_once=self.mode is Mode.RESERVE)
+
+    def add(self, name: str, task: Task, commit: Callable[[], None] | None = None) -> None:
+        """Queue one part (ignored unless ``Mode.WRITE``).
+
+        Args:
+            name: what the part writes (a file or directory name), for ``Executor.events``.
+            task: writes and checks it on the saves' thread, after the parts queued before it; returns its failure.
+                It runs on every rank that queued it even after an earlier part failed (its transfers are
+                collective).
+            commit: run once every rank's every part succeeded (the weights renamed into place), in queue order.
+        """
+        if self.mode is not Mode.WRITE:
+            return
+        self.parts.append((name, task))
+        if commit is not None:
+            self.commits.append(commit)
+
+
+class Executor:
+    """Runs one ``Save`` at a time on a thread of its own, with a gloo process group of its own.
+
+    ``events`` records, in order, when each save started and finished (``("started", name, time.monotonic())``,
+    ``("finished", ...)``), when its copies were complete (``"copied"``) and when each part was written
+    (``("wrote", part, time)``), for tests and benchmarks.
+    """
+
+    def __init__(self):
+        self._group = None
+        self._thread: threading.Thread | None = None
+        self._layouts: dict = {}
+        self.events: list[tuple[str, str, float]] = []
+
+    def group(self):
+        """The saves' process group (created on first use, on every rank at the same point; None outside a
+        distributed run)."""
+        if self._group is None and distributed():
+            self._group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+        return self._group
+
+    def layout(self, key, compute: Callable[[], object]):
+        """A save's layout (who writes which file of what), computed once per model and kept: planning it again at
+        every checkpoint would hold training for nothing (the model's tensors do not change during training)."""
+        if key not in self._layouts:
+            self._layouts = {key: compute()}
+        return self._layouts[key]
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def run(self, save: Save) -> None:
+        """Start writing ``save`` on the saves' thread (every rank; its copies started)."""
+        if self.running():
+            raise CheckpointError("a background save is already in flight: wait for it first", kind="in-flight")
+        self.group()  # created here, at the same point on every rank
+        self.events.append(("started", save.name, time.monotonic()))
+        self._thread = threading.Thread(target=self._run, args=(save,), name="trl_ext-save", daemon=True)
+        self._thread.start()
+
+    def _run(self, save: Save) -> None:
+        """The saves' thread: the copies, every part, the agreement, the commits."""
+        start = time.monotonic()
+        try:
+            copy_error = save.snapshot.copied()
+            error = None if copy_error is None else failed(copy_error)
+            self.events.append(("copied", save.name, time.monotonic()))
+            for name, task in save.parts:  # all of them, even after a failure: their transfers are collective
+                try:
+                    failure = task()
+                except BaseException as exc:  # noqa: BLE001 - agreed on below, never left to hang the others
+                    failure = failed(exc)
+                self.events.append(("wrote", name, time.monotonic()))
+                error = error or failure
+            if save.cancelled and error is None:
+                error = CheckpointError(f"saving failed: the save of {save.target} was abandoned because training "
+                                        "stopped before it was complete; earlier checkpoints are intact", kind="save")
+            errors.agree(error, self._group, prefer=(errors.NONFINITE,))
+            for commit in save.commits:
+                commit()
+            if self._group is not None:
+                dist.barrier(group=self._group)  # nobody reads the checkpoint before it is in place
+        except BaseException as exc:  # noqa: BLE001 - reported on the training thread, on every rank
+            save.error = exc
+        save.write_s = time.monotonic() - start
+        self.events.append(("finished", save.name, time.monotonic()))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
