@@ -1,6 +1,6 @@
 """The trl_ext modules a checkpoint's path runs code in, from ``Trainer._save_checkpoint`` to the committed directory:
 on the training thread inside the save and at the waits that belong to it, and on every thread the save starts. A
-count, not a timing: the same run gives the same modules (tests/unit/test_checkpoint_lifecycle.py)."""
+count, not a timing: the same run gives the same modules (bench/checkpoint_path.py)."""
 
 import sys
 import threading
@@ -14,7 +14,7 @@ class ModulesCrossed:
 
     def __init__(self):
         self.modules: set[str] = set()
-        self.calls: set = set()
+        self.calls: set[tuple[str, str]] = set()  # (module, function)
         self.active = False
         self._lock = threading.Lock()
 
@@ -23,7 +23,8 @@ class ModulesCrossed:
             name = frame.f_globals.get("__name__", "")
             if name == _ROOT or name.startswith(_ROOT + "."):
                 with self._lock:
-                    self.modules.add(name); self.calls.add((name, frame.f_code.co_name))
+                    self.modules.add(name)
+                    self.calls.add((name, frame.f_code.co_name))
 
     def _trainer_thread(self, frame, event, arg):
         if self.active:
