@@ -113,7 +113,7 @@ def throughput(check, deadline: float) -> dict:
                 gap = trl["mfu_percent"] - ours["mfu_percent"]
                 goals[f"{name}: MFU within 2 points of TRL's"] = ok(gap <= 2, f"{ours['mfu_percent']:.1f}% vs "
                                                                              f"{trl['mfu_percent']:.1f}%")
-    notes = [f"{found.get('device')}: {found.get('params', 0) / 1e6:.0f}M parameters; MFU against "
+    notes = [f"{found.get('device')}: {(found.get('params') or 0) / 1e6:.0f}M parameters; MFU against "
              + (f"{found['peak_tflops']:g} TFLOP/s (dense bf16)" if found.get("peak_tflops") else "no known peak")]
     return {"rows": rows, "checks": checks, "goals": goals, "notes": notes}
 

@@ -68,7 +68,8 @@ class Check:
     def __init__(self, out: Path, work: Path, smoke: bool, budget: float, parallel: bool):
         self.out, self.work, self.smoke, self.parallel = out, work, smoke, parallel
         self.deadline = time.monotonic() + budget
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the results and log.txt, written by both lanes of a smoke run
+        self.reload_lock = threading.Lock()  # one request at a time to the reload process
         self.results = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "smoke": smoke,
                         "budget_s": budget, "env": {}, "steps": {}}
         self.log = out / "log.txt"
@@ -115,7 +116,7 @@ class Check:
 
     def reload(self, requests: list[dict], limit: float) -> dict:
         """Answers of the reload process (started on first use, restarted if it died), by request id."""
-        with self.lock:
+        with self.reload_lock:
             if self.reloader is None or self.reloader.proc.poll() is not None:
                 self.reloader = Reloader(self.log, self.env())
             return self.reloader.ask(requests, max(5.0, min(limit, self.remaining())))

@@ -18,6 +18,7 @@ DPO's reference forward included, gradient-checkpointing recompute not counted.
 """
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -36,19 +37,25 @@ def peak_tflops(device: str) -> float | None:
     return peak / 1e12 if peak else None
 
 
-def run(args: list[str], smoke: bool) -> tuple[list[dict], str | None]:
-    """The worker's results (one per BENCH line: one per workload of a ``--plan``), and its failure if it failed."""
+def run(args: list[str], smoke: bool, record) -> None:
+    """Run the worker; ``record(results, failure)`` as each of its BENCH lines arrives (one per workload of a
+    ``--plan``: a run stopped early keeps those measured so far), and with its failure if it failed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if smoke else None
-    done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=1800,
-                          check=False, env=env)
-    results = [json.loads(line[6:]) for line in done.stdout.splitlines() if line.startswith("BENCH ")]
-    failed = [json.loads(line[13:]) for line in done.stdout.splitlines() if line.startswith("BENCH_FAILED ")]
-    if failed:  # workloads of a --plan that failed while the others ran
-        return results, "\n".join(f"run failed: {f['trainer']} {f['tuning']} gc={f['gc']} {f['impl']}\n{f['error']}"
-                                  for f in failed)
-    if done.returncode != 0 or not results:
-        return results, f"run failed ({done.returncode}): {args}\n{(done.stdout + done.stderr)[-3000:]}"
-    return results, None
+    tail, reported = collections.deque(maxlen=300), 0
+    with subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env) as proc:
+        for line in proc.stdout:
+            if line.startswith("BENCH "):
+                record([json.loads(line[6:])], None)
+                reported += 1
+            elif line.startswith("BENCH_FAILED "):  # a workload of a --plan that failed while the others ran
+                f = json.loads(line[13:])
+                record([], f"run failed: {f['trainer']} {f['tuning']} gc={f['gc']} {f['impl']}\n{f['error']}")
+                reported += 1
+            else:
+                tail.append(line)
+    if (proc.returncode != 0 and reported == 0) or proc.returncode not in (0, 1):  # 1: BENCH_FAILED said why
+        record([], f"run failed ({proc.returncode}): {args}\n{''.join(tail)[-3000:]}")
 
 
 def report(r: dict) -> None:
@@ -128,10 +135,10 @@ def main():
 
     if cli.one_process:
         plan = [dict(zip(("trainer", "tuning", "gc", "impl"), w)) for w in order]
-        record(*run(["--plan", json.dumps(plan), *sizes], cli.smoke))
+        run(["--plan", json.dumps(plan), *sizes], cli.smoke, record)
     else:
         for trainer, tuning, gc, impl in order:
-            record(*run(["--impl", impl, "--trainer", trainer, "--tuning", tuning, "--gc", gc, *sizes], cli.smoke))
+            run(["--impl", impl, "--trainer", trainer, "--tuning", tuning, "--gc", gc, *sizes], cli.smoke, record)
     if not results:
         sys.exit("no run finished")
     first = results[0]
