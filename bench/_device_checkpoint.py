@@ -136,6 +136,8 @@ def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from
     start = time.monotonic()
     trainer.train(resume_from_checkpoint=resume_from)
     total = time.monotonic() - start
+    if on_gpu:
+        torch.cuda.synchronize()
     background_saves = getattr(checkpoints, "background", None)
     events = list(getattr(background_saves, "events", None) or [])
     history = trainer.state.log_history
@@ -149,6 +151,7 @@ def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "snapshot_bytes": getattr(background_saves, "snapshot_bytes", None),
     }
+    found["summary"] = summarise(found, cli.save_steps, cli.steps)
     del trainer, clock
     for cls in (AcceleratorState, GradientState):  # the next run builds its own accelerator
         cls._shared_state.clear()
@@ -253,8 +256,6 @@ def main():
         checks["resumed losses"].append(f"steps logged after the resume: {sorted(map(int, resumed))}")
     final = f"checkpoint-{cli.steps}"
     checks["resumed final checkpoint"] = same_checkpoint(bg / final, Path(runs["resumed"]["output_dir"]) / final)
-    for name, run in runs.items():
-        run["summary"] = summarise(run, cli.save_steps, cli.steps)
     report["reload"] = {"path": str(bg / f"checkpoint-{last_background}"), "probes": runs["foreground"]["probes"],
                         "dtype": "bfloat16" if on_gpu else "float32", "attn": "eager"}
     shutil.rmtree(fg, ignore_errors=True)

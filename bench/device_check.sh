@@ -23,6 +23,10 @@ for arg in "$@"; do
 done
 {
     if [ "$smoke" = 0 ]; then
+        if ! compgen -G ".whl/*.whl" > /dev/null; then
+            echo "device_check: no wheels in .whl/ (bench/device_wheels.sh makes them; carry .whl): trl, datasets," \
+                 "DeepSpeed and bitsandbytes must be installed already"
+        fi
         for dir in .whl .whl2; do
             if compgen -G "$dir/*.whl" > /dev/null; then
                 echo "+ installing $(ls "$dir"/*.whl | wc -l) wheels from $dir into /tmp/site"
