@@ -219,6 +219,8 @@ def main():
     assert cli.steps % cli.save_steps == 0 and cli.steps // cli.save_steps >= 3, "need 2 background checkpoints"
     on_gpu = torch.cuda.is_available() and not cli.smoke
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # Deterministic kernels only: filling every new tensor (3 GB of pinned copies included) would distort the timings
+    torch.utils.deterministic.fill_uninitialized_memory = False
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     last_background = cli.steps - cli.save_steps
     report = {"steps": cli.steps, "save_steps": cli.save_steps, "batch": cli.batch, "seq_len": cli.seq_len,
