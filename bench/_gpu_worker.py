@@ -21,14 +21,19 @@ input gradient (2% on the 2-layer smoke model, about 0.1% on 24 layers).
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import random
+import shutil
 import statistics
+import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import trl
+from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
@@ -138,12 +143,14 @@ def data(kind: str, seq_len: int, rows: int = 512) -> Dataset:
                               "rejected": [text(seq_len) for _ in range(rows)]})
 
 
-def main():
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["trl", "trl_ext"], required=True)
-    parser.add_argument("--trainer", choices=["sft", "dpo"], required=True)
-    parser.add_argument("--tuning", choices=["lora", "full"], required=True)
-    parser.add_argument("--gc", choices=["on", "off"], required=True)
+    parser.add_argument("--impl", choices=["trl", "trl_ext"])
+    parser.add_argument("--trainer", choices=["sft", "dpo"])
+    parser.add_argument("--tuning", choices=["lora", "full"])
+    parser.add_argument("--gc", choices=["on", "off"])
+    parser.add_argument("--plan", help="several workloads in this process, one after another: a JSON list of "
+                        "{impl, trainer, tuning, gc}; prints one BENCH line each")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seq_len", type=int, default=1024)
@@ -151,9 +158,19 @@ def main():
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU, same code path")
     parser.add_argument("--flop_check", action="store_true", help="check the FLOPs formula with torch's counter")
-    cli = parser.parse_args()
+    cli = parser.parse_args(argv)
+    if not cli.plan and None in (cli.impl, cli.trainer, cli.tuning, cli.gc):
+        parser.error("give --impl, --trainer, --tuning and --gc, or --plan")
+    return cli
 
+
+def run(cli: argparse.Namespace) -> dict:
+    """One workload (``cli.impl``, ``cli.trainer``, ``cli.tuning``, ``cli.gc``); returns what ``main`` prints."""
     on_gpu = torch.cuda.is_available() and not cli.smoke
+    # Peak memory over what this process held before the run (nothing, unless runs came before it in this process)
+    base = torch.cuda.memory_allocated() if on_gpu else 0
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     shape = SHAPE_SMOKE if cli.smoke else SHAPE_0P5B
     config = LlamaConfig(max_position_embeddings=2 * cli.seq_len, pad_token_id=tokenizer.pad_token_id,
@@ -178,7 +195,8 @@ def main():
     if cli.trainer == "dpo" and peft_config is None:  # TRL would reload the reference from the hub name: pass a copy
         extra["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
     meter = StepMeter()
-    trainer = trainer_cls(model=model, args=args, train_dataset=data(cli.trainer, cli.seq_len),
+    dataset = data(cli.trainer, cli.seq_len, rows=cli.steps * per_device)  # one epoch: no row is tokenized for nothing
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[meter], peft_config=peft_config, **extra)
 
     training_step = trainer.training_step  # the same wrapper on both sides: it only reads the batch
@@ -192,8 +210,6 @@ def main():
     d_attn = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
 
     flop_check = flop_counter_check(trainer, meter, frozen, trained, config, d_attn) if cli.flop_check else None
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
     trainer.train()
 
     steady = slice(cli.warmup, None) if len(meter.times) > cli.warmup else slice(None)
@@ -204,12 +220,39 @@ def main():
         "impl": cli.impl, "trainer": cli.trainer, "tuning": cli.tuning, "gc": cli.gc,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "params": params, "trained_linear": trained, "frozen_linear": frozen,
-        "step_s": statistics.median(times), "tokens_per_step": statistics.median(tokens),
+        "steps_timed": len(times), "step_s": statistics.median(times), "tokens_per_step": statistics.median(tokens),
         "tokens_per_s": sum(tokens) / sum(times), "model_flops_per_s": flops / sum(times),
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+        "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if on_gpu else None,
         "flop_check": flop_check,
     }
-    print("BENCH " + json.dumps(result), flush=True)
+    shutil.rmtree(args.output_dir, ignore_errors=True)
+    del trainer, model, extra, counted_step
+    for cls in (AcceleratorState, GradientState):  # a next run in this process builds its own accelerator
+        cls._shared_state.clear()
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    cli = parse()
+    if not cli.plan:
+        print("BENCH " + json.dumps(run(cli)), flush=True)
+        return
+    failed = 0
+    for workload in json.loads(cli.plan):  # a workload that fails (out of memory...) does not stop the next ones
+        try:
+            print("BENCH " + json.dumps(run(argparse.Namespace(**{**vars(cli), **workload}))), flush=True)
+        except Exception:  # noqa: BLE001 - reported on its own line; the exit code says it
+            failed += 1
+            print("BENCH_FAILED " + json.dumps({**workload, "error": traceback.format_exc()[-3000:]}), flush=True)
+            for cls in (AcceleratorState, GradientState):
+                cls._shared_state.clear()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -5,16 +5,20 @@ full fine-tuning, with and without gradient checkpointing, by TRL's trainers and
     python bench/gpu.py --trainers sft --tunings lora  # a subset
     python bench/gpu.py --peak_tflops 989              # a GPU missing from TRL's peak table
     python bench/gpu.py --smoke                        # the same code on CPU with a tiny model, 3 steps (a check)
+    python bench/gpu.py --one_process --json out.json  # every run in one process; the table also as JSON
 
-Each run is its own process (clean peak memory), sequence 1024, 8 sequences per step (DPO: 4 pairs, chosen and
-rejected both counted), 20 steps of which the first 5 are skipped. Runs alternate TRL / trl_ext, the order flipping
-every repeat. Printed per workload: tokens/s, peak GPU memory (torch.cuda.max_memory_allocated: weights, optimizer,
-activations), model TFLOP/s and MFU against the GPU's dense bf16 peak, and trl_ext's step time over TRL's.
+Each run is its own process (clean peak memory; with ``--one_process`` all runs share one, which saves each one's
+start-up, and peak memory is counted over what the process held before the run), sequence 1024, 8 sequences per step
+(DPO: 4 pairs, chosen and rejected both counted), 20 steps of which the first 5 are skipped. Runs alternate TRL /
+trl_ext, the order flipping every repeat. Printed per workload: tokens/s, peak GPU memory
+(torch.cuda.max_memory_allocated: weights, optimizer, activations), model TFLOP/s and MFU against the GPU's dense bf16
+peak, and trl_ext's step time over TRL's. A run that fails is reported and the others go on (exit code 1 at the end).
 The FLOPs convention is in bench/_gpu_worker.py: 6N per trained token (4N for frozen weights), PaLM's attention term,
 DPO's reference forward included, gradient-checkpointing recompute not counted.
 """
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -33,14 +37,53 @@ def peak_tflops(device: str) -> float | None:
     return peak / 1e12 if peak else None
 
 
-def run(args: list[str], smoke: bool) -> dict:
+def run(args: list[str], smoke: bool, record) -> None:
+    """Run the worker; ``record(results, failure)`` as each of its BENCH lines arrives (one per workload of a
+    ``--plan``: a run stopped early keeps those measured so far), and with its failure if it failed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if smoke else None
-    done = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, timeout=1800,
-                          check=False, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
-    if done.returncode != 0 or not lines:
-        sys.exit(f"run failed ({done.returncode}): {args}\n{(done.stdout + done.stderr)[-3000:]}")
-    return json.loads(lines[-1][6:])
+    tail, reported = collections.deque(maxlen=300), 0
+    with subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env) as proc:
+        for line in proc.stdout:
+            if line.startswith("BENCH "):
+                record([json.loads(line[6:])], None)
+                reported += 1
+            elif line.startswith("BENCH_FAILED "):  # a workload of a --plan that failed while the others ran
+                f = json.loads(line[13:])
+                record([], f"run failed: {f['trainer']} {f['tuning']} gc={f['gc']} {f['impl']}\n{f['error']}")
+                reported += 1
+            else:
+                tail.append(line)
+    if (proc.returncode != 0 and reported == 0) or proc.returncode not in (0, 1):  # 1: BENCH_FAILED said why
+        record([], f"run failed ({proc.returncode}): {args}\n{''.join(tail)[-3000:]}")
+
+
+def report(r: dict) -> None:
+    check = r["flop_check"]
+    print(f"{r['trainer']} {r['tuning']} gc={r['gc']} {r['impl']}: step {r['step_s']:.3f}s, "
+          f"{r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_step']:.0f} tokens/step"
+          + (f"; FLOPs of one step, torch's counter / formula: {check['counted/formula']:.3f}" if check else ""),
+          flush=True)
+
+
+def table(results: list[dict], impls: list[str], peak: float | None) -> list[dict]:
+    """One row per workload and implementation: medians over its runs, MFU against ``peak``, step time over TRL's."""
+    rows = []
+    for key in dict.fromkeys((r["trainer"], r["tuning"], r["gc"]) for r in results):
+        runs = {impl: [r for r in results if (r["trainer"], r["tuning"], r["gc"], r["impl"]) == (*key, impl)]
+                for impl in impls}
+        med = {impl: {k: statistics.median(r[k] for r in rs) for k in ("step_s", "tokens_per_s", "model_flops_per_s")}
+               for impl, rs in runs.items() if rs}
+        for impl, rs in runs.items():
+            if not rs:
+                continue
+            mem = max((r["peak_mem_gib"] for r in rs if r["peak_mem_gib"] is not None), default=None)
+            tflops = med[impl]["model_flops_per_s"] / 1e12
+            rows.append({"trainer": key[0], "tuning": key[1], "gc": key[2], "impl": impl, "runs": len(rs),
+                         "tokens_per_s": med[impl]["tokens_per_s"], "step_s": med[impl]["step_s"],
+                         "peak_mem_gib": mem, "tflops": tflops, "mfu_percent": 100 * tflops / peak if peak else None,
+                         "step_vs_trl": med[impl]["step_s"] / med["trl"]["step_s"] if "trl" in med else None})
+    return rows
 
 
 def main():
@@ -51,47 +94,64 @@ def main():
     parser.add_argument("--impls", nargs="+", choices=["trl", "trl_ext"], default=["trl", "trl_ext"])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="steps not timed at the start of each run")
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--peak_tflops", type=float, help="the GPU's dense bf16 peak, if not in the table")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU, 3 steps: checks the script")
+    parser.add_argument("--one_process", action="store_true", help="every run in one worker process")
+    parser.add_argument("--json", help="also write the rows, the device and the peak used to this JSON file (after "
+                        "each run: a run stopped early leaves the rows measured so far)")
     cli = parser.parse_args()
 
-    sizes = ["--steps", str(cli.steps), "--seq_len", str(cli.seq_len), "--batch", str(cli.batch)]
+    sizes = ["--steps", str(cli.steps), "--warmup", str(cli.warmup), "--seq_len", str(cli.seq_len), "--batch",
+             str(cli.batch)]
     if cli.smoke:
         sizes = ["--smoke", "--flop_check", "--steps", "3", "--warmup", "1", "--seq_len", "64", "--batch", "4"]
-    rows = []
+    order = []  # (trainer, tuning, gc, impl): runs alternate TRL / trl_ext, the order flipping every repeat
     for trainer in cli.trainers:
         for tuning in cli.tunings:
             for gc in cli.gc:
-                runs = {impl: [] for impl in cli.impls}
                 for repeat in range(cli.repeats):
-                    for impl in cli.impls if repeat % 2 == 0 else cli.impls[::-1]:
-                        args = ["--impl", impl, "--trainer", trainer, "--tuning", tuning, "--gc", gc, *sizes]
-                        runs[impl].append(run(args, cli.smoke))
-                        r = runs[impl][-1]
-                        check = r["flop_check"]
-                        print(f"{trainer} {tuning} gc={gc} {impl}: step {r['step_s']:.3f}s, "
-                              f"{r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_step']:.0f} tokens/step"
-                              + (f"; FLOPs of one step, torch's counter / formula: {check['counted/formula']:.3f}"
-                                 if check else ""), flush=True)
-                rows.append((trainer, tuning, gc, runs))
+                    order += [(trainer, tuning, gc, impl) for impl in (cli.impls if repeat % 2 == 0
+                                                                       else cli.impls[::-1])]
+    results, failures, peak = [], [], cli.peak_tflops
 
-    first = rows[0][3][cli.impls[0]][0]
-    peak = cli.peak_tflops or peak_tflops(first["device"])
+    def record(found: list[dict], failed: str | None) -> None:
+        nonlocal peak
+        for r in found:
+            report(r)
+        results.extend(found)
+        if failed:
+            print(failed, file=sys.stderr, flush=True)
+            failures.append(failed)
+        if results and peak is None and results[0]["device"] != "cpu":  # (TRL's import takes seconds)
+            peak = peak_tflops(results[0]["device"])
+        if cli.json:
+            Path(cli.json).write_text(json.dumps({
+                "device": results[0]["device"] if results else None, "params": results[0]["params"] if results
+                else None, "peak_tflops": peak, "rows": table(results, cli.impls, peak), "runs": results,
+                "failures": failures}))
+
+    if cli.one_process:
+        plan = [dict(zip(("trainer", "tuning", "gc", "impl"), w)) for w in order]
+        run(["--plan", json.dumps(plan), *sizes], cli.smoke, record)
+    else:
+        for trainer, tuning, gc, impl in order:
+            run(["--impl", impl, "--trainer", trainer, "--tuning", tuning, "--gc", gc, *sizes], cli.smoke, record)
+    if not results:
+        sys.exit("no run finished")
+    first = results[0]
     print(f"\ndevice: {first['device']}; {first['params'] / 1e6:.3g}M parameters; dense bf16 peak: "
           f"{f'{peak:g} TFLOP/s' if peak else 'unknown (pass --peak_tflops for MFU)'}")
     print("trainer  tuning  GC   impl      tokens/s   peak mem (GiB)   TFLOP/s     MFU   step vs TRL")
-    for trainer, tuning, gc, runs in rows:
-        med = {impl: {k: statistics.median(r[k] for r in rs) for k in ("step_s", "tokens_per_s", "model_flops_per_s")}
-               for impl, rs in runs.items()}
-        for impl, rs in runs.items():
-            mem = rs[0]["peak_mem_gib"]
-            tflops = med[impl]["model_flops_per_s"] / 1e12
-            mfu = f"{100 * tflops / peak:6.1f}%" if peak else "    n/a"
-            ratio = f"{med[impl]['step_s'] / med['trl']['step_s']:.3f}" if "trl" in med else "n/a"
-            print(f"{trainer:<8} {tuning:<7} {gc:<4} {impl:<8} {med[impl]['tokens_per_s']:9.0f}   "
-                  f"{'n/a' if mem is None else f'{mem:.2f}':>14}   {tflops:7.3f}  {mfu}   {ratio:>11}")
+    for row in table(results, cli.impls, peak):
+        mem, mfu, ratio = row["peak_mem_gib"], row["mfu_percent"], row["step_vs_trl"]
+        print(f"{row['trainer']:<8} {row['tuning']:<7} {row['gc']:<4} {row['impl']:<8} {row['tokens_per_s']:9.0f}   "
+              f"{'n/a' if mem is None else f'{mem:.2f}':>14}   {row['tflops']:7.3f}  "
+              f"{'    n/a' if mfu is None else f'{mfu:6.1f}%'}   {'n/a' if ratio is None else f'{ratio:.3f}':>11}")
+    if failures:
+        sys.exit(f"{len(failures)} run(s) failed (above)")
 
 
 if __name__ == "__main__":

@@ -305,11 +305,11 @@ PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]  # as
 
 
 def probe_outputs(model) -> list:
-    """Logits (causal LM) or rewards on fixed inputs, in eval mode."""
+    """Logits (causal LM) or rewards on fixed inputs, in eval mode (on the model's device: a GPU's too)."""
     model.eval()
     with torch.no_grad():
-        ids = torch.tensor(PROBE_IDS)
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().tolist()
+        ids = torch.tensor(PROBE_IDS, device=next(model.parameters()).device)
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().cpu().tolist()
     model.train()
     return out
 
@@ -318,10 +318,11 @@ def quantized_init_kwargs(cli) -> dict:
     """What the recipes pass for --load_in_4bit: trl.get_quantization_config's config, with dtype, no device_map."""
     from transformers import BitsAndBytesConfig
 
-    config = {"load_in_4bit": True, "bnb_4bit_quant_type": cli.bnb_4bit_quant_type, "bnb_4bit_compute_dtype": "float32"}
+    dtype = cli.dtype or "float32"
+    config = {"load_in_4bit": True, "bnb_4bit_quant_type": cli.bnb_4bit_quant_type, "bnb_4bit_compute_dtype": dtype}
     if cli.bnb_4bit_quant_storage:
         config["bnb_4bit_quant_storage"] = cli.bnb_4bit_quant_storage
-    return {"dtype": "float32",
+    return {"dtype": dtype,
             "quantization_config": config if cli.quant_config_as == "dict" else BitsAndBytesConfig(**config)}
 
 
@@ -377,10 +378,14 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--bnb_4bit_quant_type", default="nf4", choices=["nf4", "fp4"])
     parser.add_argument("--bnb_4bit_quant_storage", default=None, help="default: bitsandbytes' (uint8)")
     parser.add_argument("--quant_config_as", default="object", choices=["object", "dict"], help="as YAML would give it")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="the model's dtype (model_init_kwargs); with --load_in_4bit also the compute dtype "
+                             "(default: the checkpoint's; float32 with --load_in_4bit)")
     parser.add_argument("--eval_steps", type=int, default=0, help="evaluate on 4 test rows every N steps")
     parser.add_argument("--record_loading", action="store_true", help="write each rank's bytes read from model files "
                         "to weight_reads_rankR.json, and the reference model's gathered weights to ref.safetensors")
-    parser.add_argument("--config_json", default="{}", help="more config fields, as JSON (TRL's training options)")
+    parser.add_argument("--config_json", default="{}", help="more config fields, as JSON (TRL's training options; "
+                        "they override the defaults above, learning_rate included)")
     parser.add_argument("--data", default=None, choices=["text", "prompt-completion"],
                         help="SFT data in another type: plain text, or prompt-completion (default: the trainer's)")
     parser.add_argument("--save_model", default=None, help="trainer.save_model(OUTPUT_DIR/NAME) after training, and "
@@ -398,7 +403,7 @@ def main(argv: list[str] | None = None):
         splits = retyped(splits, cli.data)
     dataset = splits["train"].select(range(cli.rows))
     eval_dataset = splits["test"].select(range(4)) if cli.eval_steps else None
-    args = config_cls(
+    settings = dict(
         output_dir=cli.output_dir,
         max_steps=cli.max_steps,
         per_device_train_batch_size=cli.batch,
@@ -415,9 +420,11 @@ def main(argv: list[str] | None = None):
         seed=0,
         dataloader_num_workers=0,
         **GC_MODES[cli.gc],
-        **({"model_init_kwargs": quantized_init_kwargs(cli)} if cli.load_in_4bit else {}),
-        **json.loads(cli.config_json),
+        **({"model_init_kwargs": quantized_init_kwargs(cli)} if cli.load_in_4bit
+           else {"model_init_kwargs": {"dtype": cli.dtype}} if cli.dtype else {}),
     )
+    settings.update(json.loads(cli.config_json))  # TRL's options given as JSON override these defaults
+    args = config_cls(**settings)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if cli.lora else None
     recorder = RecordCheckpointing()
     counter = CountSteps()
