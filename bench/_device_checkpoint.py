@@ -13,8 +13,8 @@ Measured per run: each step's start and end (``time.monotonic``; the GPU synchro
 start, so GPU work a checkpoint queued, such as copies on the compute stream, counts in the step it delays), each
 ``_save_checkpoint`` call, and so how long each checkpoint held training: the gap from the end of its step to the start
 of the next, less the median gap after steps without a checkpoint (logging). Steps "in flight" are those that overlap
-a background save (its ``started`` to ``finished`` events). Also kept: the ``checkpoint/*`` entries trl_ext logs in
-``trainer.state.log_history`` when it does, and each step's loss.
+a background save (its ``started`` to ``finished`` events). Also kept: the ``checkpoint/*`` costs trl_ext logs for each
+checkpoint (``trainer._checkpoints.history``), and each step's loss.
 
 Checked: the two runs are deterministic (the same losses), each background checkpoint holds the same tensors as the
 foreground's (weights, optimizer, scheduler and RNG states) and passes trl_ext's audit, and the resumed run gives the
@@ -138,18 +138,19 @@ def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from
     total = time.monotonic() - start
     if on_gpu:
         torch.cuda.synchronize()
-    background_saves = getattr(checkpoints, "background", None)
-    events = list(getattr(background_saves, "events", None) or [])
+    executor = getattr(checkpoints, "executor", None)
+    events = list(getattr(executor, "events", None) or [])
     history = trainer.state.log_history
+    last = getattr(checkpoints, "last", None)
     found = {
         "name": name, "output_dir": str(out), "background": background, "total_s": total,
         "steps": clock.steps, "saves": saves, "reserve_s": sum(b - a for a, b in reserve),
-        "windows": windows(events), "logged": [{k: v for k, v in e.items() if k in LOGGED or k == "step"}
-                                              for e in history if any(k in e for k in LOGGED)],
+        "windows": windows(events), "logged": [{k: v for k, v in e.items() if k in LOGGED}
+                                              for e in getattr(checkpoints, "history", [])],
         "losses": {str(e["step"]): e["loss"] for e in history if "loss" in e and "step" in e},
         "probes": clock.probes, "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
-        "snapshot_bytes": getattr(background_saves, "snapshot_bytes", None),
+        "snapshot_bytes": getattr(last, "weight_bytes", None),
     }
     found["summary"] = summarise(found, cli.save_steps, cli.steps)
     del trainer, clock
@@ -163,7 +164,7 @@ def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from
 
 
 def windows(events: list) -> list:
-    """(started, finished) of each background save, from BackgroundSaves.events (time.monotonic)."""
+    """(started, finished) of each background save, from the saves' executor's events (time.monotonic)."""
     spans, started = [], {}
     for event in events:
         kind, target, when = event[0], event[1], event[2]
