@@ -114,6 +114,14 @@ class ServerError(TrlExtError, ConnectionError):
     kind = "server"
 
 
+class MirrorError(TrlExtError, RuntimeError):
+    """A checkpoint mirror (``checkpoint_mirror``) that cannot be used: a store that refuses the credentials, a missing
+    bucket, no permission to write, another run writing to the same prefix, or a mirrored checkpoint that does not
+    match its manifest. Nothing local is changed."""
+
+    kind = "mirror"
+
+
 class UsageError(SystemExit):
     """Bad input on the command line or in a config: one line on stderr, exit code 1, nothing started or written.
 

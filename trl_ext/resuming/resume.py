@@ -21,7 +21,7 @@ from trl_ext.engines import fsdp
 from trl_ext.errors import ResumeError, TrlExtError
 from trl_ext.files import hub_names
 from trl_ext.process import notice, slurm
-from trl_ext.resuming import checks, choose, fsdp2, rng, universal, world_size
+from trl_ext.resuming import checks, choose, fsdp2, mirrored, rng, universal, world_size
 from trl_ext.saving import supports
 
 
@@ -137,9 +137,11 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
 
     Args:
         trainer: the trainer about to train (its DeepSpeed engine is not built yet).
-        resume_from_checkpoint: as given to ``train``: None or False, a path, or True (the newest committed one).
-            Under Slurm, None in a job run again after a requeue means the newest checkpoint its earlier run
-            committed in this output directory (``choose.requeued_checkpoint``).
+        resume_from_checkpoint: as given to ``train``: None or False, a path, or True (the newest committed one;
+            with ``checkpoint_mirror`` and none in the output directory, the mirror's newest, downloaded:
+            ``mirrored``). Under Slurm, None in a job run again after a requeue means the newest checkpoint its
+            earlier run committed in this output directory (``choose.requeued_checkpoint``), or in the mirror it was
+            writing (``mirrored.requeued``).
 
     Returns:
         The ``Resume``: its ``checkpoint`` is the path to hand Trainer (None: nothing to resume, or True found
@@ -149,9 +151,11 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         ResumeError: a damaged checkpoint, one missing on some node, or a global batch that cannot be kept.
     """
     if not resume_from_checkpoint and slurm.current() is not None:  # a requeued Slurm job resumes by itself
-        resume_from_checkpoint = choose.requeued_checkpoint(trainer.args)
+        resume_from_checkpoint = choose.requeued_checkpoint(trainer.args) or mirrored.requeued(trainer)
     if not resume_from_checkpoint:
         return Resume()
+    if resume_from_checkpoint is True:  # an output directory without a checkpoint: the mirror's newest, if any
+        mirrored.download_if_missing(trainer)
     checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint)
     if checkpoint is None:
         return Resume()

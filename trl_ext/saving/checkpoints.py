@@ -63,7 +63,8 @@ class Checkpoints:
         in_background = self.in_background(trainer)
         if self.background is not None:
             self.background.wait(trainer.args.device)  # the previous checkpoint: committed, or its failure raised
-        release = self._release(trainer) if in_background else None
+        final = f"{trainer.args.output_dir}/{name}"
+        release = self._release(trainer, final) if in_background else None
         with StagedCheckpoint(trainer.args.output_dir, name, writer, trainer.accelerator.wait_for_everyone,
                               release) as staged:
             if in_background:
@@ -79,20 +80,28 @@ class Checkpoints:
                 if trainer.args.should_save:
                     trainer.state.save_to_json(str(staged.staging_run_dir / name / "trainer_state.json"))
         if writer and not in_background:  # Trainer rotated inside the staging directory; rotate the real one
-            self._rotate(trainer)
+            self._committed(trainer, staged.final)
 
-    def _release(self, trainer):
+    def _release(self, trainer, final):
         def release(put_in_place) -> None:
             """The checkpoint's foreground part is done: write it; once committed, the writer renames it into place
             and rotates older ones out (on the saves' thread)."""
 
             def then():
                 put_in_place()
-                self._rotate(trainer)
+                self._committed(trainer, final)
 
             self.background.release(then if put_in_place is not None else None)
 
         return release
+
+    def _committed(self, trainer, path) -> None:
+        """On the writer, once ``checkpoint-N`` is committed: the mirror is given it (``checkpoint_mirror``: hard links
+        queued for upload), then older checkpoints are rotated out."""
+        mirror = getattr(trainer, "_mirror", None)
+        if mirror is not None:
+            mirror.committed(path, int(str(path).rsplit("-", 1)[1]))  # not global_step: a background commit is later
+        self._rotate(trainer)
 
     @staticmethod
     def _rotate(trainer) -> None:

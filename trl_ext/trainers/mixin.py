@@ -24,6 +24,7 @@ from trl_ext.engines import (
     sharded,
 )
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
+from trl_ext.mirror import Mirror
 from trl_ext.process import destroy_gloo_group_at_exit, warning_filter
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
@@ -92,13 +93,21 @@ class TrlExtMixin:
         if self.is_deepspeed_enabled:
             guard_save_pretrained(self.model)
         self._checkpoints = Checkpoints(self)  # staged checkpoint-N; with save_in_background, written meanwhile
+        self._mirror = Mirror.for_trainer(self)  # checkpoint_mirror: the store checked now, on every rank
         self._preemption = None
         if preemption.wanted(self.args):  # SIGTERM/SIGUSR1: every rank stops at a step boundary, with a checkpoint
             preemption.replace_jit_checkpoint(self)
             self._preemption = preemption.Preemption()
-            if self._checkpoints.background is not None:  # the checkpoint in flight is committed before the exit
-                self._preemption.before_exit = functools.partial(self._checkpoints.background.wait, self.args.device)
+            self._preemption.before_exit = self._before_preempted_exit
             self.add_callback(self._preemption)
+
+    def _before_preempted_exit(self) -> None:
+        """On every rank, before a preempted run exits: the checkpoint in flight committed, then the stopping
+        checkpoint uploaded to the mirror within its grace period (or said to be only local)."""
+        if self._checkpoints.background is not None:
+            self._checkpoints.background.wait(self.args.device)
+        if self._mirror is not None:
+            self._mirror.at_preemption(self.accelerator.wait_for_everyone)
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
         """Refuse a missing model path, or rows TRL cannot prepare, with one clear line before the model is loaded."""
@@ -144,6 +153,8 @@ class TrlExtMixin:
         self._resume = resuming.prepare(self, resume_from_checkpoint)
         if self._resume.checkpoint is not None:  # None with True: Trainer says that no checkpoint was found
             resume_from_checkpoint = self._resume.checkpoint
+        if self._mirror is not None:  # the mirror's lease: a new run may not train over another run's checkpoints
+            self._mirror.begin(self, resuming=bool(resume_from_checkpoint))
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         except BaseException:  # a checkpoint still being written is not committed: the run stopped before it was whole
@@ -207,6 +218,8 @@ class TrlExtMixin:
             if diverged is None:
                 raise
             raise diverged from exc
+        if self._mirror is not None and not _internal_call and self._writes_files():  # a checkpoint's own: committed()
+            self._mirror.model_saved(output_dir or self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
