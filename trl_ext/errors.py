@@ -12,6 +12,9 @@ from trl_ext.process import env_rank
 NONFINITE = "nonfinite"  # a save refused because the weights hold NaN or inf: training diverged
 DIVERGED = "diverged"  # the trainer's message for a NONFINITE save: when it diverged and what to resume
 VERIFICATION = "verification"  # written files that failed their check (kept for inspection)
+ABANDONED = "abandoned"  # a mirror's transfer stopped on purpose (a grace period ran out)
+STALLED = "stalled"  # a mirror's store silent too long after training ended: the uploads stop
+LOCAL_FILE = "local-file"  # a local file a mirror could not read or write (never retried)
 
 
 class TrlExtError(Exception):

@@ -34,6 +34,8 @@ def test_conversion_matches_trls_own(tmp_path):
     assert ours.to_dict() == {**theirs.to_dict(), "max_shard_size": ours.max_shard_size,
                               "save_on_preemption": ours.save_on_preemption,
                               "save_in_background": ours.save_in_background,
+                              "checkpoint_mirror": None, "mirror_storage_options": None,
+                              "mirror_grace_period": ours.mirror_grace_period,
                               # off without an accelerator (nothing to pin for), like bf16 (runtime.adapt_to_hardware)
                               "dataloader_pin_memory": theirs.dataloader_pin_memory and has_accelerator()}
 

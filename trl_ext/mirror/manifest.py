@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from trl_ext.errors import UnreadableCheckpoint
+
 NAME = "trl_ext-manifest.json"
 ALGORITHM = "xxh3-128"
 
@@ -54,12 +56,12 @@ class Manifest:
         """Parse a manifest.
 
         Raises:
-            ValueError: not a manifest of this format.
+            UnreadableCheckpoint: not a manifest of this format (a ``ValueError``, as bad JSON raises).
         """
         raw = json.loads(text)
         if not isinstance(raw, dict) or raw.get("format") != "trl_ext-mirror-manifest" or \
                 raw.get("algorithm") != ALGORITHM or not isinstance(raw.get("files"), dict):
-            raise ValueError("not a trl_ext mirror manifest")
+            raise UnreadableCheckpoint("not a trl_ext mirror manifest")
         files = {str(name): {"size": int(entry["size"]), ALGORITHM: str(entry[ALGORITHM])}
                  for name, entry in raw["files"].items()}
         return cls(files=files, step=raw.get("step"), run=str(raw.get("run", "")),

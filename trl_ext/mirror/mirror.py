@@ -238,6 +238,18 @@ class Mirror:
                        f"complete checkpoint is {f'checkpoint-{newest}' if newest else 'none'}")
         barrier()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every committed checkpoint and saved model queued so far is in the mirror (or given up on). A
+        process waits for them as it exits anyway; this is for a script that wants to know.
+
+        Args:
+            timeout: seconds (None: as long as the uploads take).
+
+        Returns:
+            True when nothing is left to upload.
+        """
+        return self.uploader.wait(timeout) if self.uploader is not None else True
+
     def close(self) -> None:
         """Training has ended (uploads go on until done; the process waits for them as it exits)."""
         if self.uploader is not None:

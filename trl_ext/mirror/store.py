@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from trl_ext.errors import MirrorError
+from trl_ext.errors import ABANDONED, LOCAL_FILE, MirrorError
 from trl_ext.mirror import manifest, options
 
 PART_BYTES = 32 * 2**20  # a multipart upload's part and a download's ranged read
@@ -25,14 +25,6 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _CHUNKED = ("s3", "s3a", "gs", "gcs")  # stores whose files take a part size and uncached ranged reads
 # s3: fail fast on a store that stopped answering and leave the retrying to the uploader, which warns meanwhile
 _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}}
-
-
-class Abandoned(Exception):  # noqa: N818 - not an error: a transfer stopped on purpose
-    """A transfer stopped because the mirror was told to stop (the grace period ran out)."""
-
-
-class LocalFileError(Exception):
-    """A local file could not be read or written (not the store's fault: never retried)."""
 
 
 def first_line(exc: BaseException) -> str:
@@ -190,13 +182,13 @@ class Store:
             ``(size, checksum)`` of what was uploaded.
 
         Raises:
-            LocalFileError: ``local`` cannot be read. Abandoned: ``cancelled()`` became true. Anything the store
-                raises (the caller retries).
+            MirrorError: ``local`` cannot be read (kind ``LOCAL_FILE``), or ``cancelled()`` became true (kind
+                ``ABANDONED``). Anything the store raises (the caller retries).
         """
         try:
             source = open(local, "rb")  # noqa: SIM115 - closed below, with the remote file
         except OSError as exc:
-            raise LocalFileError(f"{local}: {first_line(exc)}") from exc
+            raise MirrorError(f"{local}: {first_line(exc)}", kind=LOCAL_FILE) from exc
         digest, size = manifest.hasher(), 0
         target = None
         try:
@@ -206,11 +198,11 @@ class Store:
             target = self.fs.open(self.path(rel), "wb", **kwargs)
             while True:
                 if cancelled():
-                    raise Abandoned(rel)
+                    raise MirrorError(f"the transfer of {rel} was stopped", kind=ABANDONED)
                 try:
                     chunk = source.read(READ_BYTES)
                 except OSError as exc:
-                    raise LocalFileError(f"{local}: {first_line(exc)}") from exc
+                    raise MirrorError(f"{local}: {first_line(exc)}", kind=LOCAL_FILE) from exc
                 if not chunk:
                     break
                 digest.update(chunk)
@@ -241,7 +233,7 @@ class Store:
                 (open(local, "wb") if local is not None else contextlib.nullcontext()) as target:
             while True:
                 if cancelled():
-                    raise Abandoned(rel)
+                    raise MirrorError(f"the transfer of {rel} was stopped", kind=ABANDONED)
                 chunk = source.read(PART_BYTES)
                 if not chunk:
                     break

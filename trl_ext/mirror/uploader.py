@@ -22,18 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trl_ext.errors import ABANDONED, STALLED, MirrorError, TrlExtError
 from trl_ext.mirror import lease, manifest
-from trl_ext.mirror.store import Abandoned, LocalFileError, Store, first_line
+from trl_ext.mirror.store import Store, first_line
 
 STAGING = ".trl_ext-mirror"  # in output_dir: the hard-linked files of uploads not done yet
 FILES_IN_PARALLEL = 4
-MAX_BACKOFF_SECONDS = 30.0
+FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS = 1.0, 30.0
 STALL_SECONDS = 300.0  # once training has ended: give up after the store has not answered for this long
 WARN_EVERY_SECONDS = 60.0
-
-
-class GaveUp(Exception):  # noqa: N818 - not raised to users: the uploads stop, and the log says what is only local
-    """The store did not answer for ``STALL_SECONDS`` after training ended."""
 
 
 @dataclass
@@ -235,10 +232,13 @@ class Uploader:
                     self._renew()
                 if job is not None:
                     self._upload(job)
-            except Abandoned:
-                pass
-            except GaveUp:
-                self._give_up(job)
+            except MirrorError as exc:
+                if exc.kind == STALLED:
+                    self._give_up(job)
+                elif exc.kind != ABANDONED and job is not None:
+                    self.failed.append(f"{job.name}: {exc}")
+                    self.say(f"mirror {self.store.url_of(job.rel)}: the upload failed ({exc}); it stays only local: "
+                             f"{job.staged}")
             except Exception as exc:  # noqa: BLE001 - said, never raised into training
                 if job is not None:
                     self.failed.append(f"{job.name}: {first_line(exc)}")
@@ -272,21 +272,21 @@ class Uploader:
     def _retry(self, what: str, call):
         """``call()`` until it succeeds: the store's failures are retried with backoff (1, 2, 4 ... 30 s), said in one
         line a minute."""
-        delay = 1.0
+        delay = FIRST_BACKOFF_SECONDS
         while True:
             if self._cancel.is_set():
-                raise Abandoned(what)
+                raise MirrorError(f"stopped before it could {what}", kind=ABANDONED)
             try:
                 result = call()
-            except (Abandoned, LocalFileError):
+            except TrlExtError:  # ours: a local file, a stop on purpose
                 raise
             except Exception as exc:  # noqa: BLE001 - the store's own kinds: all are retried
                 self.outage.failed(exc)
                 if self.closing and self.outage.seconds() > STALL_SECONDS:
-                    raise GaveUp(what) from exc
+                    raise MirrorError(f"the store did not answer ({what})", kind=STALLED) from exc
                 self._say_lag(force_outage=True)
                 if self._cancel.wait(delay):
-                    raise Abandoned(what) from exc
+                    raise MirrorError(f"stopped before it could {what}", kind=ABANDONED) from exc
                 delay = min(delay * 2, MAX_BACKOFF_SECONDS)
                 continue
             silent = self.outage.answered()
