@@ -517,8 +517,6 @@ def main(argv: list[str] | None = None):
     with (step_peaks(trainer) if cli.tensor_peak else contextlib.nullcontext([]) as peaks,
           slow_uploads(cli.slow_uploads) if cli.slow_uploads else contextlib.nullcontext()):
         result = trainer.train(resume_from_checkpoint=cli.resume_from or (True if cli.resume else None))
-        if trainer._mirror is not None and not cli.kill_during_upload:  # what the process's exit would wait for
-            trainer._mirror.wait()
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
         report["partition"] = (recorder.seen or {}).get("partition") or partition_report(trainer.model_wrapped)
@@ -577,6 +575,8 @@ def main(argv: list[str] | None = None):
             save_file(ref, os.path.join(cli.output_dir, "ref.safetensors"))
     if trainer.accelerator.is_main_process:
         save_file(weights, os.path.join(cli.output_dir, "trained.safetensors"))
+    if trainer._mirror is not None and not cli.kill_during_upload:  # what the process's exit would wait for (the
+        trainer._mirror.wait()  # next run of a shared launch must not start while this one's uploads go on)
     if trainer.accelerator.is_main_process:
         with open(os.path.join(cli.output_dir, f"report_rank{trainer.accelerator.process_index}.json"), "w") as f:
             json.dump(report, f)

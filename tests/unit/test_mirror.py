@@ -281,6 +281,7 @@ def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_can
     up, _, _ = _uploader(url, tmp_path)
     _submit(up, tmp_path, 1)
     assert up.wait(30)
+    lease.release(store, up.holder)  # that run has ended (killed)
     _checkpoint(tmp_path, 2)
     uploader.stage(tmp_path / "checkpoint-2", tmp_path / uploader.STAGING / "checkpoint-2", "checkpoint-2", 2)
     (tmp_path / "part.bin").write_bytes(b"x" * 100)

@@ -82,7 +82,8 @@ def claim(store: Store, me: Holder, resuming: bool, say: Callable[[str], None]) 
         raw = store.read_json(RUN_MARKER)
         other = Holder.from_dict(raw) if raw else None
         if other is not None and other.run != me.run:
-            if not resuming:
+            same_job = bool(other.slurm_job) and other.slurm_job == me.slurm_job  # a requeued job is the same run
+            if not resuming and not same_job:
                 raise MirrorError(f"checkpoint_mirror {store.shown} belongs to another {other.describe()}: resume "
                                   "that run (resume_from_checkpoint=True), or choose another checkpoint_mirror")
             why = _gone(other, me, time.time())

@@ -1,7 +1,8 @@
 """A trainer's checkpoint mirror (``checkpoint_mirror``): the one object the trainer talks to.
 
-    Mirror.for_trainer(trainer)   constructing the trainer, every rank: the store checked (credentials, bucket,
-                                  permission), a refusal raised on every rank
+    Mirror.for_args(args)         constructing the trainer, before the model loads, every rank: the store checked
+                                  (credentials, bucket, permission), a refusal raised on every rank
+    mirror.attach(trainer)        once the trainer exists: its callback joins the loop
     mirror.begin(trainer, ...)    train() starts, every rank: the run's lease; uploads an earlier run left finished
                                   or abandoned
     mirror.committed(path, step)  a checkpoint was committed locally, on the rank that writes: hard-linked and queued
@@ -72,7 +73,7 @@ def local_checkpoints(output_dir: str | Path) -> list[int]:
 
 
 class Mirror:
-    """One training run's mirror. Build it with ``for_trainer``.
+    """One training run's mirror. Build it with ``for_args``.
 
     Args:
         args: the run's config.
@@ -89,14 +90,16 @@ class Mirror:
         self._said_outside = False
 
     @classmethod
-    def for_trainer(cls, trainer) -> "Mirror | None":
-        """The mirror of ``trainer.args.checkpoint_mirror`` (None without one), its store checked on global rank 0;
-        a refusal is raised on every rank. Collective in a distributed run.
+    def for_args(cls, args) -> "Mirror | None":
+        """The mirror of ``args.checkpoint_mirror`` (None without one), its store checked on global rank 0 before any
+        model loads; a refusal is raised on every rank. Collective in a distributed run.
+
+        Args:
+            args: the run's config (its process group set up: ``args.world_size`` was read).
 
         Raises:
             MirrorError: one line: the credentials, the bucket, the permission to write, or the URL.
         """
-        args = trainer.args
         if not getattr(args, "checkpoint_mirror", None):
             return None
         store, error = None, None
@@ -107,9 +110,13 @@ class Mirror:
             except Exception as exc:  # noqa: BLE001 - every rank raises the same one line below
                 error = _as_error(exc)
         _agree(error)
-        mirror = cls(args, store)
-        trainer.callback_handler.callbacks.insert(0, Progress(mirror))  # its metrics reach TensorBoard's callback
-        return mirror
+        return cls(args, store)
+
+    def attach(self, trainer) -> None:
+        """Join ``trainer``'s loop (``Progress``: the lease renewed, the lag logged before TensorBoard's callback
+        writes the step's metrics)."""
+        self.args = trainer.args
+        trainer.callback_handler.callbacks.insert(0, Progress(self))
 
     @property
     def writer(self) -> bool:

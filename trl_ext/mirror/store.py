@@ -257,7 +257,7 @@ class Store:
 def _fix(exc: BaseException, protocol: str) -> str:
     """How to fix an access failure, by its kind."""
     s3 = protocol in ("s3", "s3a")
-    if isinstance(exc, PermissionError):
+    if isinstance(exc, PermissionError) or "Credentials" in type(exc).__name__:  # botocore's NoCredentialsError...
         return ("Check the credentials (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
                 "mirror_storage_options' key and secret) and that they may write and delete there." if s3 else
                 "Check the credentials and that they may write and delete there.")

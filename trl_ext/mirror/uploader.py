@@ -139,7 +139,7 @@ class Uploader:
         self._cancel = threading.Event()
         self._renew_due = time.monotonic() + lease.RENEW_SECONDS
         self._lost = False  # another run took the mirror over: nothing more is written
-        self._warned = 0.0
+        self._warned = self._warned_outage = -WARN_EVERY_SECONDS
         self.closing = False  # training has ended: give up after STALL_SECONDS without an answer
         self.outage = Outage()
         self.local_step: int | None = None  # the newest checkpoint queued
@@ -360,9 +360,12 @@ class Uploader:
         if not force_outage and status["behind_checkpoints"] < 2:
             return
         now = time.monotonic()
-        if now - self._warned < WARN_EVERY_SECONDS:
+        last = self._warned_outage if force_outage else self._warned
+        if now - last < WARN_EVERY_SECONDS:
             return
         self._warned = now
+        if force_outage:  # an outage is said once a minute, whatever lag lines came before it
+            self._warned_outage = now
         done, total = self._current_bytes
         current = self._current
         uploading = (f"; uploading {current.name}: {done / 2**20:.0f} of {total / 2**20:.0f} MiB"

@@ -91,3 +91,18 @@ def requeued(trainer) -> str | None:
         return _download(trainer)
 
     return _from_rank0(trainer, decide)
+
+
+def start_fresh(trainer) -> bool:
+    """With a mirror, ``resume_from_checkpoint=True`` that finds no checkpoint in the output directory or the mirror
+    starts a new run (said in one line) instead of failing: one command serves a spot machine's first start and every
+    restart. Without a mirror, Trainer's own error stands.
+
+    Returns:
+        Whether the run starts from the beginning.
+    """
+    if getattr(trainer, "_mirror", None) is None:
+        return False
+    notice(f"resume_from_checkpoint=True: neither {trainer.args.output_dir} nor the mirror {trainer._mirror.url} "
+           "holds a complete checkpoint yet; starting a new run")
+    return True

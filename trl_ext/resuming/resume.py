@@ -37,6 +37,7 @@ class Resume:
 
     checkpoint: str | None = None
     plan: world_size.Plan | None = None
+    fresh: bool = False  # resume_from_checkpoint=True with a mirror, and nothing to resume anywhere: a new run
 
     def load_weights(self, trainer, checkpoint: str, model) -> bool:
         """Load the weights of ``checkpoint`` where Trainer's own loader would get them wrong: under FSDP2 (each rank
@@ -158,7 +159,7 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         mirrored.download_if_missing(trainer)
     checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint)
     if checkpoint is None:
-        return Resume()
+        return Resume(fresh=resume_from_checkpoint is True and mirrored.start_fresh(trainer))
     config = getattr(trainer.model, "config", None)
     checks.check_resume_checkpoint(checkpoint, getattr(config, "num_labels", 1))
     plan = _read_plan(trainer, checkpoint)

@@ -58,6 +58,7 @@ class TrlExtMixin:
             bound.arguments["args"] = training_args = configs.from_training_arguments(
                 training_args, self._config_class, self._trl_class)
         runtime.check_distributed_setup(training_args)
+        self._mirror = Mirror.for_args(training_args)  # checkpoint_mirror: the store checked before the model loads
         if self._fused_lm_head:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
@@ -93,7 +94,8 @@ class TrlExtMixin:
         if self.is_deepspeed_enabled:
             guard_save_pretrained(self.model)
         self._checkpoints = Checkpoints(self)  # staged checkpoint-N; with save_in_background, written meanwhile
-        self._mirror = Mirror.for_trainer(self)  # checkpoint_mirror: the store checked now, on every rank
+        if self._mirror is not None:
+            self._mirror.attach(self)
         self._preemption = None
         if preemption.wanted(self.args):  # SIGTERM/SIGUSR1: every rank stops at a step boundary, with a checkpoint
             preemption.replace_jit_checkpoint(self)
@@ -150,11 +152,12 @@ class TrlExtMixin:
         of processes prepared)."""
         self._storage = nodes.detect(self.args)  # several nodes: is output_dir shared? (refused here if that breaks)
         nodes.check(self._storage, self.args)
+        asked = resume_from_checkpoint
         self._resume = resuming.prepare(self, resume_from_checkpoint)
-        if self._resume.checkpoint is not None:  # None with True: Trainer says that no checkpoint was found
+        if self._resume.checkpoint is not None or self._resume.fresh:  # None with True: Trainer says none was found
             resume_from_checkpoint = self._resume.checkpoint
         if self._mirror is not None:  # the mirror's lease: a new run may not train over another run's checkpoints
-            self._mirror.begin(self, resuming=bool(resume_from_checkpoint))
+            self._mirror.begin(self, resuming=bool(asked or resume_from_checkpoint))
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         except BaseException:  # a checkpoint still being written is not committed: the run stopped before it was whole
