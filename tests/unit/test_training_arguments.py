@@ -40,6 +40,13 @@ def test_conversion_matches_trls_own(tmp_path):
                               "dataloader_pin_memory": theirs.dataloader_pin_memory and has_accelerator()}
 
 
+def test_trl_ext_options_set_on_the_training_arguments_come_along(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    args.checkpoint_mirror, args.save_in_background = "s3://bucket/run", True
+    ours = from_training_arguments(args, trl_ext.SFTConfig, trl.SFTTrainer)
+    assert (ours.checkpoint_mirror, ours.save_in_background) == ("s3://bucket/run", True)
+
+
 @pytest.mark.parametrize("trainer_cls, config_name", [(trl_ext.DPOTrainer, "DPOConfig"),
                                                       (trl_ext.RewardTrainer, "RewardConfig")])
 def test_dpo_and_reward_refuse_it_in_one_line(trainer_cls, config_name, tiny_model_path, tmp_path):

@@ -24,7 +24,9 @@ RUN_MARKER = "trl_ext-mirror-run.json"  # at the mirror's top: which run writes 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _CHUNKED = ("s3", "s3a", "gs", "gcs")  # stores whose files take a part size and uncached ranged reads
 # s3: fail fast on a store that stopped answering and leave the retrying to the uploader, which warns meanwhile
-_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}}
+# (and check what we read ourselves: botocore checks a ranged read against the whole object's checksum, and fails)
+_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"},
+              "response_checksum_validation": "when_required"}
 
 
 def first_line(exc: BaseException) -> str:

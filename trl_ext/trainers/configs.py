@@ -154,4 +154,7 @@ def from_training_arguments(args, config_class: type, trl_trainer: type):
                         f"it with {trl_config}(**args.to_dict())")
     values = args.to_dict()
     values["hub_token"] = args.hub_token  # to_dict() hides it
+    # trl_ext's own options set on the TrainingArguments object (args.checkpoint_mirror = "s3://...") come along
+    values.update({name: value for name, value in vars(args).items()
+                   if name in config_class.__dataclass_fields__ and name not in values})
     return config_class(**values)
