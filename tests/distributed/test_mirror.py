@@ -217,3 +217,35 @@ def test_a_recipe_refuses_a_missing_bucket_in_one_line_before_it_launches(s3, mo
     assert message.startswith("error: checkpoint_mirror s3://no-such-bucket/run: cannot write to it") and \
         "\n" not in message, message
     assert not launched
+
+
+def test_a_large_file_goes_up_in_parts_checksummed_and_a_stopped_upload_leaves_nothing(s3, tmp_path, monkeypatch):
+    import os
+
+    from trl_ext.errors import MirrorError
+    from trl_ext.mirror import multipart
+
+    monkeypatch.setattr(multipart, "MIN_PART_BYTES", 5 * 2**20)  # S3's smallest part: 9 parts, 4 in flight
+    store = _store(s3, f"s3://{s3.bucket()}/parts")
+    data = os.urandom(42 * 2**20 + 3)
+    (tmp_path / "big.bin").write_bytes(data)
+    sent = []
+    call = store.fs._call_s3
+
+    async def counting(method, *args, **kwargs):
+        sent.append(method)
+        return await call(method, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "_call_s3", counting)
+    size, digest = store.upload(tmp_path / "big.bin", "big.bin")
+    expected = manifest.hasher()
+    expected.update(data)
+    assert (size, digest) == (len(data), expected.hexdigest())
+    assert sent.count("upload_part") == 9, sent
+    assert store.download("big.bin", tmp_path / "back.bin") == (size, digest)
+    assert (tmp_path / "back.bin").read_bytes() == data
+    reads = []
+    with pytest.raises(MirrorError) as stopped:
+        store.upload(tmp_path / "big.bin", "stopped.bin", cancelled=lambda: reads.append(1) or len(reads) > 5)
+    assert stopped.value.kind == "abandoned"
+    assert not store.exists("stopped.bin")

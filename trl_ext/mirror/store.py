@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trl_ext.errors import ABANDONED, LOCAL_FILE, MirrorError
-from trl_ext.mirror import manifest, options
+from trl_ext.mirror import manifest, multipart, options
 
 PART_BYTES = 32 * 2**20  # a multipart upload's part and a download's ranged read
 READ_BYTES = 8 * 2**20  # local reads and writes
@@ -192,6 +192,11 @@ class Store:
         except OSError as exc:
             raise MirrorError(f"{local}: {first_line(exc)}", kind=LOCAL_FILE) from exc
         digest, size = manifest.hasher(), 0
+        if self.protocol in ("s3", "s3a") and hasattr(self.fs, "_call_s3"):  # parts in parallel, as s3fs's put_file
+            with source:
+                size = multipart.upload(self.fs, self.path(rel), source, os.fstat(source.fileno()).st_size, digest,
+                                        cancelled)
+            return size, digest.hexdigest()
         target = None
         try:
             kwargs = {"block_size": PART_BYTES} if self.protocol in _CHUNKED else {}
