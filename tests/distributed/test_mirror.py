@@ -24,7 +24,9 @@ from tests.s3_server import S3Server
 from trl_ext.mirror import manifest
 from trl_ext.mirror.uploader import STAGING
 
-pytestmark = pytest.mark.slow
+# the first test of an engine makes its two launches (and, run alone, the engine's shared launch): beyond the suite's
+# 900 s on a loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ENGINES = ["zero3", "fsdp2"]
 OUTAGE_SECONDS = 6.0
