@@ -31,14 +31,31 @@ def _model(_: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    """Audit a saved checkpoint (adapter or full model); exit 1 if it has problems."""
+    """Audit a saved checkpoint (adapter or full model), or a mirrored one at a URL (its manifest and safetensors
+    headers); exit 1 if it has problems."""
     from trl_ext.data.model_paths import check_model_path
     from trl_ext.files.audit import audit
+    from trl_ext.mirror import verify
 
+    if verify.is_url(args.path):
+        return _verify_remote(args)
     try:
         check_model_path(args.base)
         report = audit(args.path, base=args.base, num_labels=args.num_labels)
     except OSError as exc:  # a --base that is not there: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(report.format())
+    return 0 if report.ok else 1
+
+
+def _verify_remote(args: argparse.Namespace) -> int:
+    from trl_ext.errors import ConfigError, MirrorError
+    from trl_ext.mirror import options, verify
+
+    try:
+        report = verify.verify(args.path, options.parse(args.storage_options))
+    except (MirrorError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(report.format())
@@ -82,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("env", help=_env.__doc__).set_defaults(func=_env)
     commands.add_parser("model", help=_model.__doc__).set_defaults(func=_model)
     verify = commands.add_parser("verify", help=_verify.__doc__, description=_verify.__doc__)
-    verify.add_argument("path", help="checkpoint directory (adapter or full model)")
+    verify.add_argument("path", help="checkpoint directory (adapter or full model), or the URL of a mirrored "
+                                     "checkpoint or model (s3://bucket/run/checkpoint-20)")
+    verify.add_argument("--storage-options", default=None,
+                        help="a URL's fsspec storage options as JSON (default: the store's standard credentials)")
     verify.add_argument("--base", help="base model id or path: check that the adapter's shapes match it")
     verify.add_argument("--num-labels", type=int, default=1,
                         help="outputs a sequence-classification head must have (default 1: a reward model)")

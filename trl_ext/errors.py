@@ -12,6 +12,9 @@ from trl_ext.process import distributed, env_rank
 NONFINITE = "nonfinite"  # a save refused because the weights hold NaN or inf: training diverged
 DIVERGED = "diverged"  # the trainer's message for a NONFINITE save: when it diverged and what to resume
 VERIFICATION = "verification"  # written files that failed their check (kept for inspection)
+ABANDONED = "abandoned"  # a mirror's transfer stopped on purpose (a grace period ran out)
+STALLED = "stalled"  # a mirror's store silent too long after training ended: the uploads stop
+LOCAL_FILE = "local-file"  # a local file a mirror could not read or write (never retried)
 
 
 class TrlExtError(Exception):
@@ -112,6 +115,14 @@ class ServerError(TrlExtError, ConnectionError):
     """A vLLM server that did not answer within its bound, or failed a request (server mode of GRPO and RLOO)."""
 
     kind = "server"
+
+
+class MirrorError(TrlExtError, RuntimeError):
+    """A checkpoint mirror (``checkpoint_mirror``) that cannot be used: a store that refuses the credentials, a missing
+    bucket, no permission to write, another run writing to the same prefix, or a mirrored checkpoint that does not
+    match its manifest. Nothing local is changed."""
+
+    kind = "mirror"
 
 
 class UsageError(SystemExit):

@@ -9,14 +9,19 @@ group destroyed, the streams flushed, then ``os._exit`` with code 0. A script th
 
 import os
 import sys
+import threading
 
 import torch.distributed as dist
 
 
 def finish() -> None:
-    """Destroy the process group, flush, and exit with code 0 without interpreter teardown."""
+    """Destroy the process group, wait for the threads the interpreter would wait for (a checkpoint mirror's
+    uploads), flush, and exit with code 0 without interpreter teardown."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -16,7 +16,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 # Options that patch the process for good (--hold_save does too, but does nothing once its step has passed).
 PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--kill_during_states_save", "--fail_save",
-            "--gather_whole", "--signal_during_save")
+            "--gather_whole", "--signal_during_save", "--kill_during_upload")
 
 if __name__ == "__main__":
     script = importlib.import_module(Path(sys.argv[1]).stem)  # beside this file, on sys.path

@@ -147,14 +147,65 @@ def signal_during_save(step: int, rank: int | None, signum: int) -> None:
     shards.ShardStreamWriter.end = write_then_signal
 
 
+class SlowSteps(TrainerCallback):
+    """Every optimizer step takes at least ``seconds`` (a run that outlasts a store's outage)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+
+
+@contextlib.contextmanager
+def slow_uploads(seconds: float):
+    """Inside the block, every file a checkpoint mirror uploads takes ``seconds`` longer (an upload that a test can
+    interrupt)."""
+    from trl_ext.mirror.store import Store
+
+    upload = Store.upload
+
+    def slow(self, local, rel, cancelled=lambda: False):
+        time.sleep(seconds)
+        return upload(self, local, rel, cancelled)
+
+    Store.upload = slow
+    try:
+        yield
+    finally:
+        Store.upload = upload
+
+
+def kill_during_upload(step: int, peers: list[int]) -> None:
+    """Once the checkpoint mirror has uploaded the first file of checkpoint-``step``, the uploading rank SIGKILLs every
+    other rank and then itself: a machine lost mid-upload."""
+    from trl_ext.mirror.store import Store
+
+    upload = Store.upload
+
+    def upload_then_die(self, local, rel, cancelled=lambda: False):
+        result = upload(self, local, rel, cancelled)
+        if rel.startswith(f"checkpoint-{step}/"):
+            print(f"[train.py] rank {env_rank()} SIGKILLs every rank while checkpoint-{step} is uploaded", flush=True)
+            for pid in peers:
+                if pid != os.getpid():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    Store.upload = upload_then_die
+
+
 class CountSteps(TrainerCallback):
-    """Optimizer steps this process ran (a resumed run runs only those after its checkpoint)."""
+    """Optimizer steps this process ran (a resumed run runs only those after its checkpoint), and when each ended."""
 
     def __init__(self):
-        self.steps = 0
+        self.steps, self.ends = 0, []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps += 1
+        self.ends.append(time.time())
 
 
 def kill_every_rank_during_save(step: int, peers: list[int], states: bool = False) -> None:
@@ -374,6 +425,11 @@ def main(argv: list[str] | None = None):
                         "backward has begun (save_in_background; tests/probes/copy_order.py)")
     parser.add_argument("--unguarded_copy", type=int, default=0, help="checkpoint-N's copies run after the next "
                         "optimizer step, whose wait for them is removed: the checkpoint must differ")
+    parser.add_argument("--slow_steps", type=float, default=0.0, help="each step takes at least this many seconds")
+    parser.add_argument("--slow_uploads", type=float, default=0.0,
+                        help="each file the checkpoint mirror uploads takes this many seconds longer")
+    parser.add_argument("--kill_during_upload", type=int, default=0,
+                        help="SIGKILL every rank once the mirror has uploaded a file of checkpoint-N")
     parser.add_argument("--load_in_4bit", action="store_true", help="QLoRA: a BitsAndBytesConfig in model_init_kwargs")
     parser.add_argument("--bnb_4bit_quant_type", default="nf4", choices=["nf4", "fp4"])
     parser.add_argument("--bnb_4bit_quant_storage", default=None, help="default: bitsandbytes' (uint8)")
@@ -435,6 +491,8 @@ def main(argv: list[str] | None = None):
     hold = HoldSave(*cli.hold_save) if cli.hold_save else None
     if hold is not None:
         callbacks.append(hold)
+    if cli.slow_steps:
+        callbacks.append(SlowSteps(cli.slow_steps))
     if cli.signal_at_step:
         callbacks.append(SignalAtStep(cli.signal_at_step, cli.signal_rank, getattr(signal, cli.signal)))
     if cli.signal_during_save:
@@ -445,6 +503,12 @@ def main(argv: list[str] | None = None):
         os.makedirs(cli.output_dir, exist_ok=True)
         with open(os.path.join(cli.output_dir, f"weight_reads_rank{args.process_index}.json"), "w") as f:
             json.dump(dict(weight_reads.READS), f)
+    if cli.kill_during_upload:
+        peers = [os.getpid()]
+        if torch.distributed.is_initialized():
+            peers = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(peers, os.getpid())
+        kill_during_upload(cli.kill_during_upload, peers)
     if cli.kill_during_save or cli.kill_during_states_save:
         peers = [os.getpid()]
         if torch.distributed.is_initialized():
@@ -471,7 +535,8 @@ def main(argv: list[str] | None = None):
     if cli.slow_copy or cli.unguarded_copy:
         copy_order = CopyOrder(trainer, cli.slow_copy or cli.unguarded_copy, guarded=bool(cli.slow_copy))
         trainer.add_callback(copy_order)
-    with step_peaks(trainer) if cli.tensor_peak else contextlib.nullcontext([]) as peaks:
+    with (step_peaks(trainer) if cli.tensor_peak else contextlib.nullcontext([]) as peaks,
+          slow_uploads(cli.slow_uploads) if cli.slow_uploads else contextlib.nullcontext()):
         result = trainer.train(resume_from_checkpoint=cli.resume_from or (True if cli.resume else None))
     report["ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
     if trainer.is_deepspeed_enabled:
@@ -487,6 +552,7 @@ def main(argv: list[str] | None = None):
     report["global_step"] = trainer.state.global_step
     report["log_history"] = trainer.state.log_history
     report["steps_run_here"] = counter.steps
+    report["step_ends"] = counter.ends
     report["gathered"] = {"per_step": gathers.per_step, "model": model_numel(trainer.model)}
     report["tensor_peak_per_step"] = peaks
     with open(os.path.join(cli.output_dir, f"seen_rank{trainer.accelerator.process_index}.json"), "w") as f:
@@ -532,6 +598,8 @@ def main(argv: list[str] | None = None):
             save_file(ref, os.path.join(cli.output_dir, "ref.safetensors"))
     if trainer.accelerator.is_main_process:
         save_file(weights, os.path.join(cli.output_dir, "trained.safetensors"))
+    if trainer._mirror is not None and not cli.kill_during_upload:  # what the process's exit would wait for (the
+        trainer._mirror.wait()  # next run of a shared launch must not start while this one's uploads go on)
     if trainer.accelerator.is_main_process:
         with open(os.path.join(cli.output_dir, f"report_rank{trainer.accelerator.process_index}.json"), "w") as f:
             json.dump(report, f)

@@ -52,7 +52,7 @@ def test_every_error_has_a_kind_and_its_builtin_base():
              errors.UnreadableCheckpoint: ValueError, errors.DatasetError: ValueError, errors.ConfigError: ValueError,
              errors.ConfigTypeError: (ValueError, TypeError), errors.SetupError: RuntimeError,
              errors.NotFoundError: FileNotFoundError, errors.ServerError: ConnectionError,
-             errors.UsageError: SystemExit}
+             errors.MirrorError: RuntimeError, errors.UsageError: SystemExit}
     kinds = {cls.kind for cls in bases}
     assert len(kinds) == len(bases) and "error" not in kinds
     for cls, base in bases.items():

@@ -34,8 +34,17 @@ def test_conversion_matches_trls_own(tmp_path):
     assert ours.to_dict() == {**theirs.to_dict(), "max_shard_size": ours.max_shard_size,
                               "save_on_preemption": ours.save_on_preemption,
                               "save_in_background": ours.save_in_background,
+                              "checkpoint_mirror": None, "mirror_storage_options": None,
+                              "mirror_grace_period": ours.mirror_grace_period,
                               # off without an accelerator (nothing to pin for), like bf16 (runtime.adapt_to_hardware)
                               "dataloader_pin_memory": theirs.dataloader_pin_memory and has_accelerator()}
+
+
+def test_trl_ext_options_set_on_the_training_arguments_come_along(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    args.checkpoint_mirror, args.save_in_background = "s3://bucket/run", True
+    ours = from_training_arguments(args, trl_ext.SFTConfig, trl.SFTTrainer)
+    assert (ours.checkpoint_mirror, ours.save_in_background) == ("s3://bucket/run", True)
 
 
 @pytest.mark.parametrize("trainer_cls, config_name", [(trl_ext.DPOTrainer, "DPOConfig"),

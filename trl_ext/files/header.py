@@ -82,12 +82,43 @@ def read_header(fd: int) -> Header:
     size = os.fstat(fd).st_size
     if size < 8:
         raise UnreadableCheckpoint(f"{size} bytes, shorter than a safetensors header")
-    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    if length > size - 8:
-        raise UnreadableCheckpoint(f"the header claims {length} bytes, the file holds {size - 8}")
-    raw = json.loads(os.pread(fd, length, 8))
+    (claimed,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if claimed > size - 8:
+        raise UnreadableCheckpoint(f"the header claims {claimed} bytes, the file holds {size - 8}")
+    return parse(os.pread(fd, claimed, 8), size)
+
+
+def length(first8: bytes, size: int) -> int:
+    """The header's length from a file's first 8 bytes, checked against the file's ``size`` (a file read remotely).
+
+    Raises:
+        UnreadableCheckpoint: a file too short, or a length it cannot hold.
+    """
+    if size < 8 or len(first8) < 8:
+        raise UnreadableCheckpoint(f"{size} bytes, shorter than a safetensors header")
+    (claimed,) = struct.unpack("<Q", first8[:8])
+    if claimed > size - 8:
+        raise UnreadableCheckpoint(f"the header claims {claimed} bytes, the file holds {size - 8}")
+    return claimed
+
+
+def parse(raw_header: bytes, size: int) -> Header:
+    """Parse and check a header's JSON bytes (those after the 8-byte length) for a file of ``size`` bytes: what
+    ``read`` checks, for bytes read from anywhere (an object store, say).
+
+    Args:
+        raw_header: the header's bytes.
+        size: the whole file's size.
+
+    Returns:
+        The ``Header``.
+
+    Raises:
+        UnreadableCheckpoint, ValueError, KeyError, TypeError: as ``read``.
+    """
+    raw = json.loads(raw_header)
     metadata = raw.pop("__metadata__", None) or {}
-    start, spans = 8 + length, []
+    start, spans = 8 + len(raw_header), []
     for name, entry in raw.items():
         shape, code, (begin, end) = list(entry["shape"]), entry["dtype"], entry["data_offsets"]
         bits = ITEM_BITS.get(code)

@@ -64,10 +64,12 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[
     prepare_output_dir(training_args, recipe, overwrite)
     check_model(model_args.model_name_or_path)
     check_dataset(script_args, training_args, model_args, recipe, dataset_kind)
+    check_mirror(training_args)
     if accelerate_config:  # hand the checked choices on, so every process trains into the same place
         forwarded = [*rest, "--config", recipe_config, "--output_dir", training_args.output_dir]
         if training_args.resume_from_checkpoint:
-            forwarded += ["--resume_from_checkpoint", training_args.resume_from_checkpoint]
+            resume = training_args.resume_from_checkpoint
+            forwarded += ["--resume_from_checkpoint", "true" if resume is True else resume]
         launch.relaunch(accelerate_config, sys.argv[0], forwarded, int(num_processes) if num_processes else None)
     elif num_processes:
         raise UsageError("--num_processes needs an accelerate config: --config accelerate_configs/<name>.yaml.")
@@ -103,7 +105,11 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
     out = Path(training_args.output_dir)
     resume = training_args.resume_from_checkpoint
     own = job is not None and job_of(out) == job.job_id  # the trainer resumes from its newest checkpoint by itself
-    if resume in RESUME_LAST:
+    if resume in RESUME_LAST and last_committed(out) is None and getattr(training_args, "checkpoint_mirror", None):
+        training_args.resume_from_checkpoint = True  # the trainer downloads the mirror's newest complete checkpoint
+        notice(f"{out} holds no complete checkpoint: resuming from the newest complete one of "
+               f"{training_args.checkpoint_mirror}, if it holds one (else a new run starts)")
+    elif resume in RESUME_LAST:
         last = last_committed(out)
         if last is None:
             raise UsageError(f"--resume_from_checkpoint {resume}: '{out}' holds no complete checkpoint-N to resume "
@@ -123,6 +129,22 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
     if job is not None and job.node_rank == 0:  # this job's directory from now on: a requeued run resumes from it
         mark_for_job(out)
     return str(out)
+
+
+def check_mirror(training_args) -> None:
+    """A ``checkpoint_mirror`` the store refuses (credentials, bucket, permission) fails here, in one line, before any
+    process starts (the trainer checks it again on every rank).
+
+    Raises:
+        UsageError: the mirror cannot be written.
+    """
+    from trl_ext.errors import MirrorError
+    from trl_ext.mirror import check
+
+    try:
+        check(training_args)
+    except MirrorError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_flags(model_args) -> None:

@@ -51,6 +51,7 @@ def _check_before_launch(command: str, training_script_args: list[str]) -> None:
     script_args, training_args, model_args = parsed[:3]
     dataset_args = parsed[3] if len(parsed) > 3 and hasattr(parsed[3], "datasets") else None
     scripting.check_model(model_args.model_name_or_path)
+    scripting.check_mirror(training_args)
     if (dataset_args is not None and dataset_args.datasets) or script_args.dataset_streaming:
         return
     scripting.check_dataset(script_args, training_args, model_args, command, DATASET_KINDS.get(command),

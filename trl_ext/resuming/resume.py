@@ -21,7 +21,7 @@ from trl_ext.engines import fsdp
 from trl_ext.errors import ResumeError, TrlExtError
 from trl_ext.files import hub_names
 from trl_ext.process import notice, slurm
-from trl_ext.resuming import checks, choose, fsdp2, rng, universal, world_size
+from trl_ext.resuming import checks, choose, fsdp2, mirrored, rng, universal, world_size
 from trl_ext.saving import supports
 
 
@@ -37,6 +37,7 @@ class Resume:
 
     checkpoint: str | None = None
     plan: world_size.Plan | None = None
+    fresh: bool = False  # resume_from_checkpoint=True with a mirror, and nothing to resume anywhere: a new run
 
     def load_weights(self, trainer, checkpoint: str, model) -> bool:
         """Load the weights of ``checkpoint`` where Trainer's own loader would get them wrong: under FSDP2 (each rank
@@ -137,9 +138,11 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
 
     Args:
         trainer: the trainer about to train (its DeepSpeed engine is not built yet).
-        resume_from_checkpoint: as given to ``train``: None or False, a path, or True (the newest committed one).
-            Under Slurm, None in a job run again after a requeue means the newest checkpoint its earlier run
-            committed in this output directory (``choose.requeued_checkpoint``).
+        resume_from_checkpoint: as given to ``train``: None or False, a path, or True (the newest committed one;
+            with ``checkpoint_mirror`` and none in the output directory, the mirror's newest, downloaded:
+            ``mirrored``). Under Slurm, None in a job run again after a requeue means the newest checkpoint its
+            earlier run committed in this output directory (``choose.requeued_checkpoint``), or in the mirror it was
+            writing (``mirrored.requeued``).
 
     Returns:
         The ``Resume``: its ``checkpoint`` is the path to hand Trainer (None: nothing to resume, or True found
@@ -149,12 +152,14 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         ResumeError: a damaged checkpoint, one missing on some node, or a global batch that cannot be kept.
     """
     if not resume_from_checkpoint and slurm.current() is not None:  # a requeued Slurm job resumes by itself
-        resume_from_checkpoint = choose.requeued_checkpoint(trainer.args)
+        resume_from_checkpoint = choose.requeued_checkpoint(trainer.args) or mirrored.requeued(trainer)
     if not resume_from_checkpoint:
         return Resume()
+    if resume_from_checkpoint is True:  # an output directory without a checkpoint: the mirror's newest, if any
+        mirrored.download_if_missing(trainer)
     checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint)
     if checkpoint is None:
-        return Resume()
+        return Resume(fresh=resume_from_checkpoint is True and mirrored.start_fresh(trainer))
     config = getattr(trainer.model, "config", None)
     checks.check_resume_checkpoint(checkpoint, getattr(config, "num_labels", 1))
     plan = _read_plan(trainer, checkpoint)

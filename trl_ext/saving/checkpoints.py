@@ -6,8 +6,8 @@ One checkpoint's life (``Checkpoints.save``, which the trainer's ``_save_checkpo
 2. Trainer's own ``_save_checkpoint`` writes everything (weights, optimizer and scheduler, RNG states, trainer state)
    into a hidden directory, ``.checkpoint-N.trl_ext-partial/checkpoint-N`` (``Staging``), which
    ``resume_from_checkpoint=True`` never picks;
-3. in the foreground, the directory is renamed to ``checkpoint-N`` and older ones are rotated out
-   (``save_total_limit``); with ``save_in_background``:
+3. in the foreground, the directory is renamed to ``checkpoint-N``, the ``after_commit`` hooks run (the mirror) and
+   older checkpoints are rotated out (``save_total_limit``); with ``save_in_background``:
 
    - ``begin`` returns one ``executor.Save``; inside Trainer's save, the weights (``pipeline.save(into=...)``) and every
      file the libraries write themselves (``deferred``) are staged in the ``snapshot``: small tensors copied at once,
@@ -15,11 +15,11 @@ One checkpoint's life (``Checkpoints.save``, which the trainer's ``_save_checkpo
    - ``release`` starts the copies beside the next forward and backward and hands the save to the saves' thread;
    - ``wait_for_copies``: before the next optimizer step changes the originals (an optimizer step pre-hook);
    - on the saves' thread: the copies end, every part is written, synced and checked, every rank's outcome agreed on,
-     the weights committed, the checkpoint renamed into place, older ones rotated out;
+     the weights committed, the checkpoint renamed into place, the ``after_commit`` hooks run, older ones rotated
+     out;
    - ``poll`` at the next step boundary after it finished (or ``wait_for_writes`` before the next checkpoint and at the
      end): its outcome on every rank, a failure raised on all of them;
-4. ``after_commit`` hooks run with the committed directory (on the saves' thread in the background);
-5. its cost is logged as training metrics (the log line, TensorBoard; ``history``, not ``state.log_history``, whose
+4. its cost is logged as training metrics (the log line, TensorBoard; ``history``, not ``state.log_history``, whose
    copy in each checkpoint must not depend on timing): ``checkpoint/held_s`` (how long the training
    thread was held for it: inside ``_save_checkpoint``, ``checkpoint/held_save_s``; before the next optimizer step,
    ``checkpoint/held_copy_wait_s``, on a GPU the compute stream's wait included; for the previous checkpoint,
@@ -286,22 +286,22 @@ class Checkpoints:
                 trainer.state.save_to_json(str(staging.staging_run_dir / name / "trainer_state.json"))
 
     def _committed(self, staging: Staging, save: Save | None = None) -> None:
-        """The writer: the checkpoint renamed into place, older ones rotated out, then the ``after_commit`` hooks
-        (a hook's failure is said, never undoes the commit)."""
+        """The writer: the checkpoint renamed into place, the ``after_commit`` hooks (the mirror; a hook's failure is
+        said, never undoes the commit), then older checkpoints rotated out."""
         if not staging.is_writer:
             return
         staging.put_in_place()
-        trainer = self.trainer
-        rotate_checkpoints(output_dir=trainer.args.output_dir, save_total_limit=trainer.args.save_total_limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
         if save is not None:
             save.committed_bytes = _directory_bytes(staging.final)
-        step = int(staging.name.rpartition("-")[2])
+        step = int(staging.name.rpartition("-")[2])  # not global_step: a background commit lands steps later
         for hook in self.after_commit:
             try:
                 hook(staging.final, step)
             except Exception as exc:  # noqa: BLE001 - the checkpoint is committed; what follows it is the hook's
                 logger.warning(f"[trl_ext] after {staging.final} was committed: {type(exc).__name__}: {exc}")
+        trainer = self.trainer
+        rotate_checkpoints(output_dir=trainer.args.output_dir, save_total_limit=trainer.args.save_total_limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
 
     def _log(self, costs: dict, log: bool = True) -> None:
         """A checkpoint's cost, the slowest rank's, recorded and logged as training metrics (every rank at the same

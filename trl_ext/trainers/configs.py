@@ -1,8 +1,9 @@
 """TRL's config classes, adapted to the hardware before validation (see ``runtime.adapt_to_hardware``).
 
 They are subclasses: every field, default and CLI flag is TRL's, and ``isinstance(cfg, trl.DPOConfig)`` holds.
-Fields added: ``max_shard_size`` for trl_ext's save path, ``save_in_background`` and ``save_on_preemption`` (every
-config), and ``vllm_request_timeout`` (GRPO, RLOO).
+Fields added: ``max_shard_size`` for trl_ext's save path, ``save_in_background``, ``save_on_preemption`` and the
+checkpoint mirror's ``checkpoint_mirror``, ``mirror_storage_options`` and ``mirror_grace_period`` (every config), and
+``vllm_request_timeout`` (GRPO, RLOO).
 """
 
 from dataclasses import dataclass, field
@@ -42,6 +43,38 @@ class _SaveOptions:
                           "next step boundary, the checkpoint of that step is saved, and the processes exit with code "
                           "128 + the signal's number (143 for SIGTERM). False: the signals keep their default action."},
     )
+    checkpoint_mirror: str | None = field(
+        default=None,
+        metadata={"help": "Mirror every committed checkpoint-N and the final model to this fsspec URL, in the "
+                          "background (e.g. 's3://bucket/run'; also gs://, az://, hf://, file://): files uploaded in "
+                          "parallel, a manifest of sizes and checksums written last, save_total_limit applied there "
+                          "too. resume_from_checkpoint=True on a machine whose output_dir holds no checkpoint "
+                          "downloads the newest complete one, checked, and resumes. Needs s3fs for s3:// "
+                          "(pip install 'trl_ext[mirror]')."},
+    )
+    mirror_storage_options: dict | str | None = field(
+        default=None,
+        metadata={"help": "fsspec storage options for checkpoint_mirror, as a dict or JSON (e.g. '{\"endpoint_url\": "
+                          "\"https://...\"}'). Credentials are best left to the store's standard chain (environment "
+                          "variables, config files, instance roles); secrets given here are never logged or saved."},
+    )
+    mirror_grace_period: float = field(
+        default=20.0,
+        metadata={"help": "Seconds a preempted run (SIGTERM, SIGUSR1) waits for its stopping checkpoint to reach "
+                          "checkpoint_mirror before it exits; past them the log says the checkpoint is only local. "
+                          "Keep it below the scheduler's grace period less the save."},
+    )
+
+    def __post_init__(self):
+        if self.checkpoint_mirror:
+            from trl_ext.mirror import options
+
+            self.checkpoint_mirror = options.check_url(self.checkpoint_mirror)
+        if self.mirror_storage_options is not None:
+            from trl_ext.mirror import options
+
+            self.mirror_storage_options = options.parse(self.mirror_storage_options)  # secrets kept out of the config
+        super().__post_init__()
 
 
 VLLM_REQUEST_TIMEOUT = 600.0  # seconds; a generation request for a large batch can legitimately take minutes
@@ -121,4 +154,7 @@ def from_training_arguments(args, config_class: type, trl_trainer: type):
                         f"it with {trl_config}(**args.to_dict())")
     values = args.to_dict()
     values["hub_token"] = args.hub_token  # to_dict() hides it
+    # trl_ext's own options set on the TrainingArguments object (args.checkpoint_mirror = "s3://...") come along
+    values.update({name: value for name, value in vars(args).items()
+                   if name in config_class.__dataclass_fields__ and name not in values})
     return config_class(**values)

@@ -24,6 +24,7 @@ from trl_ext.engines import (
     sharded,
 )
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
+from trl_ext.mirror import Mirror
 from trl_ext.process import destroy_gloo_group_at_exit, warning_filter
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
@@ -57,6 +58,7 @@ class TrlExtMixin:
             bound.arguments["args"] = training_args = configs.from_training_arguments(
                 training_args, self._config_class, self._trl_class)
         runtime.check_distributed_setup(training_args)
+        self._mirror = Mirror.for_args(training_args)  # checkpoint_mirror: the store checked before the model loads
         if self._fused_lm_head:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
@@ -92,12 +94,22 @@ class TrlExtMixin:
         if self.is_deepspeed_enabled:
             guard_save_pretrained(self.model)
         self._checkpoints = Checkpoints(self)  # staged checkpoint-N; with save_in_background, written meanwhile
+        if self._mirror is not None:
+            self._mirror.attach(self)
+            self._checkpoints.after_commit.append(self._mirror.committed)  # each checkpoint-N, once committed
         self._preemption = None
         if preemption.wanted(self.args):  # SIGTERM/SIGUSR1: every rank stops at a step boundary, with a checkpoint
             preemption.replace_jit_checkpoint(self)
             self._preemption = preemption.Preemption()
-            self._preemption.before_exit = self._checkpoints.wait_for_writes  # the checkpoint in flight is committed
+            self._preemption.before_exit = self._before_preempted_exit
             self.add_callback(self._preemption)
+
+    def _before_preempted_exit(self) -> None:
+        """On every rank, before a preempted run exits: the checkpoint in flight committed, then the stopping
+        checkpoint uploaded to the mirror within its grace period (or said to be only local)."""
+        self._checkpoints.wait_for_writes()
+        if self._mirror is not None:
+            self._mirror.at_preemption(self.accelerator.wait_for_everyone)
 
     def _check_input(self, bound: inspect.BoundArguments) -> None:
         """Refuse a missing model path, or rows TRL cannot prepare, with one clear line before the model is loaded."""
@@ -140,9 +152,12 @@ class TrlExtMixin:
         of processes prepared)."""
         self._storage = nodes.detect(self.args)  # several nodes: is output_dir shared? (refused here if that breaks)
         nodes.check(self._storage, self.args)
+        asked = resume_from_checkpoint
         self._resume = resuming.prepare(self, resume_from_checkpoint)
-        if self._resume.checkpoint is not None:  # None with True: Trainer says that no checkpoint was found
+        if self._resume.checkpoint is not None or self._resume.fresh:  # None with True: Trainer says none was found
             resume_from_checkpoint = self._resume.checkpoint
+        if self._mirror is not None:  # the mirror's lease: a new run may not train over another run's checkpoints
+            self._mirror.begin(self, resuming=bool(asked or resume_from_checkpoint))
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         except BaseException:  # a checkpoint still being written is not committed: the run stopped before it was whole
@@ -205,6 +220,8 @@ class TrlExtMixin:
             if diverged is None:
                 raise
             raise diverged from exc
+        if self._mirror is not None and not _internal_call and self._writes_files():  # a checkpoint's own: committed()
+            self._mirror.model_saved(output_dir or self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

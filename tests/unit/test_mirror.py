@@ -1,0 +1,295 @@
+"""The checkpoint mirror's parts in one process, on fsspec's in-memory store: secrets kept out of configs, the manifest
+and the checksummed transfers, the run lease, the uploader (manifest last, retention after a newer checkpoint is
+complete, retries while the store does not answer, the lag it reports), the downloader refusing a mismatching file
+for the next older checkpoint, and ``trl-ext verify URL``. The real S3 server and 2-process runs are in
+tests/distributed/test_mirror.py."""
+
+import json
+import os
+import pickle
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import trl_ext
+from trl_ext.errors import ConfigError, MirrorError
+from trl_ext.mirror import downloader, lease, manifest, options, uploader
+from trl_ext.mirror.store import Store
+from trl_ext.mirror.verify import verify
+
+
+@pytest.fixture
+def url():
+    return f"memory://trl-ext-tests-{uuid.uuid4().hex[:8]}/run"
+
+
+def _checkpoint(root: Path, step: int, size: int = 1000) -> Path:
+    path = root / f"checkpoint-{step}"
+    (path / "global_step").mkdir(parents=True)
+    save_file({"w": torch.full((size // 4,), float(step))}, path / "model.safetensors")
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (path / "global_step" / "optim_states.pt").write_bytes(os.urandom(size))
+    return path
+
+
+class Lines(list):
+    def __call__(self, line: str) -> None:
+        self.append(line)
+
+
+def _uploader(url, tmp_path, keep=None, store=None):
+    store = store or Store(url)
+    holder = lease.Holder(output_dir=str(tmp_path))
+    lease.claim(store, holder, resuming=False, say=Lines())
+    said = Lines()
+    return uploader.Uploader(store, holder, tmp_path / uploader.STAGING, keep, set, said), store, said
+
+
+def _submit(up, run_dir: Path, step: int):
+    name = f"checkpoint-{step}"
+    up.submit(uploader.stage(run_dir / name, up.staging_root / name, name, step))
+
+
+# --------------------------------------------------------------------------------------------------- options
+
+
+def test_secrets_stay_out_of_the_config_its_logs_and_its_pickle(tmp_path):
+    args = trl_ext.SFTConfig(output_dir=str(tmp_path), report_to="none", checkpoint_mirror="s3://bucket/run/",
+                             mirror_storage_options=json.dumps({"key": "AKIDEXAMPLE", "secret": "s3cr3t-value",
+                                                                "client_kwargs": {"endpoint_url": "http://h:9000"}}))
+    assert args.checkpoint_mirror == "s3://bucket/run"
+    for shown in (json.dumps(args.to_dict()), str(args), pickle.dumps(args).decode("latin-1")):
+        assert "s3cr3t-value" not in shown and "AKIDEXAMPLE" not in shown
+    assert "http://h:9000" in json.dumps(args.to_dict())
+    real = options.reveal(args.mirror_storage_options)
+    assert real == {"key": "AKIDEXAMPLE", "secret": "s3cr3t-value", "client_kwargs": {"endpoint_url": "http://h:9000"}}
+    copy = pickle.loads(pickle.dumps(args))  # a copy in this process reveals the same
+    assert options.reveal(copy.mirror_storage_options) == real
+    assert options.shown("s3://KEY:SECRET@bucket/run") == "s3://bucket/run"
+
+
+@pytest.mark.parametrize("value, problem", [("{not json", "not JSON"), ("[1, 2]", "must be a mapping")])
+def test_bad_storage_options_are_refused_in_one_line(tmp_path, value, problem):
+    with pytest.raises(ConfigError, match=problem):
+        trl_ext.DPOConfig(output_dir=str(tmp_path), report_to="none", checkpoint_mirror="s3://b/r",
+                          mirror_storage_options=value)
+
+
+def test_every_config_has_the_mirror_options(tmp_path):
+    for config in (trl_ext.SFTConfig, trl_ext.RewardConfig, trl_ext.DPOConfig, trl_ext.KTOConfig,
+                   trl_ext.GRPOConfig, trl_ext.RLOOConfig):
+        fields = config.__dataclass_fields__
+        assert {"checkpoint_mirror", "mirror_storage_options", "mirror_grace_period"} <= set(fields), config
+    with pytest.raises(ConfigError, match="names no bucket"):
+        trl_ext.SFTConfig(output_dir=str(tmp_path), report_to="none", checkpoint_mirror="s3://")
+
+
+# ------------------------------------------------------------------------------------------ store and manifest
+
+
+def test_transfers_checksum_what_passes_and_the_manifest_round_trips(url, tmp_path):
+    store = Store(url)
+    store.check_access()
+    data = os.urandom(3 * 2**20 + 17)
+    (tmp_path / "f.bin").write_bytes(data)
+    size, digest = store.upload(tmp_path / "f.bin", "a/f.bin")
+    expected = manifest.hasher()
+    expected.update(data)
+    assert (size, digest) == (len(data), expected.hexdigest())
+    assert store.download("a/f.bin", tmp_path / "back.bin") == (size, digest)
+    assert (tmp_path / "back.bin").read_bytes() == data
+    made = manifest.Manifest(step=3, run="r")
+    made.add("f.bin", size, digest)
+    store.write_manifest("a", made)
+    read = store.read_manifest("a")
+    assert read.files == made.files and read.step == 3
+    assert read.mismatch("f.bin", size, digest) is None
+    assert "checksum" in read.mismatch("f.bin", size, "0" * 32) and "bytes" in read.mismatch("f.bin", 1, digest)
+
+
+# --------------------------------------------------------------------------------------------------- the lease
+
+
+def test_a_new_run_cannot_take_a_mirror_that_another_run_writes_or_wrote(url, tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    store = Store(url)
+    first = lease.Holder(output_dir="a", host="elsewhere")
+    lease.claim(store, first, resuming=False, say=Lines())
+    with pytest.raises(MirrorError, match="belongs to another run .*resume that run"):
+        lease.claim(store, lease.Holder(output_dir="b"), resuming=False, say=Lines())
+    # a resuming run waits for a live lease of another host, and takes it once it has expired
+    monkeypatch.setattr(lease, "LEASE_SECONDS", 0.6)
+    said = Lines()
+    second = lease.Holder(output_dir="b")
+    lease.claim(store, second, resuming=True, say=said)
+    assert any("waiting up to" in line for line in said) and "taking it over" in said[-1], said
+    assert lease.holds(store, second) and not lease.renew(store, first)  # the first run learns it lost the mirror
+
+
+def test_a_resuming_run_takes_over_at_once_from_an_ended_or_dead_run(url, monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    store = Store(url)
+    dead = lease.Holder(pid=2**22 + 12345)  # no such process on this host
+    lease.claim(store, dead, resuming=False, say=Lines())
+    said = Lines()
+    alive = lease.Holder()
+    lease.claim(store, alive, resuming=True, say=said)
+    assert "has ended" in said[-1], said
+    lease.release(store, alive)
+    ended = lease.Holder(output_dir="c", host="elsewhere")
+    lease.claim(store, ended, resuming=True, say=Lines())
+    lease.release(store, ended)
+    said = Lines()
+    lease.claim(store, lease.Holder(), resuming=True, say=said)
+    assert "it ended" in said[-1], said
+
+
+# ------------------------------------------------------------------------------------------------ the uploader
+
+
+def test_checkpoints_upload_with_the_manifest_last_and_retention_after_a_newer_one_is_complete(url, tmp_path,
+                                                                                                monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    up, store, said = _uploader(url, tmp_path, keep=2)
+    order = []
+    write_manifest, delete = store.write_manifest, store.delete
+    monkeypatch.setattr(store, "write_manifest", lambda rel, m: (order.append(("manifest", rel, sorted(
+        store.files(rel)))), write_manifest(rel, m)))
+    monkeypatch.setattr(store, "delete", lambda rel, recursive=True: (order.append(("delete", rel, store.complete())),
+                                                                      delete(rel, recursive)))
+    for step in (1, 2, 3):
+        path = _checkpoint(tmp_path, step)
+        _submit(up, tmp_path, step)
+        shutil.rmtree(path)  # local rotation removes it at once: the hard links keep it whole for the upload
+        assert up.wait(30)
+    assert store.complete() == [3, 2]
+    # each manifest came after every file of its checkpoint
+    for kind, rel, files in (o for o in order if o[0] == "manifest"):
+        assert files == ["global_step/optim_states.pt", "model.safetensors", "trainer_state.json"], (rel, files)
+    # checkpoint-1 was deleted (manifest first) only once checkpoint-3 was complete
+    completed = order.index(next(o for o in order if o[:2] == ("manifest", "checkpoint-1")))
+    first_delete = next(o for o in order[completed:] if o[0] == "delete" and o[1].startswith("checkpoint-1"))
+    assert first_delete[1] == f"checkpoint-1/{manifest.NAME}" and 3 in first_delete[2]
+    assert not (tmp_path / uploader.STAGING / "checkpoint-1").exists()  # staged hard links removed once uploaded
+    assert [line for line in said if "complete at" in line][0].startswith("mirror: checkpoint-1 complete at memory://")
+
+
+def test_training_never_waits_for_a_silent_store_and_the_mirror_catches_up(url, tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(uploader, "WARN_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(uploader, "FIRST_BACKOFF_SECONDS", 0.05)
+    up, store, said = _uploader(url, tmp_path)
+    down = threading.Event()
+    down.set()
+    upload = store.upload
+
+    def flaky(local, rel, cancelled=lambda: False):
+        if down.is_set():
+            raise ConnectionError("Could not connect to the endpoint URL")
+        return upload(local, rel, cancelled)
+
+    monkeypatch.setattr(store, "upload", flaky)
+    for step in (1, 2):
+        _checkpoint(tmp_path, step)
+        started = time.monotonic()
+        _submit(up, tmp_path, step)
+        assert time.monotonic() - started < 1.0  # hard links and a queue: training goes on
+    deadline = time.monotonic() + 10
+    while not any("has not answered" in line for line in said) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert up.status()["behind_checkpoints"] == 2 and up.status()["behind_steps"] == 2
+    assert any("2 checkpoint(s), 2 step(s) behind" in line and "has not answered" in line for line in said), said
+    down.clear()
+    assert up.wait(30)
+    assert store.complete() == [2, 1] and up.status()["behind_checkpoints"] == 0
+    assert any("answers again" in line for line in said), said
+
+
+def test_a_grace_period_that_runs_out_leaves_the_previous_checkpoint_complete(url, tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    up, store, _ = _uploader(url, tmp_path)
+    _checkpoint(tmp_path, 1)
+    _submit(up, tmp_path, 1)
+    assert up.wait(30)
+    upload = store.upload
+    monkeypatch.setattr(store, "upload", lambda local, rel, cancelled=lambda: False: (time.sleep(0.5), upload(
+        local, rel, cancelled))[1])
+    _checkpoint(tmp_path, 2)
+    _submit(up, tmp_path, 2)
+    assert not up.wait(0.2)
+    assert up.abandon() == ["checkpoint-2"]
+    assert store.complete() == [1]
+    assert (tmp_path / uploader.STAGING / "checkpoint-2" / "job.json").is_file()  # a later run finishes it
+    assert [j.rel for j in uploader.pending(tmp_path / uploader.STAGING)] == ["checkpoint-2"]
+
+
+# ---------------------------------------------------------------------------------------- downloads and verify
+
+
+def test_a_mismatching_file_is_refused_and_the_next_older_checkpoint_used(url, tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    up, store, _ = _uploader(url, tmp_path / "first")
+    for step in (1, 2):
+        _checkpoint(tmp_path / "first", step)
+        _submit(up, tmp_path / "first", step)
+    assert up.wait(30)
+    store.fs.pipe_file(store.path("checkpoint-2/trainer_state.json"), b'{"global_step": 9}')  # bit rot
+    said = Lines()
+    got = downloader.newest(store, tmp_path / "fresh", said)
+    assert got == tmp_path / "fresh" / "checkpoint-1"
+    assert "refused" in said[0] and "trainer_state.json: checksum" in said[0], said
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["checkpoint-1"]  # nothing half-written
+    assert (got / "model.safetensors").read_bytes() == (tmp_path / "first" / "checkpoint-1" /
+                                                        "model.safetensors").read_bytes()
+    report = verify(f"{url}/checkpoint-2")
+    assert not report.ok and "trainer_state.json: checksum" in report.format()
+    report = verify(f"{url}/checkpoint-1")
+    assert report.ok and report.headers == 1 and report.tensors == 1, report.format()
+
+
+def test_verify_reads_the_safetensors_headers(url, tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    up, store, _ = _uploader(url, tmp_path)
+    path = _checkpoint(tmp_path, 1)
+    raw = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(raw[:-4])  # truncated before the upload: the manifest agrees with it
+    _submit(up, tmp_path, 1)
+    assert up.wait(30)
+    report = verify(f"{url}/checkpoint-1")
+    assert not report.ok and "safetensors header is invalid" in report.format(), report.format()
+    listing = verify(url)
+    assert "checkpoint-1: complete" in listing.format() and not listing.ok
+
+
+def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_cannot_finish(url, tmp_path,
+                                                                                           monkeypatch):
+    """What a killed run left: checkpoint-2 committed and staged but not uploaded (it is finished), checkpoint-3's
+    upload begun in the mirror with no local copy to finish it from (it is deleted); a resuming run does both."""
+    from types import SimpleNamespace
+
+    from trl_ext.mirror.mirror import Mirror
+
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    store = Store(url)
+    _checkpoint(tmp_path, 1)
+    up, _, _ = _uploader(url, tmp_path)
+    _submit(up, tmp_path, 1)
+    assert up.wait(30)
+    lease.release(store, up.holder)  # that run has ended (killed)
+    _checkpoint(tmp_path, 2)
+    uploader.stage(tmp_path / "checkpoint-2", tmp_path / uploader.STAGING / "checkpoint-2", "checkpoint-2", 2)
+    (tmp_path / "part.bin").write_bytes(b"x" * 100)
+    store.upload(tmp_path / "part.bin", "checkpoint-3/model.safetensors")
+    args = SimpleNamespace(checkpoint_mirror=url, output_dir=str(tmp_path), save_total_limit=None,
+                           mirror_grace_period=5.0, process_index=0)
+    mirror = Mirror(args, Store(url))
+    mirror.begin(SimpleNamespace(_storage=None), resuming=True)
+    assert mirror.wait(30)
+    assert store.checkpoints() == {1: True, 2: True}
+    assert not (tmp_path / uploader.STAGING / "checkpoint-2").exists()

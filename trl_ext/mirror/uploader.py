@@ -1,0 +1,383 @@
+"""The uploads of a mirror, on a thread of their own: training only hard-links a committed checkpoint's files into a
+hidden folder (``.trl_ext-mirror/checkpoint-N``) and queues it; the thread uploads its files in parallel (multipart for
+large ones), retrying with backoff while the store does not answer, then writes the manifest, last, and applies the
+remote retention.
+
+The hard links keep a queued checkpoint whole while local rotation (``save_total_limit``) removes its folder, and
+survive a crash: the next run on the machine finishes the upload (``pending``). The thread runs while there is work
+and ends when there is none; it is not a daemon, so a process that ends waits for the checkpoints it committed,
+except after ``abandon`` (the grace period of a preempted run ran out) or, once training has ended, when the store has
+not answered for ``STALL_SECONDS``.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trl_ext.errors import ABANDONED, STALLED, MirrorError, TrlExtError
+from trl_ext.mirror import lease, manifest
+from trl_ext.mirror.store import Store, first_line
+
+STAGING = ".trl_ext-mirror"  # in output_dir: the hard-linked files of uploads not done yet
+FILES_IN_PARALLEL = 4
+FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS = 1.0, 30.0
+STALL_SECONDS = 300.0  # once training has ended: give up after the store has not answered for this long
+WARN_EVERY_SECONDS = 60.0
+
+
+@dataclass
+class Job:
+    """One upload: a committed ``checkpoint-N`` or a saved model, hard-linked under ``staged``.
+
+    Args:
+        rel: the remote folder, relative to the mirror (``checkpoint-20``; ``""`` for a model saved in output_dir).
+        step: the checkpoint's step (None for a model).
+        staged: the folder of hard links.
+    """
+
+    rel: str
+    step: int | None
+    staged: str
+
+    @property
+    def name(self) -> str:
+        return self.rel or "the model"
+
+    def files(self) -> list[str]:
+        root = Path(self.staged)
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != "job.json")
+
+
+def stage(source: Path, staging: Path, rel: str, step: int | None, top_files_only: bool = False) -> Job:
+    """Hard-link the files of ``source`` (a committed checkpoint, or a saved model: ``top_files_only``, the regular
+    files at its top) into ``staging``; copied where the file system has no hard links.
+
+    Returns:
+        The ``Job``, described in ``staging/job.json`` too (so that a later run can finish it).
+    """
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    paths = ([p for p in source.iterdir() if p.is_file() and not p.name.startswith(".")] if top_files_only
+             else [p for p in source.rglob("*") if p.is_file()])
+    for path in paths:
+        target = staging / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:  # no hard links here (some network file systems): a copy, slower but as safe
+            shutil.copy2(path, target)
+    job = Job(rel, step, str(staging))
+    (staging / "job.json").write_text(json.dumps(asdict(job)))
+    return job
+
+
+def pending(staging_root: Path) -> list[Job]:
+    """The uploads an earlier run on this machine left unfinished, oldest checkpoint first, models last."""
+    jobs = []
+    for path in sorted(staging_root.glob("*/job.json")) if staging_root.is_dir() else []:
+        try:
+            raw = json.loads(path.read_text())
+            jobs.append(Job(raw["rel"], raw["step"], str(path.parent)))
+        except (OSError, ValueError, KeyError):
+            shutil.rmtree(path.parent, ignore_errors=True)
+    return sorted(jobs, key=lambda j: (j.step is None, j.step or 0))
+
+
+class Outage:
+    """Since when the store has not answered, and the last error it gave."""
+
+    def __init__(self):
+        self.since: float | None = None
+        self.error = ""
+        self.lock = threading.Lock()
+
+    def failed(self, exc: BaseException) -> None:
+        with self.lock:
+            self.since = self.since or time.monotonic()
+            self.error = first_line(exc)
+
+    def answered(self) -> float | None:
+        """The store answered; returns how long it had not (None if it had)."""
+        with self.lock:
+            since, self.since = self.since, None
+        return None if since is None else time.monotonic() - since
+
+    def seconds(self) -> float:
+        since = self.since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+class Uploader:
+    """Uploads queued checkpoints and models, one at a time, each file in parallel; see the module's docstring.
+
+    Args:
+        store: the mirror.
+        holder: this run's lease (renewed by ``renew_if_due``, checked before every manifest).
+        staging_root: ``<output_dir>/.trl_ext-mirror``.
+        keep: how many complete checkpoints the mirror keeps (``save_total_limit``; None: all).
+        protected: the checkpoint steps retention never deletes (the best model's), asked at each retention.
+        say: prints one line.
+    """
+
+    def __init__(self, store: Store, holder: lease.Holder, staging_root: Path, keep: int | None,
+                 protected: Callable[[], set[int]], say: Callable[[str], None]):
+        self.store, self.holder, self.staging_root, self.keep = store, holder, staging_root, keep
+        self.protected, self.say = protected, say
+        self._queue: deque[Job] = deque()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._current: Job | None = None
+        self._current_bytes = [0, 0]  # uploaded, total of the job in flight
+        self._cancel = threading.Event()
+        self._renew_due = time.monotonic() + lease.RENEW_SECONDS
+        self._lost = False  # another run took the mirror over: nothing more is written
+        self._warned = self._warned_outage = -WARN_EVERY_SECONDS
+        self.closing = False  # training has ended: give up after STALL_SECONDS without an answer
+        self.outage = Outage()
+        self.local_step: int | None = None  # the newest checkpoint queued
+        self.remote_step: int | None = None  # the newest checkpoint complete in the mirror
+        self.completed: list[tuple[str, float]] = []  # (rel, seconds) of each finished upload, for tests and benches
+        self.failed: list[str] = []  # what could not be uploaded (only local), one line each
+
+    # ------------------------------------------------------------------------------------------- training side
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (training goes on at once); queued checkpoints that retention would delete right after they
+        completed are dropped."""
+        with self._lock:
+            self._queue.append(job)
+            if job.step is not None:
+                self.local_step = max(job.step, self.local_step or 0)
+            if self.keep:
+                checkpoints = [j for j in self._queue if j.step is not None]
+                for old in checkpoints[:-self.keep] if len(checkpoints) > self.keep else []:
+                    self._queue.remove(old)
+                    shutil.rmtree(old.staged, ignore_errors=True)
+            self._start()
+        self._say_lag()
+
+    def renew_if_due(self) -> None:
+        """Renew the lease once every ``RENEW_SECONDS`` (queued as work: never blocks training)."""
+        if time.monotonic() >= self._renew_due and not self._lost:
+            with self._lock:
+                self._start()
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._cancel.clear()
+            self._thread = threading.Thread(target=self._run, name="trl_ext-mirror", daemon=False)
+            self._thread.start()
+
+    def status(self) -> dict[str, float]:
+        """How far the mirror is behind the output directory: checkpoints and steps not complete there yet."""
+        with self._lock:
+            behind = sum(j.step is not None for j in self._queue) + int(
+                self._current is not None and self._current.step is not None)
+        steps = (self.local_step or 0) - (self.remote_step or 0) if behind else 0
+        return {"behind_checkpoints": behind, "behind_steps": max(steps, 0),
+                "store_silent_seconds": round(self.outage.seconds(), 1)}
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._queue and self._current is None
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait until every queued upload is done (or given up); True if so within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._queue or self._current is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(timeout=min(left, 1.0) if left is not None else 1.0)
+        return True
+
+    def abandon(self) -> list[str]:
+        """Stop now: the upload in flight is discarded (the previous complete checkpoint stays the mirror's newest),
+        and what was queued stays staged on disk for a later run. Returns the names left only local."""
+        with self._lock:
+            left = [j.name for j in ([self._current] if self._current else []) + list(self._queue)]
+            self._queue.clear()
+        self._cancel.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        return left
+
+    # --------------------------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                job = self._queue.popleft() if self._queue and not self._lost else None
+                self._current = job
+                done = job is None and (time.monotonic() < self._renew_due or self.closing)
+            if done and self.closing and not self._lost and not self._cancel.is_set():
+                with contextlib.suppress(Exception):  # an expired lease frees the mirror too
+                    lease.release(self.store, self.holder)  # a resuming run need not wait for it to expire
+            if done:
+                with self._lock:
+                    if self._queue:  # queued meanwhile
+                        continue
+                    self._thread = None if self._thread is threading.current_thread() else self._thread
+                    self._lock.notify_all()
+                    return
+            try:
+                if time.monotonic() >= self._renew_due:
+                    self._renew()
+                if job is not None:
+                    self._upload(job)
+            except MirrorError as exc:
+                if exc.kind == STALLED:
+                    self._give_up(job)
+                elif exc.kind != ABANDONED and job is not None:
+                    self.failed.append(f"{job.name}: {exc}")
+                    self.say(f"mirror {self.store.url_of(job.rel)}: the upload failed ({exc}); it stays only local: "
+                             f"{job.staged}")
+            except Exception as exc:  # noqa: BLE001 - said, never raised into training
+                if job is not None:
+                    self.failed.append(f"{job.name}: {first_line(exc)}")
+                    self.say(f"mirror {self.store.url_of(job.rel)}: the upload failed ({first_line(exc)}); it stays "
+                             f"only local: {job.staged}")
+            finally:
+                with self._lock:
+                    self._current = None
+                    self._lock.notify_all()
+
+    def _renew(self) -> None:
+        self._renew_due = time.monotonic() + lease.RENEW_SECONDS
+        if not self._retry("renew the lease", lambda: lease.renew(self.store, self.holder)):
+            self._lose()
+
+    def _lose(self) -> None:
+        self._lost = True
+        raw = self.store.read_json(lease.RUN_MARKER) or {}
+        self.say(f"mirror {self.store.shown}: another {lease.Holder.from_dict(raw).describe()} took it over; this run "
+                 "uploads nothing more (its checkpoints stay local)")
+
+    def _give_up(self, job: Job | None) -> None:
+        with self._lock:
+            left = [j.name for j in ([job] if job else []) + list(self._queue)]
+            self._queue.clear()
+        self.failed += left
+        self.say(f"mirror {self.store.shown}: the store has not answered for {self.outage.seconds():.0f} s since "
+                 f"training ended ({self.outage.error}); only local: {', '.join(left)} (staged in "
+                 f"{self.staging_root}; the next run here finishes the upload)")
+
+    def _retry(self, what: str, call):
+        """``call()`` until it succeeds: the store's failures are retried with backoff (1, 2, 4 ... 30 s), said in one
+        line a minute."""
+        delay = FIRST_BACKOFF_SECONDS
+        while True:
+            if self._cancel.is_set():
+                raise MirrorError(f"stopped before it could {what}", kind=ABANDONED)
+            try:
+                result = call()
+            except TrlExtError:  # ours: a local file, a stop on purpose
+                raise
+            except Exception as exc:  # noqa: BLE001 - the store's own kinds: all are retried
+                self.outage.failed(exc)
+                if self.closing and self.outage.seconds() > STALL_SECONDS:
+                    raise MirrorError(f"the store did not answer ({what})", kind=STALLED) from exc
+                self._say_lag(force_outage=True)
+                if self._cancel.wait(delay):
+                    raise MirrorError(f"stopped before it could {what}", kind=ABANDONED) from exc
+                delay = min(delay * 2, MAX_BACKOFF_SECONDS)
+                continue
+            silent = self.outage.answered()
+            if silent is not None:
+                self.say(f"mirror {self.store.shown}: the store answers again after {silent:.0f} s; catching up "
+                         f"({self._lag_text()})")
+            return result
+
+    def _upload(self, job: Job) -> None:
+        started = time.monotonic()
+        files = job.files()
+        staged = Path(job.staged)
+        sizes = {name: (staged / name).stat().st_size for name in files}
+        self._current_bytes = [0, sum(sizes.values())]
+        # a manifest there describes an earlier upload of this name: it stops counting before any file changes
+        self._retry(f"prepare {job.name}", lambda: self.store.delete(
+            f"{job.rel}/{manifest.NAME}" if job.rel else manifest.NAME, recursive=False))
+        done = manifest.Manifest(step=job.step, run=self.holder.run)
+
+        def one(name: str) -> None:
+            rel = f"{job.rel}/{name}" if job.rel else name
+            size, digest = self._retry(f"upload {rel}", lambda: self.store.upload(staged / name, rel,
+                                                                                    self._cancel.is_set))
+            done.add(name, size, digest)
+            self._current_bytes[0] += size
+
+        with ThreadPoolExecutor(max_workers=FILES_IN_PARALLEL, thread_name_prefix="trl_ext-mirror-file") as pool:
+            for future in [pool.submit(one, name) for name in sorted(files, key=lambda n: -sizes[n])]:
+                future.result()
+        if job.step is not None:  # files of an earlier upload of this checkpoint that this one does not have
+            extra = set(self._retry(f"list {job.rel}", lambda: self.store.files(job.rel))) - set(files)
+            for name in extra - {manifest.NAME}:
+                self._retry(f"clean {job.rel}", lambda n=name: self.store.delete(f"{job.rel}/{n}", recursive=False))
+        if not self._retry("check the lease", lambda: lease.holds(self.store, self.holder)):
+            self._lose()
+            return
+        self._retry(f"complete {job.name}", lambda: self.store.write_manifest(job.rel, done))  # last: now it counts
+        seconds = time.monotonic() - started
+        self.completed.append((job.rel, seconds))
+        if job.step is not None:
+            self.remote_step = max(job.step, self.remote_step or 0)
+        shutil.rmtree(job.staged, ignore_errors=True)
+        self.say(f"mirror: {job.name} complete at {self.store.url_of(job.rel)} ({len(files)} files, "
+                 f"{done.total_bytes / 2**20:.1f} MiB in {seconds:.1f} s)")
+        if job.step is not None:
+            self._retention()
+
+    def _retention(self) -> None:
+        """Keep the newest ``keep`` complete checkpoints (and the protected ones); delete the others, manifest first,
+        and any incomplete folder older than the newest complete checkpoint (an abandoned upload)."""
+        found = self._retry("list the mirror", self.store.checkpoints)
+        complete = sorted((s for s, done in found.items() if done), reverse=True)
+        if not complete:
+            return
+        doomed = [s for s in complete[self.keep:] if s not in self.protected()] if self.keep else []
+        doomed += [s for s, done in found.items() if not done and s < complete[0]]
+        for step in doomed:
+            rel = f"checkpoint-{step}"
+            self._retry(f"delete {rel}", lambda r=rel: self.store.delete(f"{r}/{manifest.NAME}", recursive=False))
+            self._retry(f"delete {rel}", lambda r=rel: self.store.delete(r))
+
+    def _lag_text(self) -> str:
+        status = self.status()
+        return (f"{status['behind_checkpoints']} checkpoint(s), {status['behind_steps']} step(s) behind the output "
+                "directory")
+
+    def _say_lag(self, force_outage: bool = False) -> None:
+        """One line, at most once a minute, while the mirror is behind by more than the checkpoint in flight or the
+        store does not answer."""
+        status = self.status()
+        if not force_outage and status["behind_checkpoints"] < 2:
+            return
+        now = time.monotonic()
+        last = self._warned_outage if force_outage else self._warned
+        if now - last < WARN_EVERY_SECONDS:
+            return
+        self._warned = now
+        if force_outage:  # an outage is said once a minute, whatever lag lines came before it
+            self._warned_outage = now
+        done, total = self._current_bytes
+        current = self._current
+        uploading = (f"; uploading {current.name}: {done / 2**20:.0f} of {total / 2**20:.0f} MiB"
+                     if current is not None else "")
+        silent = (f"; the store has not answered for {self.outage.seconds():.0f} s ({self.outage.error}), retrying "
+                  "with backoff" if self.outage.since is not None else "")
+        self.say(f"mirror {self.store.shown} is {self._lag_text()}{uploading}{silent}; training goes on")
+
+    def close(self) -> None:
+        """Training has ended: from now on, a store silent for ``STALL_SECONDS`` ends the uploads."""
+        self.closing = True
+        with contextlib.suppress(Exception):
+            self._say_lag()
+        with self._lock:
+            self._start()  # with nothing left, the thread releases the lease and ends

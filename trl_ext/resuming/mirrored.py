@@ -1,0 +1,108 @@
+"""Resuming from the checkpoint mirror (``checkpoint_mirror``): a run whose output directory holds no committed
+checkpoint (a fresh machine, a deleted directory) downloads the newest complete mirrored one, checked against its
+manifest, and resumes from it as from a local one. Asked for with ``resume_from_checkpoint=True``; a requeued Slurm
+job whose mirror this job was writing does it by itself.
+
+Decided on rank 0 and broadcast (a mismatching checkpoint refused there, the next older one tried); a failure is
+raised on every rank.
+"""
+
+from trl_ext.errors import MirrorError, TrlExtError
+from trl_ext.mirror import downloader, lease
+from trl_ext.mirror.store import first_line
+from trl_ext.process import notice, slurm
+from trl_ext.resuming.choose import last_committed
+
+
+def _from_rank0(trainer, decide) -> str | None:
+    """``decide()`` on rank 0 (a path or None), broadcast; its failure raised on every rank."""
+    from accelerate.utils import broadcast_object_list
+
+    args = trainer.args
+    answer = [None, None]
+    if args.process_index == 0:
+        try:
+            answer = [decide(), None]
+        except TrlExtError as exc:
+            answer = [None, exc]
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            answer = [None, MirrorError(f"checkpoint_mirror: {first_line(exc)}")]
+    if args.world_size > 1:
+        broadcast_object_list(answer, from_process=0)
+    if answer[1] is not None:
+        raise answer[1]
+    return answer[0]
+
+
+def _download(trainer) -> str | None:
+    store = trainer._mirror.store
+    notice(f"{trainer.args.output_dir} holds no committed checkpoint: looking in the mirror {store.shown}")
+    path = downloader.newest(store, trainer.args.output_dir, notice)
+    if path is None:
+        notice(f"the mirror {store.shown} holds no complete checkpoint that matches its manifest")
+    return None if path is None else str(path)
+
+
+def download_if_missing(trainer) -> str | None:
+    """With ``resume_from_checkpoint=True`` and a mirror: when the output directory holds no committed checkpoint, the
+    newest complete mirrored one, downloaded, checked and committed there. Collective.
+
+    Args:
+        trainer: the trainer (its ``_mirror``; the download runs on global rank 0, which writes the shared output
+            directory).
+
+    Returns:
+        The local checkpoint, the same on every rank; None when there is no mirror, the output directory already
+        holds a checkpoint, or the mirror holds none.
+
+    Raises:
+        MirrorError: the store failed while downloading.
+    """
+    if getattr(trainer, "_mirror", None) is None:
+        return None
+    if args_has_local_checkpoint(trainer.args):
+        return None
+    return _from_rank0(trainer, lambda: _download(trainer))
+
+
+def args_has_local_checkpoint(args) -> bool:
+    return last_committed(args.output_dir) is not None
+
+
+def requeued(trainer) -> str | None:
+    """Under Slurm, a job run again (``SLURM_RESTART_COUNT`` > 0) whose output directory holds no checkpoint (a
+    node-local directory gone with its machine): if the mirror's run marker says this job was writing to it, the newest
+    complete mirrored checkpoint, downloaded and checked. Collective.
+
+    Returns:
+        The local checkpoint to resume, the same on every rank, or None.
+    """
+    job = slurm.current()
+    mirror = getattr(trainer, "_mirror", None)
+    if mirror is None or job is None or job.restart == 0 or args_has_local_checkpoint(trainer.args):
+        return None
+
+    def decide():
+        marker = mirror.store.read_json(lease.RUN_MARKER) or {}
+        if marker.get("slurm_job") != job.job_id:
+            return None
+        notice(f"Slurm job {job.job_id}, restart {job.restart}: {trainer.args.output_dir} holds no committed "
+               f"checkpoint; this job's mirror {mirror.store.shown} is the place to resume from")
+        return _download(trainer)
+
+    return _from_rank0(trainer, decide)
+
+
+def start_fresh(trainer) -> bool:
+    """With a mirror, ``resume_from_checkpoint=True`` that finds no checkpoint in the output directory or the mirror
+    starts a new run (said in one line) instead of failing: one command serves a spot machine's first start and every
+    restart. Without a mirror, Trainer's own error stands.
+
+    Returns:
+        Whether the run starts from the beginning.
+    """
+    if getattr(trainer, "_mirror", None) is None:
+        return False
+    notice(f"resume_from_checkpoint=True: neither {trainer.args.output_dir} nor the mirror {trainer._mirror.url} "
+           "holds a complete checkpoint yet; starting a new run")
+    return True
