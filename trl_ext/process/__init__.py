@@ -31,8 +31,9 @@ def distributed() -> bool:
 
 def decided_on_rank0(decide, group=None):
     """``decide()`` run on rank 0 only, its answer (any picklable object) returned on every rank: for what reads the
-    disk or the environment, where ranks could see different things (a file being written, a clock). A collective
-    when distributed; ``decide()`` alone otherwise.
+    disk, a store or the environment, where ranks could see different things (a file being written, a clock). What it
+    raises is raised on every rank, never leaving a rank waiting. A collective when distributed; ``decide()`` alone
+    otherwise.
 
     Args:
         decide: computes the answer; called on rank 0 only.
@@ -45,8 +46,15 @@ def decided_on_rank0(decide, group=None):
         return decide()
     import torch.distributed as dist
 
-    answer = [decide() if dist.get_rank() == 0 else None]
+    answer = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [decide(), None]
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            answer = [None, exc]
     dist.broadcast_object_list(answer, src=0, group=group)
+    if answer[1] is not None:
+        raise answer[1]
     return answer[0]
 
 
