@@ -581,7 +581,8 @@ def main(argv: list[str] | None = None):
             json.dump({"events": checkpoints.executor.events, "held": hold.events if hold is not None else [],
                        "weight_bytes": last.weight_bytes if last is not None else 0,
                        "own_bytes": sum(t.nbytes for t in own), "allocated": checkpoints.snapshot.allocated,
-                       "allocated_at_reserve": allocated_at_reserve, "costs": checkpoints.history,
+                       "allocated_at_reserve": allocated_at_reserve, "measured": checkpoints.measured,
+                       "costs": checkpoints.history,
                        "copy_order": copy_order.events if copy_order is not None else []}, f)
     if cli.load_in_4bit:
         report["quantization"] = quantization_report(trainer.model)

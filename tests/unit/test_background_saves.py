@@ -180,6 +180,7 @@ def test_the_copies_are_allocated_once_after_the_first_step(tmp_path, tiny_model
     trainer.train()
     snapshot = trainer._checkpoints.snapshot
     assert allocated and allocated[0] > 0 and snapshot.allocated == allocated[0]  # nothing after the reserve
+    assert allocated[0] == trainer._checkpoints.measured  # what the memory check counted is what was allocated
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     moments = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
                   if isinstance(t, torch.Tensor) and t.dim())

@@ -131,6 +131,7 @@ class Checkpoints:
         self.last: Save | None = None  # the last background checkpoint, once its outcome is known
         self._foreground_why: str | None = None  # set when background saves cannot be used in this run
         self._reserved = False
+        self.measured = 0  # the bytes the first step's reserve measured for every copy (what it then allocates)
         self._hooked: list = []  # the optimizers hooked (a later train() may bring a new one)
         self._unhooked = False  # no optimizer to hook: each checkpoint's copies end before it returns
         self._said_cpu_cost = False
@@ -370,6 +371,7 @@ class Checkpoints:
             self._say_foreground(pipeline.CANNOT_COPY)
             return
         self._other_files(measure)
+        self.measured = measure.measured
         fits, short = self._fits(measure.measured)
         if not fits:
             self._say_foreground(f"their CPU copies need {short}")

@@ -57,6 +57,7 @@ class Save:
         self.parts: list[tuple[str, Task]] = []
         self.commits: list[Callable[[], None]] = []
         self.measured = 0  # Mode.MEASURE: the bytes the copies would take
+        self._measured_storages: set[int] = set()
         self.weight_bytes = 0  # the bytes of this rank's parts of the weights (the layout's sources)
         self.cancelled = False
         self.error: BaseException | None = None  # set by the saves' thread
@@ -81,7 +82,7 @@ class Save:
     def stage(self, obj, key: str):
         """``obj``'s CPU copy (``Snapshot.stage``), or, when measuring, ``obj`` itself with its bytes counted."""
         if self.mode is Mode.MEASURE:
-            self.measured += Snapshot.measure(obj)
+            self.measured += Snapshot.measure(obj, self._measured_storages)
             return obj
         return self.snapshot.stage(obj, key, at_once=self.mode is Mode.RESERVE)
 

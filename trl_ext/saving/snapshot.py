@@ -170,9 +170,11 @@ class Snapshot:
         return buffer
 
     @staticmethod
-    def measure(obj) -> int:
-        """The bytes ``stage`` would hold for ``obj`` (each distinct storage once; a DTensor's local shard)."""
-        dtensor, seen, total = _dtensor_class(), set(), 0
+    def measure(obj, seen: set[int] | None = None) -> int:
+        """The bytes ``stage`` would hold for ``obj``: each distinct storage once (not counting those in ``seen``, which
+        it adds to: a checkpoint copies a storage once, whichever part meets it first); a DTensor's local shard."""
+        dtensor, total = _dtensor_class(), 0
+        seen = set() if seen is None else seen
 
         def walk(o):
             nonlocal total
