@@ -8,6 +8,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_configure(config):
+    from tests import deepspeed_op
+
+    deepspeed_op.use_own_directory()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path():
     from trl_ext.assets import default_model_path

@@ -78,6 +78,9 @@ def write_accelerate_config(directory: Path, backend: str, num_processes: int = 
         # (MULTI_CPU would need mpirun.)
         config.update(distributed_type="MULTI_GPU", use_cpu=False, mixed_precision="no")
     else:
+        from tests import deepspeed_op
+
+        deepspeed_op.build()  # before any rank needs it (see tests/deepspeed_op.py)
         stage = {"zero2": 2, "zero3": 3}[backend]
         ds_path = directory / f"ds_{backend}.json"
         ds_path.write_text(json.dumps(deepspeed_config(stage, **zero_overrides), indent=2))
