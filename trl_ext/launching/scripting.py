@@ -15,9 +15,11 @@ from pathlib import Path
 
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch
-from trl_ext.launching.slurm import NODE_ENV
-from trl_ext.process import end_together, env_world_size, notice, slurm
-from trl_ext.resuming.choose import job_of, last_committed, mark_for_job
+from trl_ext.process import end_together, env_world_size, notice
+from trl_ext.resuming.choose import last_committed
+from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import ownership
+from trl_ext.scheduling.node import NODE_ENV
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
@@ -102,7 +104,7 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
                                         "outputs", f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")))
     out = Path(training_args.output_dir)
     resume = training_args.resume_from_checkpoint
-    own = job is not None and job_of(out) == job.job_id  # the trainer resumes from its newest checkpoint by itself
+    own = ownership.is_own(out)  # the job's own directory: the trainer resumes from its newest checkpoint by itself
     if resume in RESUME_LAST:
         last = last_committed(out)
         if last is None:
@@ -121,7 +123,7 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
             )
         notice(f"--overwrite_output_dir: training into '{out}'; its files are replaced as the new run saves.")
     if job is not None and job.node_rank == 0:  # this job's directory from now on: a requeued run resumes from it
-        mark_for_job(out)
+        ownership.claim(out)
     return str(out)
 
 

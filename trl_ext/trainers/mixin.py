@@ -17,7 +17,6 @@ from trl_ext.engines import (
     fsdp,
     gradient_checkpointing,
     nodes,
-    preemption,
     quantization,
     rank0_loading,
     runtime,
@@ -27,6 +26,7 @@ from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
 from trl_ext.process import destroy_gloo_group_at_exit, warning_filter
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
+from trl_ext.scheduling import preemption
 from trl_ext.trainers import compat, configs
 
 

@@ -1,11 +1,11 @@
-"""One node of a Slurm job: ``recipes/slurm.sbatch`` runs ``python -m trl_ext.launching.slurm RECIPE [options]`` once
+"""One node of a Slurm job: ``recipes/slurm.sbatch`` runs ``python -m trl_ext.scheduling.node RECIPE [options]`` once
 per node (``srun --ntasks-per-node=1``). It runs the recipe (or ``trl-ext <command>``), which launches its processes
 with what Slurm decided (``machine_args``: the number of machines, this machine's rank, the first node's address and
 a port derived from the job id, the total number of processes) in place of its accelerate config's own.
 
 Slurm delivers its signals (the time-limit warning the batch script passes on, ``scancel``, ``scontrol requeue``,
 preemption, the time limit itself) to every process of the job step. The ranks record them and agree at the next step
-boundary to save a checkpoint and stop (``engines.preemption``). The processes in between must outlive the warning
+boundary to save a checkpoint and stop (``scheduling.preemption``). The processes in between must outlive the warning
 (SIGUSR1, whose default is to end a process): this launcher starts its children ignoring it (the ranks install their
 own handler when training starts) and, once warned, sends it again every few seconds to everything it started, so
 that a warning that came before training started is acted on as soon as it has. It exits with its children's code.
@@ -18,7 +18,8 @@ import subprocess
 import sys
 
 from trl_ext.errors import UsageError
-from trl_ext.process import notice, slurm
+from trl_ext.process import notice
+from trl_ext.scheduling import job as slurm
 
 NODE_ENV = "TRL_EXT_SLURM_NODE"  # set for what this launcher runs: Slurm's machine arguments, as JSON
 CPU_PROCESSES_PER_NODE = 2  # the recipes' default without a GPU
@@ -99,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     job = slurm.current()
     if not argv:
-        raise UsageError("usage: python -m trl_ext.launching.slurm RECIPE [recipe options] (one per node, under "
+        raise UsageError("usage: python -m trl_ext.scheduling.node RECIPE [recipe options] (one per node, under "
                          "srun; see recipes/slurm.sbatch)")
     if job is None:
-        raise UsageError("python -m trl_ext.launching.slurm runs inside a Slurm job (SLURM_JOB_ID is not set): submit "
+        raise UsageError("python -m trl_ext.scheduling.node runs inside a Slurm job (SLURM_JOB_ID is not set): submit "
                          "it with sbatch recipes/slurm.sbatch RECIPE [options]")
     node = {"job_id": job.job_id, "restart": job.restart, "nodes": job.nodes, "node_rank": job.node_rank,
             "address": slurm.main_address(job), "port": job.port, "gpus": _gpus()}
