@@ -141,6 +141,10 @@ def test_the_sbatch_script_parses_and_asks_slurm_for_what_it_needs():
     script = REPO / "recipes" / "slurm.sbatch"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    for directive in ("--ntasks-per-node=1", "--signal=B:USR1@", "--requeue", "--open-mode=append"):
+    for directive in ("--signal=B:USR1@", "--requeue", "--open-mode=append"):
         assert f"#SBATCH {directive}" in text, directive
-    assert "python -m trl_ext.scheduling.node" in text and "scontrol requeue" in text
+    # Not as a job option: with a node range, Slurm 22.05 then sets the job's tasks to the range's minimum times it
+    # (job_mgr.c, _validate_job_desc) and allocates the minimum number of nodes; srun asks for it per step instead.
+    assert "#SBATCH --ntasks-per-node" not in text and "#SBATCH --ntasks" not in text
+    assert "srun --ntasks-per-node=1" in text
+    assert "python -m trl_ext.scheduling.node" in text and "python -m trl_ext.scheduling.restart" in text

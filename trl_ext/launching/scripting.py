@@ -18,7 +18,7 @@ from trl_ext.launching import launch
 from trl_ext.process import end_together, env_world_size, notice
 from trl_ext.resuming.choose import last_committed
 from trl_ext.scheduling import job as slurm
-from trl_ext.scheduling import ownership
+from trl_ext.scheduling import outcome, ownership
 from trl_ext.scheduling.node import NODE_ENV
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
@@ -34,6 +34,7 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[
     Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    outcome.watch()  # on a Slurm node: an error that ends this process is told apart from a lost peer
     # --help: the recipe's own options first, then TRL's (hundreds of lines) as argparse lists them
     parser.usage = (f"%(prog)s [--config RECIPE.yaml] [--config accelerate_configs/NAME.yaml [--num_processes N]] "
                     f"[--overwrite_output_dir] [TRL's {recipe} options, below]")

@@ -4,8 +4,8 @@ A directory becomes a job's when the job's first run claims it (``claim``): a hi
 holds the job's id and its record (failures in a row without a new checkpoint, the newest checkpoint seen at the last
 failure, how long a checkpoint and a step took). A run of the same job, after a requeue, trains on into its own
 directory and resumes from it (``is_own``); a fresh job never resumes another job's directory by itself. Each claim
-also tells the batch script, on the first node, where the run trains (``RUN_ENV``): after the step ends, it reads the
-record there to decide whether to requeue the job (``restart``).
+also tells the batch script, on the first node, where the run trains (in the node's ``run_dir``): after the step
+ends, it reads the record there to decide whether to requeue the job (``restart``).
 
 Nothing here imports torch or transformers: the batch script reads it between runs.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from trl_ext.scheduling import job as slurm
 
 JOB_MARKER = ".trl_ext-slurm-job"  # in an output directory: the Slurm job that trains into it, and its record
-RUN_ENV = "TRL_EXT_SLURM_RUN"  # a directory of this run on each node (node-local), set by recipes/slurm.sbatch
+RUN_ENV = "TRL_EXT_SLURM_RUN"  # for the ranks: their node's run directory (``run_dir``), set by the node's launcher
 OUTPUT_DIR_NOTE = "output_dir"  # in the first node's run directory: where this run trains
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR; partial saves are hidden
 
@@ -96,6 +96,21 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> int:
     steps = [int(m.group(1)) for name in names if (m := _CHECKPOINT.match(name))
              and os.path.isdir(os.path.join(output_dir, name))]
     return max(steps, default=0)
+
+
+def run_dir(job: slurm.SlurmJob) -> str:
+    """This run's directory on this node, where the ranks leave how they ended and, on the first node, where the run
+    trains: in the node's temporary directory, named by the job, its restart and the node (two Slurm nodes may share a
+    host).
+
+    Args:
+        job: the job, as this process sees it.
+
+    Returns:
+        The directory's path (not created here).
+    """
+    node = os.environ.get("SLURMD_NODENAME") or str(job.node_rank)
+    return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"trl_ext-slurm-{job.job_id}.{job.restart}.{node}")
 
 
 def announced_output_dir(run_dir: str | os.PathLike) -> str | None:

@@ -95,7 +95,7 @@ class TrlExtMixin:
         self._preemption = None
         if preemption.wanted(self.args):  # SIGTERM/SIGUSR1: every rank stops at a step boundary, with a checkpoint
             preemption.replace_jit_checkpoint(self)
-            self._preemption = preemption.Preemption()
+            self._preemption = preemption.Preemption(self._checkpoints.background)  # its writes count in a stop's time
             if self._checkpoints.background is not None:  # the checkpoint in flight is committed before the exit
                 self._preemption.before_exit = functools.partial(self._checkpoints.background.wait, self.args.device)
             self.add_callback(self._preemption)
