@@ -38,6 +38,8 @@ TERMINAL_STATES = frozenset(
 # Set in every daemon's and client's environment, so that teardown can find every process the cluster started
 # (slurmstepd and job tasks outlive a killed slurmd) by reading /proc/*/environ.
 MARKER_ENV = "TRL_EXT_SLURM_CLUSTER"
+# Set in each slurmd's environment (and so its slurmstepd's): with the tasks' SLURMD_NODENAME, what one "node" runs.
+NODE_ENV = "TRL_EXT_SLURM_TEST_NODE"
 
 # `Key=Value Key=Value ...` as `scontrol show ... -o` prints it; values may hold `=` and `,` but keys start a token.
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z][\w/:.]*)=(.*?)(?=\s+[A-Za-z][\w/:.]*=|\s*$)")
@@ -112,6 +114,8 @@ class SlurmCluster:
             120; below 5 Slurm logs an error and uses 120, so this refuses it.
         sched_interval: `SchedulerParameters=sched_interval`: how often the main scheduler runs by itself, so how
             soon after it becomes eligible a requeued job starts (Slurm's default is 60).
+        slurmd_timeout: `SlurmdTimeout`, seconds slurmctld waits for a slurmd that stopped answering before it marks
+            the node DOWN (and requeues or ends the jobs on it); Slurm's default is 300.
         extra_conf: More slurm.conf lines (`RequeueExit=...`, say), appended last.
         root: Directory for all the cluster's files (made if missing and removed by `stop()` when it made it);
             a new temporary directory when None.
@@ -124,6 +128,7 @@ class SlurmCluster:
         kill_wait: int = 30,
         cred_expire: int = 5,
         sched_interval: int = 2,
+        slurmd_timeout: int = 300,
         extra_conf: list[str] | None = None,
         root: str | Path | None = None,
     ):
@@ -134,6 +139,7 @@ class SlurmCluster:
         self.kill_wait = kill_wait
         self.cred_expire = cred_expire
         self.sched_interval = sched_interval
+        self.slurmd_timeout = slurmd_timeout
         self.extra_conf = list(extra_conf or [])
         self._made_root = root is None
         # Under /tmp and world-searchable: munged wants every user able to reach its socket's directory.
@@ -235,6 +241,70 @@ class SlurmCluster:
                     pass
             time.sleep(0.2)
 
+    def kill_node(self, node: str) -> int:
+        """Kills a node as a power loss would: its slurmd, slurmstepd daemons and every task running on it, with
+        SIGKILL, all at once (slurmctld notices only when the node stops answering, `slurmd_timeout`).
+
+        Args:
+            node: The node name (`n2`).
+
+        Returns:
+            How many processes were killed.
+        """
+        proc = self._procs.pop(f"slurmd-{node}", None)
+        killed = 0
+        for pid in self._pids(f"{NODE_ENV}={node}".encode(), f"SLURMD_NODENAME={node}".encode()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+        if proc is not None:
+            proc.wait(10)
+        return killed
+
+    def revive_node(self, node: str, timeout: float = 60) -> None:
+        """Starts a killed node's slurmd again and waits until slurmctld has it back in service (not DOWN).
+
+        Args:
+            node: The node name.
+            timeout: Seconds allowed for the node to be back.
+        """
+        self._start_slurmd(node)
+
+        def back() -> bool:
+            state = self.node_info(node).get("State", "")
+            return not any(flag in state for flag in ("DOWN", "NOT_RESPONDING"))
+
+        self._wait(back, timeout, f"node {node} to be back in service")
+
+    def retries_pending(self) -> int:
+        """Messages slurmctld holds to send again (`sdiag`'s agent queue): those to a node that stopped answering
+        before it was marked DOWN are sent when it answers again, and a kill for the job's earlier run then reaches
+        its next one (same job and step ids). A test brings a killed node back only once this is 0.
+
+        Returns:
+            The number of queued messages.
+        """
+        for line in self._run(["sdiag"]).stdout.splitlines():
+            if line.strip().startswith("Agent queue size:"):
+                return int(line.split(":")[1])
+        return 0
+
+    def _pids(self, *any_of: bytes) -> list[int]:
+        """This cluster's processes (but this one) whose environment holds any of ``any_of`` (``KEY=value``)."""
+        marker, found = f"{MARKER_ENV}={self.name}".encode(), []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in env and any(item in env for item in any_of):
+                found.append(int(entry.name))
+        return found
+
     def _write_config(self) -> None:
         for sub in ("munge", "state", "log", "run", "jobs", *(f"spool/{n}" for n in self.node_names)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -274,6 +344,10 @@ class SlurmCluster:
             "SlurmdParameters=config_overrides",
             "ReturnToService=2",
             f"KillWait={self.kill_wait}",
+            f"SlurmdTimeout={self.slurmd_timeout}",
+            # Replies may be slow on this loaded host: an RPC unanswered within MessageTimeout is sent again later,
+            # and a signal for a job's step then reaches the step of the job's next run (same ids) and kills it.
+            "MessageTimeout=30",
             # Keep finished jobs visible to `scontrol show job` for the whole session: there is no slurmdbd/sacct.
             "MinJobAge=86400",
             f"SchedulerParameters=sched_interval={self.sched_interval},bf_interval=1",
@@ -290,11 +364,11 @@ class SlurmCluster:
         env.update({"SLURM_CONF": str(self.conf_path), MARKER_ENV: self.name, "PATH": _SEARCH_PATH})
         self.env = env
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.root / "log" / f"{name}.stdout", "ab")
         try:
             proc = subprocess.Popen(
-                argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                argv, env={**self.env, **(env or {})}, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, cwd=self.root, preexec_fn=_die_with_parent,
             )
         finally:
@@ -318,9 +392,13 @@ class SlurmCluster:
         self._wait(lambda: "is UP" in self._run(["scontrol", "ping"], check=False).stdout, timeout,
                    "slurmctld to answer `scontrol ping`")
 
+    def _start_slurmd(self, node: str) -> None:
+        self._spawn(f"slurmd-{node}", [_which("slurmd"), "-D", "-N", node, "-f", str(self.conf_path)],
+                    env={NODE_ENV: node})
+
     def _start_slurmds(self, timeout: float) -> None:
         for node in self.node_names:
-            self._spawn(f"slurmd-{node}", [_which("slurmd"), "-D", "-N", node, "-f", str(self.conf_path)])
+            self._start_slurmd(node)
 
         def all_idle() -> bool:
             states = self._run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False).stdout.split("\n")

@@ -11,9 +11,10 @@ import pytest
 from tests.harness import REPO
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch, scripting
-from trl_ext.launching import slurm as node_launcher
-from trl_ext.process import slurm
 from trl_ext.resuming import choose
+from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import node as node_launcher
+from trl_ext.scheduling import ownership
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
 
@@ -100,7 +101,7 @@ def test_the_output_directory_is_the_jobs_and_a_requeued_run_resumes_from_it(in_
     args = _args(None)
     scripting.prepare_output_dir(args, "dpo")
     out = tmp_path / "outputs" / "dpo-slurm-4242"
-    assert args.output_dir == "outputs/dpo-slurm-4242" and choose.job_of(out) == "4242"  # marked by the first node
+    assert args.output_dir == "outputs/dpo-slurm-4242" and ownership.job_of(out) == "4242"  # marked by the first node
     (out / "checkpoint-20").mkdir()
     (out / "checkpoint-40").mkdir()
     (out / ".checkpoint-60.trl_ext-partial").mkdir()  # being written when the job died: never picked
@@ -116,7 +117,7 @@ def test_the_output_directory_is_the_jobs_and_a_requeued_run_resumes_from_it(in_
 def test_a_fresh_job_never_resumes_another_jobs_directory(in_job, tmp_path):
     out = tmp_path / "mine"
     (out / "checkpoint-20").mkdir(parents=True)
-    (out / choose.JOB_MARKER).write_text("1111")  # another job's
+    (out / ownership.JOB_MARKER).write_text('{"job": "1111"}')  # another job's
     with pytest.raises(UsageError, match="already holds files from another run"):
         scripting.prepare_output_dir(_args(out), "dpo")
     asked = _args(out, resume="true")  # unless asked
@@ -127,7 +128,7 @@ def test_a_fresh_job_never_resumes_another_jobs_directory(in_job, tmp_path):
 
 def test_a_requeued_job_without_a_committed_checkpoint_starts_over(in_job, tmp_path, caplog):
     out = tmp_path / "mine"
-    choose.mark_for_job(out)
+    ownership.claim(out)
     in_job.setenv("SLURM_RESTART_COUNT", "1")
     args = _args(out)
     scripting.prepare_output_dir(args, "dpo")
@@ -140,6 +141,10 @@ def test_the_sbatch_script_parses_and_asks_slurm_for_what_it_needs():
     script = REPO / "recipes" / "slurm.sbatch"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
-    for directive in ("--ntasks-per-node=1", "--signal=B:USR1@", "--requeue", "--open-mode=append"):
+    for directive in ("--signal=B:USR1@", "--requeue", "--open-mode=append"):
         assert f"#SBATCH {directive}" in text, directive
-    assert "python -m trl_ext.launching.slurm" in text and "scontrol requeue" in text
+    # Not as a job option: with a node range, Slurm 22.05 then sets the job's tasks to the range's minimum times it
+    # (job_mgr.c, _validate_job_desc) and allocates the minimum number of nodes; srun asks for it per step instead.
+    assert "#SBATCH --ntasks-per-node" not in text and "#SBATCH --ntasks" not in text
+    assert "srun --ntasks-per-node=1" in text
+    assert "python -m trl_ext.scheduling.node" in text and "python -m trl_ext.scheduling.restart" in text

@@ -16,8 +16,8 @@ import yaml
 from accelerate.utils.other import get_free_port
 
 from trl_ext.errors import UsageError
-from trl_ext.launching import slurm
 from trl_ext.process import env_rank, env_world_size
+from trl_ext.scheduling import node as slurm_node
 
 RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
 ACCELERATE_KEYS = ("distributed_type", "compute_environment")
@@ -25,9 +25,6 @@ ACCELERATE_KEYS = ("distributed_type", "compute_environment")
 LAUNCHER_ENV_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-
 
 
 def read_config(path: str) -> dict:
@@ -110,7 +107,7 @@ def relaunch_command(accelerate_config: str, script: str, script_args: list[str]
 def launch_command(accelerate_config: str, script: str, script_args: list[str],
                    num_processes: int | None = None) -> tuple[list[str], str | None]:
     """The ``accelerate launch`` command that runs ``script`` under ``accelerate_config``, and the line to print (None:
-    nothing to say here). On one node of a Slurm job (``launching.slurm``), Slurm's machines, ranks, address and port
+    nothing to say here). On one node of a Slurm job (``scheduling.node``), Slurm's machines, ranks, address and port
     replace the config's own; elsewhere, ``num_processes`` (default: one per GPU, 2 on CPU) on this machine.
 
     Args:
@@ -122,7 +119,7 @@ def launch_command(accelerate_config: str, script: str, script_args: list[str],
     Returns:
         The command, and the line that says how it runs (printed by the first node only under Slurm).
     """
-    under_slurm = slurm.machine_args(num_processes)
+    under_slurm = slurm_node.machine_args(num_processes)
     if under_slurm is not None:
         machines, line = under_slurm
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config, *machines,

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch
-from trl_ext.launching.slurm import NODE_ENV
-from trl_ext.process import end_together, env_world_size, notice, slurm
-from trl_ext.resuming.choose import job_of, last_committed, mark_for_job
+from trl_ext.process import end_together, env_world_size, notice
+from trl_ext.resuming.choose import last_committed
+from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import outcome, ownership
+from trl_ext.scheduling.node import NODE_ENV
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
@@ -32,6 +34,7 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[
     Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    outcome.watch()  # on a Slurm node: an error that ends this process is told apart from a lost peer
     # --help: the recipe's own options first, then TRL's (hundreds of lines) as argparse lists them
     parser.usage = (f"%(prog)s [--config RECIPE.yaml] [--config accelerate_configs/NAME.yaml [--num_processes N]] "
                     f"[--overwrite_output_dir] [TRL's {recipe} options, below]")
@@ -104,7 +107,7 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
                                         "outputs", f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")))
     out = Path(training_args.output_dir)
     resume = training_args.resume_from_checkpoint
-    own = job is not None and job_of(out) == job.job_id  # the trainer resumes from its newest checkpoint by itself
+    own = ownership.is_own(out)  # the job's own directory: the trainer resumes from its newest checkpoint by itself
     if resume in RESUME_LAST and last_committed(out) is None and getattr(training_args, "checkpoint_mirror", None):
         training_args.resume_from_checkpoint = True  # the trainer downloads the mirror's newest complete checkpoint
         notice(f"{out} holds no complete checkpoint: resuming from the newest complete one of "
@@ -127,7 +130,7 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
             )
         notice(f"--overwrite_output_dir: training into '{out}'; its files are replaced as the new run saves.")
     if job is not None and job.node_rank == 0:  # this job's directory from now on: a requeued run resumes from it
-        mark_for_job(out)
+        ownership.claim(out)
     return str(out)
 
 

@@ -62,13 +62,14 @@ def _launch_runner(script_name: str, launch_args: list[str], training_script_arg
     """TRL's ``launch_training_script``, launching trl_ext's runner of the same script."""
     from accelerate.commands.launch import launch_command, launch_command_parser
 
-    from trl_ext.launching import launch, slurm
+    from trl_ext.launching import launch
     from trl_ext.process import notice
+    from trl_ext.scheduling import node as slurm_node
 
     command = script_name.removesuffix(".py")
     _check_before_launch(command, training_script_args)
     num_processes, _ = launch.take_option(launch_args, "num_processes")
-    under_slurm = slurm.machine_args(int(num_processes) if num_processes else None)
+    under_slurm = slurm_node.machine_args(int(num_processes) if num_processes else None)
     if under_slurm is not None:  # one node of a Slurm job: Slurm decides the machines (later options win)
         launch_args = [*launch_args, *under_slurm[0]]
         notice(under_slurm[1])

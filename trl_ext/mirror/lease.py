@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from trl_ext.errors import MirrorError
 from trl_ext.mirror.store import RUN_MARKER, Store
-from trl_ext.process import slurm
+from trl_ext.scheduling import job as slurm
 
 LEASE_SECONDS = 120.0  # a marker not renewed for this long is free
 RENEW_SECONDS = 30.0  # how often a training run renews it

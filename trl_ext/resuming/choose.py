@@ -1,8 +1,7 @@
 """Which checkpoint a run resumes from: the one asked for, or with ``resume_from_checkpoint=True`` the newest committed
 ``checkpoint-N`` of the output directory, the same on every rank and present on every node; and, in a Slurm job that
-was requeued, the newest committed checkpoint its earlier run left, without being asked (``after_requeue``). A
-directory belongs to a Slurm job once it is marked with its id (``mark_for_job``): a fresh job never resumes another
-job's directory by itself.
+was requeued, the newest committed checkpoint its earlier run left, without being asked (``after_requeue``), in the
+job's own directory only (``scheduling.ownership``): a fresh job never resumes another job's directory by itself.
 
 Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden staging directory
 (``.checkpoint-N.trl_ext-partial``) until it is complete and checked, and ``get_last_checkpoint`` never matches it.
@@ -11,14 +10,12 @@ caching, node-local disks) and then take different collective paths, which hangs
 """
 
 import os
-from pathlib import Path
 
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ext.errors import ResumeError
-from trl_ext.process import slurm
-
-JOB_MARKER = ".trl_ext-slurm-job"  # in an output directory: the id of the Slurm job that trains into it
+from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import ownership
 
 
 def last_committed(output_dir: str | os.PathLike) -> str | None:
@@ -64,30 +61,6 @@ def checkpoint_to_resume(args, wanted) -> str | None:
     return path
 
 
-def job_of(output_dir: str | os.PathLike) -> str | None:
-    """The id of the Slurm job ``output_dir`` is marked for, or None."""
-    try:
-        return (Path(output_dir) / JOB_MARKER).read_text().strip() or None
-    except OSError:
-        return None
-
-
-def mark_for_job(output_dir: str | os.PathLike) -> None:
-    """In a Slurm job, mark ``output_dir`` as this job's (created if missing), so that a requeued run of the same job
-    resumes from it; outside one, nothing. Once per job: an existing mark is left as it is.
-
-    Args:
-        output_dir: the run's output directory.
-    """
-    job = slurm.current()
-    if job is None or job_of(output_dir) is not None:
-        return
-    Path(output_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(output_dir) / f"{JOB_MARKER}.{os.getpid()}"
-    tmp.write_text(job.job_id)
-    os.replace(tmp, Path(output_dir) / JOB_MARKER)
-
-
 def after_requeue(output_dir: str | os.PathLike) -> tuple[str | None, str] | None:
     """In a Slurm job run again after a requeue (or restarted into its own directory): the newest committed checkpoint
     of ``output_dir`` if the directory is this job's, and the one line that says so; None otherwise (not under Slurm,
@@ -99,9 +72,9 @@ def after_requeue(output_dir: str | os.PathLike) -> tuple[str | None, str] | Non
     Returns:
         ``(checkpoint or None, line)``: None when this job's earlier run committed no checkpoint yet.
     """
-    job = slurm.current()
-    if job is None or job_of(output_dir) != job.job_id:
+    if not ownership.is_own(output_dir):
         return None
+    job = slurm.current()
     last = last_committed(output_dir)
     if last is None:
         return None, f"Slurm job {job.job_id}, restart {job.restart}: {output_dir} holds no committed checkpoint " \
@@ -111,7 +84,7 @@ def after_requeue(output_dir: str | os.PathLike) -> tuple[str | None, str] | Non
 
 def requeued_checkpoint(args) -> str | None:
     """``after_requeue`` for a trainer, decided on rank 0 and broadcast (collective when ``args.world_size > 1``; call
-    it on every rank, only under Slurm), said in one line; the output directory is marked for this job.
+    it on every rank, only under Slurm), said in one line; the output directory is claimed for this job.
 
     Args:
         args: the run's ``TrainingArguments``.
@@ -129,7 +102,7 @@ def requeued_checkpoint(args) -> str | None:
         if requeued is not None and (requeued[0] is not None or slurm.current().restart > 0):
             notice(requeued[1])
         answer = [requeued[0] if requeued is not None else None]
-        mark_for_job(args.output_dir)
+        ownership.claim(args.output_dir)
     if args.world_size > 1:
         broadcast_object_list(answer, from_process=0)
     return answer[0]

@@ -10,8 +10,9 @@ raised on every rank.
 from trl_ext.errors import MirrorError, TrlExtError
 from trl_ext.mirror import downloader, lease
 from trl_ext.mirror.store import first_line
-from trl_ext.process import notice, slurm
+from trl_ext.process import notice
 from trl_ext.resuming.choose import last_committed
+from trl_ext.scheduling import job as slurm
 
 
 def _from_rank0(trainer, decide) -> str | None:

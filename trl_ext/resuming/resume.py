@@ -20,9 +20,10 @@ from transformers import set_seed
 from trl_ext.engines import fsdp
 from trl_ext.errors import ResumeError, TrlExtError
 from trl_ext.files import hub_names
-from trl_ext.process import notice, slurm
+from trl_ext.process import notice
 from trl_ext.resuming import checks, choose, fsdp2, mirrored, rng, universal, world_size
 from trl_ext.saving import supports
+from trl_ext.scheduling import job as slurm
 
 
 @dataclass

@@ -17,7 +17,6 @@ from trl_ext.engines import (
     fsdp,
     gradient_checkpointing,
     nodes,
-    preemption,
     quantization,
     rank0_loading,
     runtime,
@@ -28,6 +27,7 @@ from trl_ext.mirror import Mirror
 from trl_ext.process import destroy_gloo_group_at_exit, warning_filter
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
+from trl_ext.scheduling import preemption
 from trl_ext.trainers import compat, configs
 
 
@@ -100,7 +100,7 @@ class TrlExtMixin:
         self._preemption = None
         if preemption.wanted(self.args):  # SIGTERM/SIGUSR1: every rank stops at a step boundary, with a checkpoint
             preemption.replace_jit_checkpoint(self)
-            self._preemption = preemption.Preemption()
+            self._preemption = preemption.Preemption(self._checkpoints)  # its writes count in a stop's time
             self._preemption.before_exit = self._before_preempted_exit
             self.add_callback(self._preemption)
 

@@ -1,0 +1,187 @@
+"""One node of a Slurm job: ``recipes/slurm.sbatch`` runs ``python -m trl_ext.scheduling.node RECIPE [options]`` once
+per node (``srun --ntasks-per-node=1``). It runs the recipe (or ``trl-ext <command>``), which launches its processes
+with what Slurm decided (``machine_args``: the number of machines, this machine's rank, the first node's address and
+a port derived from the job id, the total number of processes) in place of its accelerate config's own.
+
+Slurm delivers its signals (``scancel``, ``scontrol requeue``, preemption, the time limit itself) to every process of
+the job step; the batch script passes the time-limit warning on as SIGURG, which this launcher turns into SIGUSR1. The
+ranks record them and agree at the next step boundary to save a checkpoint and stop (``scheduling.preemption``). The
+processes in between stay out of it: this launcher starts its children with SIGUSR1 and SIGTERM ignored and tells
+torchrun to leave SIGTERM alone (it would otherwise stop the ranks itself and kill them 30 s later, whatever their
+checkpoint needs); the ranks install their own handlers when training starts. Once signalled, the launcher sends the
+signal again every few seconds to everything it started, so that a signal that came before training started is acted
+on as soon as it has.
+
+When its processes end, the launcher reads what its ranks left (``scheduling.outcome``) and says in one line how this
+node ended, with the exit code the batch script decides on (``scheduling.restart``): 0, 128 + the signal of a planned
+stop (138 for the warning, 143 for SIGTERM; the ranks themselves end quietly, with 0, so that torchrun prints no
+traceback for it), ``restart.LOST`` when its ranks lost a peer or their node, ``restart.ERROR`` for an error of their
+own.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from trl_ext.errors import UsageError
+from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import outcome, ownership, restart
+from trl_ext.scheduling.ownership import RUN_ENV
+
+NODE_ENV = "TRL_EXT_SLURM_NODE"  # set for what this launcher runs: Slurm's machine arguments, as JSON
+CPU_PROCESSES_PER_NODE = 2  # the recipes' default without a GPU
+RESEND_SECONDS = 5  # once signalled, the signal is sent again this often until the processes end
+RECORDED = (signal.SIGUSR1, signal.SIGTERM)  # what the ranks act on; the processes in between ignore them
+WARNING = signal.SIGURG  # the time-limit warning as the batch script passes it on: ignored by default, by the ranks too
+# torchrun's own handlers (torch >= 2.6 reads this): not SIGTERM, which the ranks handle with a checkpoint
+TORCHRUN_SIGNALS = ("PET_SIGNALS_TO_HANDLE", "SIGINT,SIGHUP,SIGQUIT")
+
+
+def machine_args(num_processes: int | None = None) -> tuple[list[str], str] | None:
+    """The ``accelerate launch`` arguments Slurm decides, for a launch run by this launcher, and the one line that
+    says so; None outside one.
+
+    Args:
+        num_processes: the total the user asked for (``--num_processes``), else one per GPU on every node (2 per node
+            on CPU).
+
+    Returns:
+        ``(arguments, line)``: ``--num_machines``, ``--machine_rank``, ``--main_process_ip``, ``--main_process_port``,
+        ``--num_processes`` and DeepSpeed's per-node launcher (torchrun on each node, not pdsh).
+    """
+    node = os.environ.get(NODE_ENV)
+    if not node:
+        return None
+    node = json.loads(node)
+    per_node = node["gpus"] or CPU_PROCESSES_PER_NODE
+    total = num_processes or per_node * node["nodes"]
+    args = ["--num_machines", str(node["nodes"]), "--machine_rank", str(node["node_rank"]),
+            "--main_process_ip", node["address"], "--main_process_port", str(node["port"]),
+            "--num_processes", str(total), "--rdzv_backend", "static", "--same_network",
+            "--deepspeed_multinode_launcher", "standard"]
+    line = (f"Slurm job {node['job_id']} (restart {node['restart']}): {node['nodes']} machine(s), this one number "
+            f"{node['node_rank']}, {total} processes, rendezvous {node['address']}:{node['port']}; these replace the "
+            f"accelerate config's machines, ranks, address and port")
+    return args, line
+
+
+def _gpus() -> int:
+    """This node's GPUs: Slurm's count when it allocated them, else the visible devices, else CUDA's (torch is
+    imported only on a machine with an NVIDIA device)."""
+    if os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return int(os.environ["SLURM_GPUS_ON_NODE"])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if not os.path.exists("/dev/nvidia0"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _child_ignores_signals() -> None:  # in the child, before exec: the ranks install their own handlers
+    for signum in RECORDED:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def _send_to_all(pid: int, signum: int) -> None:
+    """``signum`` to ``pid`` and every process below it (those that ignore it, ignore it)."""
+    import psutil
+
+    try:
+        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        try:
+            process.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``RECIPE [options]`` (a recipe's path, or ``trl-ext``) on this node of the Slurm job.
+
+    Args:
+        argv: the recipe and its options (default: the command line).
+
+    Returns:
+        This node's exit code: 0, 138 or 143 for a planned stop, ``restart.LOST`` or ``restart.ERROR`` for a failure
+        (else the recipe's own code).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    job = slurm.current()
+    if not argv:
+        raise UsageError("usage: python -m trl_ext.scheduling.node RECIPE [recipe options] (one per node, under "
+                         "srun; see recipes/slurm.sbatch)")
+    if job is None:
+        raise UsageError("python -m trl_ext.scheduling.node runs inside a Slurm job (SLURM_JOB_ID is not set): submit "
+                         "it with sbatch recipes/slurm.sbatch RECIPE [options]")
+    node = {"job_id": job.job_id, "restart": job.restart, "nodes": job.nodes, "node_rank": job.node_rank,
+            "address": slurm.main_address(job), "port": job.port, "gpus": _gpus()}
+    run = ownership.run_dir(job)
+    os.makedirs(run, exist_ok=True)
+    command = argv if argv[0] == "trl-ext" else [sys.executable, *argv]
+    env = {**os.environ, NODE_ENV: json.dumps(node), RUN_ENV: run, TORCHRUN_SIGNALS[0]: TORCHRUN_SIGNALS[1]}
+    received = set()
+    for signum in RECORDED:  # for the ranks; this one waits
+        signal.signal(signum, lambda signum, frame: received.add(signum))
+    signal.signal(WARNING, lambda signum, frame: received.add(signal.SIGUSR1))
+    child = subprocess.Popen(command, env=env, preexec_fn=_child_ignores_signals)
+    while True:
+        try:
+            code = child.wait(timeout=RESEND_SECONDS)
+            break
+        except subprocess.TimeoutExpired:
+            for signum in sorted(received):
+                _send_to_all(child.pid, signum)
+        except KeyboardInterrupt:  # a SIGINT: the child has it too
+            continue
+    for signum in (*RECORDED, WARNING):  # exiting now: Python's exit would give them back their default (to end it)
+        signal.signal(signum, signal.SIG_IGN)
+    code, line = ending(job, run, code)
+    if line:
+        where = os.environ.get("SLURMD_NODENAME", "")
+        print(f"[trl_ext] Slurm job {job.job_id}, node {job.node_rank}{f' ({where})' if where else ''}: {line}",
+              file=sys.stderr, flush=True)
+    if job.node_rank != 0:  # the first node's is the batch script's to read, then remove
+        shutil.rmtree(run, ignore_errors=True)
+    return code
+
+
+def ending(job: slurm.SlurmJob, run: str, code: int) -> tuple[int, str | None]:
+    """This node's exit code and its one line, from its processes' exit code and what its ranks left in ``run``.
+
+    Args:
+        job: the job.
+        run: this node's run directory.
+        code: the recipe's exit code (negative: killed by that signal).
+
+    Returns:
+        ``(code, line)``; no line for a run that finished.
+    """
+    stops, failures = outcome.stops(run), outcome.failures(run)
+    if code == 0 and stops:
+        stop = stops[0]
+        what = "the time-limit warning" if stop["signal"] == "SIGUSR1" else stop["signal"]
+        code = 128 + signal.Signals[stop["signal"]].value
+        return code, f"stopped on {what}, with {os.path.basename(stop['checkpoint'])} saved (exit {code})"
+    if code == 0:
+        return 0, None
+    errors = [f for f in failures if f["kind"] == outcome.ERROR]
+    if errors:
+        return restart.ERROR, f"rank {errors[0]['rank']} failed: {errors[0]['error']} (exit {restart.ERROR})"
+    if failures:
+        return restart.LOST, (f"rank {failures[0]['rank']} lost a peer or its node: {failures[0]['error']} "
+                              f"(exit {restart.LOST})")
+    if code < 0 and -code == signal.SIGKILL:
+        return restart.KILLED, f"its processes were killed (SIGKILL) (exit {restart.KILLED})"
+    return (code if code > 0 else 128 - code), f"its processes ended with exit code {code}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
