@@ -2,13 +2,10 @@
 but a free CPU, submitted together when the session starts so that they run beside the tests that wait (on a node, a
 signal, a hold): on this 2-core host the leg's time is its waits, not its CPU."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests import deepspeed_op
 from tests.slurm.cluster import SlurmCluster, missing_reason
 
 
@@ -42,7 +39,7 @@ def slurm_cluster():
     with SlurmCluster(cpus_per_node=4, kill_wait=60, slurmd_timeout=20) as cluster:
         # DeepSpeed's CPU op, built once beforehand, in a directory of this environment's: other environments' builds
         # of it (with their own paths) would otherwise rebuild it under the jobs, and a kill mid-build would stall them.
-        cluster.env["TORCH_EXTENSIONS_DIR"] = _build_deepspeed_cpu_op(os.path.join(sys.prefix, "torch_extensions"))
+        cluster.env["TORCH_EXTENSIONS_DIR"] = deepspeed_op.build()
         yield cluster
 
 
@@ -76,16 +73,3 @@ def reference(slurm_cluster, early):
 
     job, out = early["reference"]
     return out, finished(slurm_cluster, job, out)
-
-
-def _build_deepspeed_cpu_op(directory: str) -> str:
-    """Builds DeepSpeed's CPU communication op (``deepspeed_shm_comm``) into ``directory`` now, once, so that no rank of
-    a job builds it: a rank killed while it builds (a test kills nodes, requeues jobs) leaves the build's lock file,
-    and every later build there waits for ever. Returns the directory."""
-    code = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load(verbose=False)"
-    # Only this environment's jobs build here, and none runs yet: a lock now is one a killed build left.
-    for lock in Path(directory).glob("*/lock"):
-        lock.unlink()
-    subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCH_EXTENSIONS_DIR": directory}, check=True,
-                   capture_output=True, timeout=600)
-    return directory
