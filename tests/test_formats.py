@@ -5,6 +5,9 @@ One row per format or argument type. Each row builds the same trainer twice, onc
 where both train, the per-step losses are equal (fp32 on CPU, same seed; TRL's configs with ``bf16=False``). The few
 rows where trl_ext deliberately differs say so in ``difference`` and are listed in docs/differences.md
 ("Deliberate differences"). To add a row, append a ``Row`` to ``ROWS``.
+
+The rows in ``FAST`` (each trainer's main formats, a failure each, LoRA, QLoRA and the deliberate differences) are in
+the fast tier; the other variants run with the slow tests (each row trains twice, about a second).
 """
 
 import json
@@ -219,6 +222,12 @@ ROWS = [
     Row("reward-lora-without-task-type", "reward", PREFERENCE_IMPLICIT, kwargs=lora(), difference="losses",
         why="TRL LoRA-wraps the head and leaves its weights at their random init; trl_ext trains it whole"),
 ]
+FAST = {"sft-language-modeling-text", "sft-prompt-completion", "sft-messages", "sft-pre-tokenized",
+        "sft-no-known-columns", "sft-lora-peft-config", "sft-qlora-bf16", "sft-qlora-fp32", "sft-packing-bfd",
+        "sft-completion-only-loss", "sft-activation-offloading", "dpo-explicit-prompt",
+        "dpo-conversational-implicit-prompt", "dpo-pre-tokenized", "dpo-plain-training-arguments", "dpo-loss-type-list",
+        "kto-unpaired", "kto-paired-explicit-prompt", "kto-label-not-a-bool", "kto-lora", "reward-implicit-prompt",
+        "reward-conversational", "reward-lora-seq-cls", "reward-lora-without-task-type"}
 SKIPPED = [
     pytest.param(None, id="sft-images", marks=pytest.mark.skip(reason="needs a vision-language model (VLM issue)")),
     pytest.param(None, id="dpo-images", marks=pytest.mark.skip(reason="needs a vision-language model (VLM issue)")),
@@ -244,7 +253,8 @@ def train(side: str, row: Row, path: str, output_dir: str):
     return [log["loss"] for log in trainer.state.log_history if "loss" in log]
 
 
-@pytest.mark.parametrize("row", [*ROWS, *SKIPPED], ids=[*(r.id for r in ROWS), *(p.id for p in SKIPPED)])
+@pytest.mark.parametrize("row", [
+    *(pytest.param(r, id=r.id, marks=() if r.id in FAST else pytest.mark.slow) for r in ROWS), *SKIPPED])
 def test_trains_or_fails_as_trl_does(row, tiny_model_path, tmp_path):
     expected = train("trl", row, tiny_model_path, str(tmp_path / "trl"))
     got = train("trl_ext", row, tiny_model_path, str(tmp_path / "trl_ext"))

@@ -25,20 +25,14 @@ from trl_ext import errors
 from trl_ext.errors import MirrorError, TrlExtError
 from trl_ext.mirror import lease, options, uploader
 from trl_ext.mirror.store import Store, first_line
-from trl_ext.process import notice
+from trl_ext.process import distributed, notice
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 DEFAULT_GRACE_SECONDS = 20.0
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
 def _agree(error: TrlExtError | None) -> None:
-    if _distributed():
+    if distributed():
         errors.agree(error)
     elif error is not None:
         raise error

@@ -92,17 +92,13 @@ def requeued_checkpoint(args) -> str | None:
     Returns:
         The checkpoint to resume, the same on every rank, or None.
     """
-    from accelerate.utils import broadcast_object_list
+    from trl_ext.process import decided_on_rank0, notice
 
-    from trl_ext.process import notice
-
-    answer = [None]
-    if args.process_index == 0:
+    def decide():
         requeued = after_requeue(args.output_dir)
         if requeued is not None and (requeued[0] is not None or slurm.current().restart > 0):
             notice(requeued[1])
-        answer = [requeued[0] if requeued is not None else None]
         ownership.claim(args.output_dir)
-    if args.world_size > 1:
-        broadcast_object_list(answer, from_process=0)
-    return answer[0]
+        return requeued[0] if requeued is not None else None
+
+    return decided_on_rank0(decide)

@@ -10,29 +10,24 @@ raised on every rank.
 from trl_ext.errors import MirrorError, TrlExtError
 from trl_ext.mirror import downloader, lease
 from trl_ext.mirror.store import first_line
-from trl_ext.process import notice
+from trl_ext.process import decided_on_rank0, notice
 from trl_ext.resuming.choose import last_committed
 from trl_ext.scheduling import job as slurm
 
 
-def _from_rank0(trainer, decide) -> str | None:
-    """``decide()`` on rank 0 (a path or None), broadcast; its failure raised on every rank."""
-    from accelerate.utils import broadcast_object_list
+def _from_rank0(decide) -> str | None:
+    """``decide()`` on rank 0 (a path or None), broadcast; its failure raised on every rank, as a ``MirrorError`` where
+    it is not one of trl_ext's own."""
 
-    args = trainer.args
-    answer = [None, None]
-    if args.process_index == 0:
+    def deciding():
         try:
-            answer = [decide(), None]
-        except TrlExtError as exc:
-            answer = [None, exc]
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            answer = [None, MirrorError(f"checkpoint_mirror: {first_line(exc)}")]
-    if args.world_size > 1:
-        broadcast_object_list(answer, from_process=0)
-    if answer[1] is not None:
-        raise answer[1]
-    return answer[0]
+            return decide()
+        except TrlExtError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a store's own error, said in one line
+            raise MirrorError(f"checkpoint_mirror: {first_line(exc)}") from None
+
+    return decided_on_rank0(deciding)
 
 
 def _download(trainer) -> str | None:
@@ -63,7 +58,7 @@ def download_if_missing(trainer) -> str | None:
         return None
     if args_has_local_checkpoint(trainer.args):
         return None
-    return _from_rank0(trainer, lambda: _download(trainer))
+    return _from_rank0(lambda: _download(trainer))
 
 
 def args_has_local_checkpoint(args) -> bool:
@@ -91,7 +86,7 @@ def requeued(trainer) -> str | None:
                f"checkpoint; this job's mirror {mirror.store.shown} is the place to resume from")
         return _download(trainer)
 
-    return _from_rank0(trainer, decide)
+    return _from_rank0(decide)
 
 
 def start_fresh(trainer) -> bool:

@@ -18,9 +18,9 @@ from accelerate.utils import is_peft_model
 from transformers import set_seed
 
 from trl_ext.engines import fsdp
-from trl_ext.errors import ResumeError, TrlExtError
+from trl_ext.errors import ResumeError
 from trl_ext.files import hub_names
-from trl_ext.process import notice
+from trl_ext.process import decided_on_rank0, notice
 from trl_ext.resuming import checks, choose, fsdp2, mirrored, rng, universal, world_size
 from trl_ext.saving import supports
 from trl_ext.scheduling import job as slurm
@@ -93,24 +93,16 @@ class Resume:
 def _read_plan(trainer, checkpoint: str) -> world_size.Plan | None:
     """How ``checkpoint`` was trained, read on rank 0 and broadcast (ranks that look at the files separately could
     disagree and take different collective paths); a refusal is raised on every rank."""
-    from accelerate.utils import broadcast_object_list
-
     args = trainer.args
-    answer = [None, None]
-    if args.process_index == 0:
+
+    def read():
         try:
-            read = world_size.read_plan if trainer.is_deepspeed_enabled else world_size.read_trainer_plan
-            answer = [read(checkpoint, args), None]
-        except TrlExtError as exc:
-            answer = [None, exc]
+            return (world_size.read_plan if trainer.is_deepspeed_enabled else world_size.read_trainer_plan)(checkpoint,
+                                                                                                        args)
         except (OSError, ValueError, KeyError) as exc:
-            answer = [None, ResumeError(f"cannot read how {checkpoint} was trained: {exc}")]
-    if args.world_size > 1:
-        broadcast_object_list(answer, from_process=0)
-    plan, error = answer
-    if error is not None:
-        raise error
-    return plan
+            raise ResumeError(f"cannot read how {checkpoint} was trained: {exc}") from None
+
+    return decided_on_rank0(read)
 
 
 def _convert_for_deepspeed(trainer, checkpoint: str, plan: world_size.Plan) -> None:

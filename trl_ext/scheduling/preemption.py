@@ -23,7 +23,7 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from trl_ext.process import end_together, notice
+from trl_ext.process import distributed, end_together, notice
 from trl_ext.scheduling import deadline, outcome, ownership
 from trl_ext.scheduling import job as slurm
 
@@ -95,7 +95,7 @@ class Preemption(TrainerCallback):
     def _agreed(self, args) -> int:
         """The strongest signal any rank received (0 if none), on every rank: a collective, at the same point on all
         ranks."""
-        if not _distributed():
+        if not distributed():
             return self.received
         flag = torch.tensor([self.received], dtype=torch.int64, device=args.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
@@ -110,7 +110,7 @@ class Preemption(TrainerCallback):
         if getattr(state, "max_steps", 0) and state.global_step >= state.max_steps:
             return 0  # the last step: training ends here anyway, and the warning changes nothing
         due = [self._due(state)] if getattr(args, "process_index", 0) == 0 else [False]
-        if _distributed():
+        if distributed():
             flag = torch.tensor([int(due[0])], dtype=torch.int64, device=args.device)
             torch.distributed.broadcast(flag, src=0)
             due = [bool(flag.item())]
@@ -196,7 +196,3 @@ class Preemption(TrainerCallback):
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
