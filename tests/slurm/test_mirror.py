@@ -47,7 +47,8 @@ def test_a_requeued_job_whose_output_dir_is_gone_resumes_from_the_mirror(slurm_c
     slurm_cluster.release(job)
     slurm_cluster.start_now(job)
     log = finished(slurm_cluster, job, out, min_restarts=1)
-    assert "SIGTERM received: saved" in log, log[-6000:]  # the requeue's stop, with its checkpoint
+    assert re.search(r"node 0 \(n1\): stopped on SIGTERM, with checkpoint-\d+ saved \(exit 143\)", log), log[-6000:]
+    assert "training from the start" not in log, log[-6000:]  # the local directory is gone, the mirror is not
     # within mirror_grace_period the stopping checkpoint reached the mirror, or the log says it is only local
     assert ("checkpoint_mirror: every committed checkpoint is in" in log or
             "the 5 s grace period (mirror_grace_period) ran out" in log), log[-6000:]

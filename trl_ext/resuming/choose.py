@@ -97,7 +97,9 @@ def requeued_checkpoint(args) -> str | None:
     def decide():
         requeued = after_requeue(args.output_dir)
         if requeued is not None and (requeued[0] is not None or slurm.current().restart > 0):
-            notice(requeued[1])
+            # nothing here, with a mirror: the mirror's resume (resuming/mirrored.py) says what happens instead
+            if requeued[0] is not None or not getattr(args, "checkpoint_mirror", None):
+                notice(requeued[1])
         ownership.claim(args.output_dir)
         return requeued[0] if requeued is not None else None
 

@@ -81,6 +81,8 @@ def requeued(trainer) -> str | None:
     def decide():
         marker = mirror.store.read_json(lease.RUN_MARKER) or {}
         if marker.get("slurm_job") != job.job_id:
+            notice(f"Slurm job {job.job_id}, restart {job.restart}: neither {trainer.args.output_dir} nor the mirror "
+                   f"{mirror.store.shown} holds a checkpoint of this job; training from the start")
             return None
         notice(f"Slurm job {job.job_id}, restart {job.restart}: {trainer.args.output_dir} holds no committed "
                f"checkpoint; this job's mirror {mirror.store.shown} is the place to resume from")
