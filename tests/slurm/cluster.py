@@ -497,7 +497,8 @@ class SlurmCluster:
         """
         return parse_record(self._run(["scontrol", "show", "node", "-o", node]).stdout)
 
-    def wait_state(self, job_id: str, states, timeout: float = 60, min_restarts: int = 0) -> dict[str, str]:
+    def wait_state(self, job_id: str, states, timeout: float = 60, min_restarts: int = 0,
+                   count_pending: bool = True) -> dict[str, str]:
         """Waits until the job is in one of `states` (and has been restarted at least `min_restarts` times).
 
         Args:
@@ -505,6 +506,9 @@ class SlurmCluster:
             states: A state or states (`"RUNNING"`, `{"COMPLETED", "FAILED"}`); see `TERMINAL_STATES`.
             timeout: Seconds before `SlurmError`.
             min_restarts: Least `Restarts` count (1 to wait for the run after a requeue, not the one before).
+            count_pending: Whether the time the job spends PENDING counts towards `timeout`. False for a wait on
+                the job's own work: how long it queues depends on the jobs before it (the test's own timeout still
+                bounds the whole).
 
         Returns:
             The job's record once it is there.
@@ -514,19 +518,20 @@ class SlurmCluster:
                 job's record, its output so far and the daemons' log tails.
         """
         wanted = {states} if isinstance(states, str) else set(states)
-        deadline = time.monotonic() + timeout
+        clock = RunClock(self, job_id, count_pending)
         info: dict[str, str] = {}
         while True:
-            info = self.job_info(job_id)
+            info = clock.tick()
             state, restarts = info.get("JobState", ""), int(info.get("Restarts", "0") or 0)
             if state in wanted and restarts >= min_restarts:
                 return info
             if state in TERMINAL_STATES and state not in wanted and restarts >= min_restarts:
-                raise SlurmError(self._describe(job_id, f"job {job_id} ended {state}, waiting for {sorted(wanted)}"))
-            if time.monotonic() > deadline:
-                raise SlurmError(self._describe(
-                    job_id, f"job {job_id} still {state} (restarts {restarts}) after {timeout}s, waiting for "
-                    f"{sorted(wanted)} with restarts >= {min_restarts}"
+                raise SlurmError(self.describe(job_id, f"job {job_id} ended {state}, waiting for {sorted(wanted)}"))
+            if clock.seconds > timeout:
+                raise SlurmError(self.describe(
+                    job_id, f"job {job_id} still {state} (restarts {restarts}) after {timeout}s"
+                    f"{'' if count_pending else ' out of the queue'}, waiting for {sorted(wanted)} with restarts >= "
+                    f"{min_restarts}"
                 ))
             time.sleep(0.2)
 
@@ -559,7 +564,7 @@ class SlurmCluster:
             if text in out:
                 return out
             if time.monotonic() > deadline:
-                raise SlurmError(self._describe(job_id, f"job {job_id} did not print {text!r} in {timeout}s"))
+                raise SlurmError(self.describe(job_id, f"job {job_id} did not print {text!r} in {timeout}s"))
             time.sleep(0.2)
 
     def requeue(self, job_id: str, hold: bool = False) -> None:
@@ -644,7 +649,16 @@ class SlurmCluster:
                 parts.append(f"--- {path}\n{_tail(path, lines)}")
         return "\n".join(parts)
 
-    def _describe(self, job_id: str, message: str) -> str:
+    def describe(self, job_id: str, message: str) -> str:
+        """`message`, the job's record, the end of its output and the daemons' log tails: what a failure says.
+
+        Args:
+            job_id: The job id.
+            message: What went wrong.
+
+        Returns:
+            The text.
+        """
         try:
             info = " ".join(f"{k}={v}" for k, v in self.job_info(job_id).items())
         except SlurmError as error:
@@ -660,6 +674,32 @@ class SlurmCluster:
                 why = f"{', '.join(dead)} exited" if dead else f"no luck in {timeout}s"
                 raise SlurmError(f"waiting for {what}: {why}\n{self.logs()}")
             time.sleep(0.2)
+
+
+class RunClock:
+    """The seconds a wait has lasted, or only those the job spent out of the queue (not PENDING).
+
+    Args:
+        cluster: The cluster.
+        job_id: The job id.
+        count_pending: Whether time PENDING counts too (then this is the wait's wall time).
+    """
+
+    def __init__(self, cluster: SlurmCluster, job_id: str, count_pending: bool = True):
+        self.cluster, self.job_id, self.count_pending = cluster, job_id, count_pending
+        self.seconds = 0.0
+        self._last = time.monotonic()
+        self._pending = False
+
+    def tick(self) -> dict[str, str]:
+        """Adds the time since the last tick (unless the job was pending then) and returns the job's record."""
+        now = time.monotonic()
+        if self.count_pending or not self._pending:
+            self.seconds += now - self._last
+        self._last = now
+        info = self.cluster.job_info(self.job_id)
+        self._pending = info.get("JobState") == "PENDING"
+        return info
 
 
 def _which(name: str) -> str:

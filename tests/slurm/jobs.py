@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from tests.harness import REPO
+from tests.slurm.cluster import TERMINAL_STATES, RunClock
 from trl_ext.files.audit import audit
 
 SBATCH = REPO / "recipes" / "slurm.sbatch"
@@ -61,8 +62,9 @@ def log_of(out: Path) -> str:
 
 
 def finished(cluster, job: str, out: Path, timeout: float = 400, min_restarts: int = 0) -> str:
-    """Waits for the job to complete, checks that it saved and verified its model, and returns its log."""
-    info = cluster.wait_state(job, "COMPLETED", timeout=timeout, min_restarts=min_restarts)
+    """Waits for the job to complete (``timeout``: seconds out of the queue), checks that it saved and verified its
+    model, and returns its log."""
+    info = cluster.wait_state(job, "COMPLETED", timeout=timeout, min_restarts=min_restarts, count_pending=False)
     log = log_of(out)
     assert info["ExitCode"] == "0:0", log[-4000:]
     assert "saved and verified" in log, log[-4000:]
@@ -97,16 +99,34 @@ def assert_on_trajectory(got: Path, want: Path, start: str) -> float:
     return share
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
+def wait_for(predicate, timeout: float, what: str, cluster=None, job: str | None = None) -> None:
+    """Waits until ``predicate()`` holds.
+
+    Args:
+        predicate: What to wait for.
+        timeout: Seconds before AssertionError; with a job, only those it spends out of the queue count (how long it
+            queues depends on the jobs before it, not on it), and the wait fails at once if the job ends first.
+        what: What is waited for, for the message.
+        cluster: The cluster running ``job``.
+        job: The job whose work ``predicate`` waits for.
+    """
+    clock = RunClock(cluster, job, count_pending=False) if job else None
+    start, state = time.monotonic(), ""
     while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.2)
+        if clock is not None:
+            state = clock.tick().get("JobState", "")
+            if state in TERMINAL_STATES and not predicate():
+                raise AssertionError(cluster.describe(job, f"job {job} ended {state} before {what}"))
+        if (clock.seconds if clock else time.monotonic() - start) > timeout:
+            message = f"timed out after {timeout} s{' out of the queue' if clock else ''} waiting for {what}"
+            raise AssertionError(cluster.describe(job, message) if clock else message)
+        time.sleep(0.5 if clock else 0.2)
 
 
-def wait_for_line(out: Path, text: str, timeout: float = 300, after: int = 0) -> int:
-    """Waits until the job's log holds ``text`` past character ``after``; returns where it ends."""
+def wait_for_line(out: Path, text: str, timeout: float = 300, after: int = 0, cluster=None,
+                  job: str | None = None) -> int:
+    """Waits until the job's log holds ``text`` past character ``after``; returns where it ends. ``timeout``,
+    ``cluster`` and ``job``: as for `wait_for`."""
     found = []
 
     def seen() -> bool:
@@ -114,7 +134,7 @@ def wait_for_line(out: Path, text: str, timeout: float = 300, after: int = 0) ->
         found[:] = [at + len(text)] if at >= 0 else []
         return bool(found)
 
-    wait_for(seen, timeout, f"{text!r} in {out}.log")
+    wait_for(seen, timeout, f"{text!r} in {out}.log", cluster, job)
     return found[0]
 
 

@@ -40,7 +40,7 @@ def test_a_requeued_job_whose_output_dir_is_gone_resumes_from_the_mirror(slurm_c
     args, env = slowed([*DPO, "--checkpoint_mirror", url], step_seconds=0.25)
     job = submit(slurm_cluster, out, args, env={**env, **s3.env})
     complete = s3.data / bucket / "slurm" / f"checkpoint-{SAVE_STEPS}" / "trl_ext-manifest.json"
-    wait_for(complete.is_file, 300, f"checkpoint-{SAVE_STEPS} complete in the mirror")
+    wait_for(complete.is_file, 300, f"checkpoint-{SAVE_STEPS} complete in the mirror", slurm_cluster, job)
     slurm_cluster.requeue(job, hold=True)
     slurm_cluster.wait_state(job, "PENDING", timeout=120, min_restarts=1)
     shutil.rmtree(out)  # the node-local directory is gone with its machine

@@ -2,7 +2,7 @@
 tests/slurm/slowed.py, released by the test; the warning sent as Slurm sends it, to the batch shell):
 
 - run 0 is warned while it starts: nothing is measured yet, so it stops at the first step boundary the warning
-  reaches (the launchers send it again every 5 s; its steps take at least 1.5 s) with a checkpoint; the script
+  reaches (the launchers send it again every 5 s; its steps take at least 2.5 s) with a checkpoint; the script
   requeues the job, and the test starts it again at once (a self-requeued job's end must not end its next run);
 - run 1 is warned while it loads that checkpoint, trains on (the time left is far above what a stop needs, measured
   in run 0), is warned again while checkpoint-20 is written and trains on; then the time limit is lowered to a little
@@ -13,6 +13,7 @@ Every stop is quiet (one line per node, no traceback), every run ends as the scr
 uninterrupted run's model.
 """
 
+import functools
 import re
 
 import pytest
@@ -47,32 +48,35 @@ def warned_job(slurm_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("time-limit")
     out, holds = tmp / "warned", tmp / "holds"
     holds.mkdir()
-    # every step takes 1.5 s at least: run 0 stops within a few steps of the first, and run 1 is still training when
-    # its lowered limit comes near
-    args, env = slowed(DPO, runs="0,1,2", step_seconds=1.5, hold=f"load,checkpoint-{SAVE_STEPS},final",
+    # every step takes 2.5 s at least: run 0 stops within a few steps of the first, and run 1 is still training when
+    # its lowered limit comes near, however long this loaded host takes to lower it (its 40 steps after checkpoint-20
+    # last 100 s; the stop comes within MARGIN + 10 s of the limit's change; at 1.5 s a step, 60 s, the run once
+    # finished first)
+    args, env = slowed(DPO, runs="0,1,2", step_seconds=2.5, hold=f"load,checkpoint-{SAVE_STEPS},final",
                        hold_dir=holds)
     job = submit(slurm_cluster, out, args, sbatch=[f"--time={LIMIT_MINUTES}"], env=env)
+    line = functools.partial(wait_for_line, out, cluster=slurm_cluster, job=job)
 
     # run 0: warned while it starts (the script's first line is printed once it listens for the warning)
-    at = wait_for_line(out, f"Slurm job {job}, restart 0: ", timeout=300)
+    at = line(f"Slurm job {job}, restart 0: ", timeout=300)
     warn(slurm_cluster, job)
     # its script requeues the job; started again the moment it is pending (no wait for the next second)
     slurm_cluster.wait_state(job, "PENDING", timeout=400, min_restarts=1)
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
     # run 1: warned while it loads run 0's checkpoint, then while checkpoint-20 is written
-    at = wait_for_line(out, "[test] holding load", timeout=300, after=at)
+    at = line("[test] holding load", timeout=300, after=at)
     warn(slurm_cluster, job)
     release(holds, "load")
-    at = wait_for_line(out, "so training goes on until", after=at)
-    at = wait_for_line(out, f"[test] holding checkpoint-{SAVE_STEPS}", after=at)
+    at = line("so training goes on until", after=at)
+    at = line(f"[test] holding checkpoint-{SAVE_STEPS}", after=at)
     warn(slurm_cluster, job)
     release(holds, f"checkpoint-{SAVE_STEPS}")
     # the limit lowered to a little above what a stop needs (the line says it), counted from now
     need = float(re.findall(r"so training goes on until (\d+) s are left", log_of(out))[-1])
     limit = int(_elapsed(slurm_cluster, job) + need + MARGIN)
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit // 60}:{limit % 60:02d}"])
-    at = wait_for_line(out, f"Slurm job {job}: stopped on the time-limit warning", timeout=300, after=at)
+    at = line(f"Slurm job {job}: stopped on the time-limit warning", timeout=300, after=at)
     # held once requeued, so that its next run starts with the whole limit again
     slurm_cluster.run(["scontrol", "hold", job])
     slurm_cluster.wait_state(job, "PENDING", timeout=300, min_restarts=2)
@@ -81,7 +85,7 @@ def warned_job(slurm_cluster, tmp_path_factory):
     slurm_cluster.start_now(job)
 
     # run 2: warned while it writes the final model
-    wait_for_line(out, "[test] holding final", timeout=300, after=at)
+    line("[test] holding final", timeout=300, after=at)
     warn(slurm_cluster, job)
     release(holds, "final")
     log = finished(slurm_cluster, job, out, timeout=300, min_restarts=2)
