@@ -5,7 +5,8 @@ committed:
 
 - ``-N 2`` (one process per node): requeued, it waits for two nodes; n2 comes back (once slurmctld holds no message it
   would send again to n2, `SlurmCluster.retries_pending`), and the job resumes from checkpoint-20 and ends with the
-  uninterrupted run's model;
+  uninterrupted run's model (a SIGTERM slurmctld still held for the lost run, delivered to the next run's step,
+  requeues it once more: `trl_ext/scheduling/restart.py`);
 - ``-N 1-2`` (two processes per node, 24 steps, held in the write of its last checkpoint): it got both nodes while
   they were free; requeued, it goes on on n1 alone, at another number of processes with the same global batch (two
   batches accumulated), and ends on the trajectory of the same job run uninterrupted on one node with two batches
@@ -42,11 +43,6 @@ HELD = f"checkpoint-{2 * SAVE_STEPS}"
 RANGED_HELD = f"checkpoint-{RANGED_STEPS}"  # its last checkpoint
 
 
-# Skipped until the cause is fixed: in 1 of 2 runs of the leg (2026-11-27), the -N 2 job's run after the requeue
-# (n2 back) was ended by a SIGTERM slurmctld still held for the job's lost run, and the job ended FAILED (143).
-FLAKY = pytest.mark.skip(reason="flaky: a held SIGTERM for the lost run can end the requeued run (docs/slurm.md)")
-
-
 @pytest.fixture(scope="module")
 def lost_node(slurm_cluster, early, tmp_path_factory):
     for name in ("reference", "fsdp2-two"):  # nothing else may be on n2 when it dies
@@ -59,8 +55,9 @@ def lost_node(slurm_cluster, early, tmp_path_factory):
     two = submit(slurm_cluster, fixed, args, nodes=2, env=env)
     args, env = slowed(RANGED, hold=RANGED_HELD, hold_dir=holds)
     one_or_two = submit(slurm_cluster, ranged, args, nodes="1-2", env=env)
-    wait_for_line(fixed, f"[test] holding {HELD}", timeout=400)
-    wait_for_line(ranged, f"[test] holding {RANGED_HELD}", timeout=400)
+    wait_for_line(fixed, f"[test] holding {HELD}", timeout=400, cluster=slurm_cluster, job=two)
+    wait_for_line(ranged, f"[test] holding {RANGED_HELD}", timeout=400, cluster=slurm_cluster,
+                  job=one_or_two)
     slurm_cluster.kill_node("n2")
     for held in (HELD, RANGED_HELD):  # the first ranks finish their part of the checkpoint and find their peers gone
         release(holds, held)
@@ -83,7 +80,6 @@ def _first_run_lost_its_peer(log: str) -> None:
     assert lost and lost[0].startswith("[trl_ext] Slurm job") and lost[0].endswith("(exit 200)"), log[-6000:]
 
 
-@FLAKY
 def test_a_job_on_two_nodes_waits_for_the_node_to_come_back_and_ends_with_the_uninterrupted_model(lost_node,
                                                                                                   reference):
     job, out, log = lost_node["fixed"]
@@ -94,7 +90,6 @@ def test_a_job_on_two_nodes_waits_for_the_node_to_come_back_and_ends_with_the_un
     assert_same_model(out, reference[0])
 
 
-@FLAKY
 def test_a_job_with_a_node_range_goes_on_with_the_node_it_has_at_another_world_size(lost_node):
     job, out, log = lost_node["ranged"]
     assert f"Slurm job {job}, restart 0: 2 node(s) n[1-2]" in log, log[-6000:]  # the range's maximum, while free

@@ -94,6 +94,17 @@ def test_a_bug_fails_once_and_a_planned_stop_is_not_a_failure(in_job):
     assert restart.decide(restart.TERMINATED, run_dir=str(in_job)).action == restart.REQUEUE
 
 
+def test_a_sigterm_for_the_step_alone_requeues_and_one_for_the_job_stops(in_job, tmp_path):
+    # A node that comes back delivers the SIGTERM slurmctld held for the job's lost run to its next run's step: the
+    # batch script gets none, as it does for `scontrol requeue`, preemption, `scancel` and the time limit.
+    _trained_into(in_job, tmp_path / "out", [20])
+    outcome.stopped("SIGTERM", 41, "out/checkpoint-41", in_job)
+    late = restart.decide(restart.TERMINATED, run_dir=str(in_job))
+    assert late.action == restart.REQUEUE and late.exit_code == restart.TERMINATED
+    assert "stopped on a SIGTERM for the step alone" in late.line and "failure 1 of 3" in late.line
+    assert restart.decide(restart.TERMINATED, terminated=True, run_dir=str(in_job)).action == restart.STOPPED
+
+
 def test_a_lost_node_requeues_until_the_limit_of_failures_without_a_new_checkpoint(in_job, tmp_path):
     out = tmp_path / "out"
     _trained_into(in_job, out, [20])

@@ -7,9 +7,12 @@ and exits with ``FINISHED``, ``REQUEUE``, ``STOPPED`` or ``FAILED`` (``recipes/s
 
 - 0: trained and saved: finished.
 - 138 (the time-limit warning): stopped with a checkpoint: requeue.
-- 143 (SIGTERM: ``scontrol requeue``, preemption, ``scancel``), or any code once the batch script itself got SIGTERM:
-  stopped; Slurm requeues or cancels the job. (srun's 143 without either is a task it terminated after another
-  failed: a failure, below.)
+- 143 (SIGTERM: ``scontrol requeue``, preemption, ``scancel``, the time limit), or any code once the batch script itself
+  got SIGTERM: stopped; Slurm requeues or cancels the job. (srun's 143 without either is a task it terminated after
+  another failed: a failure, below.)
+- The ranks stopped on SIGTERM but the batch script got none: not Slurm ending the job (that signals the script too)
+  but a signal for the step alone: one slurmctld held for the job's earlier run and delivered once a lost node came
+  back, or ``scancel --signal=TERM`` without ``--full``. Requeue, counted as a failure below (a checkpoint was saved).
 - ``LOST`` (a node's ranks lost a peer or their node), 137 (a process killed with SIGKILL: the OOM killer, a node
   going away), srun's codes for a node it cannot reach, or a node of the job that Slurm shows not responding or down:
   requeue, unless the job already failed this way ``TRL_EXT_SLURM_MAX_FAILURES`` times in a row (3 by default)
@@ -104,7 +107,7 @@ def decide(status: int, warned: bool = False, terminated: bool = False, run_dir:
     if status == WARNED or "SIGUSR1" in stops:
         return Decision(REQUEUE, "stopped on the time-limit warning with a checkpoint; requeued: it runs again with "
                         "the same id and resumes from it", WARNED)
-    if terminated or "SIGTERM" in stops:
+    if terminated:
         what = "stopped on SIGTERM with a checkpoint" if status == TERMINATED or stops else \
             f"signalled by Slurm (SIGTERM) while its step ended with exit {status}"
         return Decision(STOPPED, f"{what}: a job that Slurm requeues (scontrol requeue, preemption, a node failure) "
@@ -112,7 +115,10 @@ def decide(status: int, warned: bool = False, terminated: bool = False, run_dir:
     if status == ERROR or outcome.ERROR in first_node:  # srun's code may be another node's, killed after the error
         return Decision(FAILED, f"failed: a rank raised an error (exit {status}; the log above has it); not requeued",
                         status)
-    why = ("a node's ranks lost a peer or their node" if status == LOST or outcome.PEER in first_node else
+    why = ("its ranks stopped on a SIGTERM for the step alone, with a checkpoint (a signal Slurm held for the job's "
+           "earlier run, delivered late by a node that came back; or scancel --signal=TERM without --full)"
+           if "SIGTERM" in stops else
+           "a node's ranks lost a peer or their node" if status == LOST or outcome.PEER in first_node else
            "a process was killed (SIGKILL: the OOM killer, or its node went away)" if status == KILLED else
            f"srun could not reach a node (Slurm error {status + 768})" if status in UNREACHABLE else
            f"node(s) {', '.join(unwell)} stopped responding" if unwell else None)
