@@ -23,6 +23,33 @@ def part_bytes(size: int) -> int:
     return max(MIN_PART_BYTES, math.ceil(size / MAX_PARTS / 2**20) * 2**20)
 
 
+def read_chunk(source, size: int, digest, cancelled: Callable[[], bool], what: str) -> bytes:
+    """The next ``size`` bytes (fewer at the end) of the open local file ``source``, added to ``digest``: one step of
+    an upload, which a stopped transfer ends first.
+
+    Args:
+        source: The local file, open for reading in binary.
+        size: How many bytes to read.
+        digest: The checksum being computed (``manifest.hasher()``).
+        cancelled: Whether the transfer was stopped.
+        what: The file's remote name, for the message.
+
+    Returns:
+        The bytes read (empty at the end of the file).
+
+    Raises:
+        MirrorError: ``cancelled()`` became true (kind ``ABANDONED``) or reading failed (``LOCAL_FILE``).
+    """
+    if cancelled():
+        raise MirrorError(f"the upload of {what} was stopped", kind=ABANDONED)
+    try:
+        chunk = source.read(size)
+    except OSError as exc:
+        raise MirrorError(f"{source.name}: {exc}", kind=LOCAL_FILE) from exc
+    digest.update(chunk)
+    return chunk
+
+
 def upload(fs, path: str, source, size: int, digest, cancelled: Callable[[], bool]) -> int:
     """Upload the open file ``source`` (``size`` bytes) to ``path`` (``bucket/key``) with s3fs's client, updating
     ``digest`` with every byte read, in order.
@@ -38,14 +65,7 @@ def upload(fs, path: str, source, size: int, digest, cancelled: Callable[[], boo
     part = part_bytes(size)
 
     def read() -> bytes:
-        if cancelled():
-            raise MirrorError(f"the upload of {path} was stopped", kind=ABANDONED)
-        try:
-            chunk = source.read(part)
-        except OSError as exc:
-            raise MirrorError(f"{source.name}: {exc}", kind=LOCAL_FILE) from exc
-        digest.update(chunk)
-        return chunk
+        return read_chunk(source, part, digest, cancelled, path)
 
     first = read()
     if len(first) < part:  # one request

@@ -204,15 +204,9 @@ class Store:
                 self.fs.makedirs(self.fs._parent(self.path(rel)), exist_ok=True)
             target = self.fs.open(self.path(rel), "wb", **kwargs)
             while True:
-                if cancelled():
-                    raise MirrorError(f"the transfer of {rel} was stopped", kind=ABANDONED)
-                try:
-                    chunk = source.read(READ_BYTES)
-                except OSError as exc:
-                    raise MirrorError(f"{local}: {first_line(exc)}", kind=LOCAL_FILE) from exc
+                chunk = multipart.read_chunk(source, READ_BYTES, digest, cancelled, rel)
                 if not chunk:
                     break
-                digest.update(chunk)
                 target.write(chunk)
                 size += len(chunk)
             target.close()
