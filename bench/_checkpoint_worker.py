@@ -87,6 +87,8 @@ def main():
                                      "total_s": max(r["total"] for r in everyone),
                                      "peak_mb": everyone[0]["peak_mb"], "copies_mb": everyone[0]["copies_mb"],
                                      "params": params}), flush=True)
+    # as a recipe ends: without it, a rank aborted in gloo's teardown at exit (seen under FSDP2, pytorch#190489)
+    trl_ext.process.end_together()
 
 
 if __name__ == "__main__":

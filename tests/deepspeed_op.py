@@ -18,11 +18,26 @@ _BUILD = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMem
 
 
 def use_own_directory() -> None:
-    """Points this process (and the launches it makes) at ``DIRECTORY`` and removes the locks left there: called once
-    when a test session starts, before any of its launches, so a lock found now is one a killed build left."""
+    """Points this process (and the launches it makes) at ``DIRECTORY`` and removes the locks a killed build left
+    there (no process holds them open; a live builder keeps its lock's descriptor open, and another test session,
+    the Slurm leg's, may be building now): called once when a test session starts, before any of its launches."""
     os.environ["TORCH_EXTENSIONS_DIR"] = str(DIRECTORY)
-    for lock in DIRECTORY.glob("*/*/lock"):
-        lock.unlink(missing_ok=True)
+    locks = list(DIRECTORY.glob("*/*/lock"))
+    held = _open_files() if locks else set()
+    for lock in locks:
+        if str(lock.resolve()) not in held:
+            lock.unlink(missing_ok=True)
+
+
+def _open_files() -> set[str]:
+    """The paths every process of this machine holds open (Linux's /proc; empty elsewhere)."""
+    paths = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            paths.add(os.readlink(fd))
+        except OSError:  # gone, or not ours to read
+            continue
+    return paths
 
 
 @functools.cache

@@ -21,8 +21,9 @@ def readme_command(marker: str) -> str:
 def test_readme_commands_use_the_readme_venv():
     for marker in ("main-command", "test-command"):
         assert readme_command(marker).startswith("python3 -m venv .venv && . .venv/bin/activate && pip install ")
-    # lint, the newest combination in full, then the oldest supported one (docs/versions.md) beside a real Slurm
-    assert readme_command("test-command").endswith("&& ruff check . && python -m pytest && .ci/after_main.sh")
+    # lint, then the newest combination in full with the oldest supported one (docs/versions.md) and a real Slurm
+    # beside it
+    assert readme_command("test-command").endswith("&& ruff check . && .ci/test.sh")
 
 
 @pytest.mark.slow
