@@ -223,3 +223,20 @@ def test_on_a_slurm_node_a_planned_stop_ends_quietly_and_leaves_what_it_saved(in
         callback._exit(args, SimpleNamespace(global_step=7, max_steps=10))
     assert exited.value.code == 0  # its node's launcher reports the stop, with 143
     assert outcome.stops(in_job)[0]["signal"] == "SIGTERM" and outcome.stops(in_job)[0]["step"] == 7
+
+
+def test_the_node_launcher_keeps_torchruns_own_log_to_the_critical_unless_the_user_set_it(in_job, tmp_path,
+                                                                                          monkeypatch):
+    # another node's torchrun agent can log a harmless traceback when the first node's leaves the exit barrier first
+    script, seen = tmp_path / "recipe.py", tmp_path / "seen"
+    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(os.environ.get('LOGLEVEL', ''))\n")
+    monkeypatch.setenv("SLURM_NODEID", "1")  # not the first node: its run directory is its own to remove
+    handlers = {signum: signal.getsignal(signum) for signum in (*node.RECORDED, node.WARNING)}
+    try:
+        monkeypatch.delenv("LOGLEVEL", raising=False)
+        assert node.main([str(script), str(seen)]) == 0 and seen.read_text() == "CRITICAL"
+        monkeypatch.setenv("LOGLEVEL", "INFO")
+        assert node.main([str(script), str(seen)]) == 0 and seen.read_text() == "INFO"
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)

@@ -38,6 +38,12 @@ RECORDED = (signal.SIGUSR1, signal.SIGTERM)  # what the ranks act on; the proces
 WARNING = signal.SIGURG  # the time-limit warning as the batch script passes it on: ignored by default, by the ranks too
 # torchrun's own handlers (torch >= 2.6 reads this): not SIGTERM, which the ranks handle with a checkpoint
 TORCHRUN_SIGNALS = ("PET_SIGNALS_TO_HANDLE", "SIGINT,SIGHUP,SIGQUIT")
+# The nodes' torchrun agents meet at their end in an exit barrier hosted by the first node's agent, which leaves as soon
+# as the barrier is complete; another node's agent still waiting for the answer then logs "Error waiting on exit
+# barrier" with a traceback (harmless; seen once in two runs of a planned stop). This launcher's line says how its
+# ranks ended, so the agents' own log (read from LOGLEVEL by torch's elastic package only) is kept to the critical,
+# unless the user set LOGLEVEL.
+AGENT_LOG_LEVEL = ("LOGLEVEL", "CRITICAL")
 
 
 def machine_args(num_processes: int | None = None) -> tuple[list[str], str] | None:
@@ -126,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     run = ownership.run_dir(job)
     os.makedirs(run, exist_ok=True)
     command = argv if argv[0] == "trl-ext" else [sys.executable, *argv]
-    env = {**os.environ, NODE_ENV: json.dumps(node), RUN_ENV: run, TORCHRUN_SIGNALS[0]: TORCHRUN_SIGNALS[1]}
+    env = {AGENT_LOG_LEVEL[0]: AGENT_LOG_LEVEL[1], **os.environ, NODE_ENV: json.dumps(node), RUN_ENV: run,
+           TORCHRUN_SIGNALS[0]: TORCHRUN_SIGNALS[1]}
     received = set()
     for signum in RECORDED:  # for the ranks; this one waits
         signal.signal(signum, lambda signum, frame: received.add(signum))
