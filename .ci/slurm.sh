@@ -21,4 +21,7 @@ if ! installed; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
 fi
+# DeepSpeed's CPU comm op, built now (the other test sessions beside this one may be building it: one waits for the
+# other) rather than under the first test's timeout on a loaded machine
+python -c "from tests import deepspeed_op; deepspeed_op.use_own_directory(); deepspeed_op.build()"
 python -m pytest -m slurm "$@"
