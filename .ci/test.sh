@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
-# Every test, in four sessions side by side from the start: the main suite in two halves (`python -m pytest
-# tests/distributed`, printed as it goes, and `python -m pytest --ignore=tests/distributed`), the oldest-versions leg
-# (.ci/oldest.sh) and the Slurm leg (.ci/slurm.sh); this script's arguments go to each. On 2 cores one session alone
-# leaves the machine idle a quarter of the time (measured): while a launch starts its processes on one core, while a
-# rank works alone (saving, checking), while a test waits on a server, a kill or a time bound, while the Slurm leg
-# waits on signals, holds and a lost node's timeout. The others' output is printed once all have ended. The exit code is
-# the first failing session's. Run from the README's test command, with the venv's python first on PATH.
+# Every test, in three sessions side by side from the start: the main suite on two pytest-xdist workers (printed as it
+# goes), the oldest-versions leg (.ci/oldest.sh) and the Slurm leg (.ci/slurm.sh); this script's arguments go to each.
+# On 2 cores one session alone leaves the machine idle a quarter of the time (measured): while a launch starts its
+# processes on one core, while a rank works alone (saving, checking), while a test waits on a server, a kill or a time
+# bound, while the Slurm leg waits on signals, holds and a lost node's timeout. The workers take the main suite's
+# modules costliest first, one at a time as each becomes free, so that they end together (tests/conftest.py says
+# which modules go together). The legs' output is printed once all have ended, and each session's wall and CPU time.
+# The exit code is the first failing session's. Run from the README's test command, with the venv's python first on
+# PATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=$(mktemp -d)
-names=(rest oldest slurm)
-python -m pytest --ignore=tests/distributed "$@" > "$logs/rest.log" 2>&1 &
-pids=($!)
-.ci/oldest.sh "$@" > "$logs/oldest.log" 2>&1 &
-pids+=($!)
-.ci/slurm.sh "$@" > "$logs/slurm.log" 2>&1 &
-pids+=($!)
-python -m pytest tests/distributed "$@"
+export TIMEFORMAT="session time: %0R s wall, %0U s user + %0S s system CPU"
+names=(oldest slurm)
+pids=()
+for name in "${names[@]}"; do
+    { time ".ci/$name.sh" "$@"; } > "$logs/$name.log" 2>&1 &
+    pids+=($!)
+done
+time python -m pytest -n 2 --dist loadscope --no-loadscope-reorder "$@"
 statuses=($?)
 for i in "${!names[@]}"; do
     wait "${pids[$i]}"
     statuses+=($?)
-    echo "=== ${names[$i]}: $([ "${names[$i]}" = rest ] && echo "python -m pytest --ignore=tests/distributed" || echo ".ci/${names[$i]}.sh") (exit ${statuses[-1]})"
+    echo "=== ${names[$i]}: .ci/${names[$i]}.sh (exit ${statuses[-1]})"
     cat "$logs/${names[$i]}.log"
 done
 rm -rf "$logs"

@@ -1,5 +1,5 @@
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -23,12 +23,53 @@ def tiny_model_path():
 
 UNIT = Path(__file__).parent / "unit"
 
+# Under pytest-xdist (.ci/test.sh: `pytest -n 2 --dist loadscope --no-loadscope-reorder`) each module is one unit of
+# work for the workers, except the modules that read the session's shared training runs (tests/distributed/conftest.py):
+# they are one unit together, so that each shared run is made once. The costliest units go first, so that the workers
+# end together: seconds measured for the whole unit on the 2-core CI machine (2026-11-26, under the other sessions'
+# load; only their order matters). Units not listed follow in file order.
+SHARED_RUNS = "tests/distributed (shared runs)"
+SHARED_RUNS_MODULES = {"test_background_saves", "test_checkpointing", "test_merge", "test_mirror", "test_options",
+                       "test_parallel_writes", "test_preemption", "test_reliability", "test_reward_head",
+                       "test_saving", "test_trajectory", "test_zero_training"}
+COST_S = {SHARED_RUNS: 1160, "tests/test_recipes.py": 430, "tests/distributed/test_families.py": 425,
+          "tests/distributed/test_fsdp2.py": 280, "tests/distributed/test_grpo.py": 230,
+          "tests/distributed/test_trl_cli.py": 150, "tests/distributed/test_qlora.py": 140,
+          "tests/distributed/test_resume_anywhere.py": 140, "tests/test_readme.py": 120,
+          "tests/distributed/test_vlm.py": 100, "tests/distributed/test_user_configs.py": 100,
+          "tests/distributed/test_multinode.py": 90, "tests/test_device_check.py": 75,
+          "tests/distributed/test_vllm_server.py": 70, "tests/test_formats.py": 65, "tests/test_notebook.py": 55}
 
-def pytest_collection_modifyitems(items):
+
+def work_unit(nodeid: str) -> str:
+    """A test's unit of work: its module's path, or SHARED_RUNS."""
+    path = PurePosixPath(nodeid.split("::")[0])
+    if path.parent.name == "distributed" and path.stem in SHARED_RUNS_MODULES:
+        return SHARED_RUNS
+    return str(path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduler by scope, with ``work_unit`` as the scope. Not ``--dist loadgroup`` with ``xdist_group``
+    marks: under pytest 9.2 it silently stops grouping (it renames node ids, which pytest no longer reads:
+    pytest-dev/pytest-xdist#1386)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnits(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
     # The unit tests are all part of the oldest-versions run (.ci/oldest.sh); distributed tests opt in one by one.
     for item in items:
         if UNIT in Path(item.path).parents:
             item.add_marker(pytest.mark.compat)
+    if hasattr(config, "workerinput"):  # an xdist worker: the order its scheduler hands out the units
+        order = {id(item): i for i, item in enumerate(items)}
+        items.sort(key=lambda item: (-COST_S.get(work_unit(item.nodeid), 0), order[id(item)]))
 
 
 @pytest.fixture(autouse=True)
