@@ -102,23 +102,32 @@ CASES = {
     "reward-lora-fsdp-checkpointing": ("reward", ["--lora"], "reward", "fsdp2.yaml"),
     "sft-lora-offload": ("sft", ["--lora"], "causal", "fsdp2_offload.yaml"),
 }
+SHIPPED_CONFIG_CASE = "dpo-lora"  # with fsdp2.yaml as shipped: a run of the loading test's launch
+
+
+def saves_args(case: str) -> list[str]:
+    trainer, args, _, _ = CASES[case]
+    return ["--trainer", trainer, *args, "--max_steps", "2", "--save_steps", "2", "--save_model", "final"]
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_fsdp2_saves_reload_to_the_trained_outputs(tmp_path, case):
-    trainer, args, kind, config = CASES[case]
-    config = OURS / config
-    if "fsdp-checkpointing" in case:
-        config = tmp_path / "fsdp2_ac.yaml"
-        config.write_text((OURS / "fsdp2.yaml").read_text().replace("fsdp_activation_checkpointing: false",
-                                                                     "fsdp_activation_checkpointing: true"))
-    result = train(tmp_path, config, "--trainer", trainer, *args, "--max_steps", "2", "--save_steps", "2",
-                   "--save_model", "final")
-    assert result.returncode == 0, result.output[-6000:]
-    assert_sharded_and_saved(tmp_path, kind)
-    layers = json.loads((tmp_path / "report_rank0.json").read_text())["checkpointing"]["layers"]
+def test_fsdp2_saves_reload_to_the_trained_outputs(tmp_path, case, request):
+    _, _, kind, config = CASES[case]
+    if case == SHIPPED_CONFIG_CASE:  # made in the loading test's launch with fsdp2.yaml as shipped
+        out, output = request.getfixturevalue("loading") / "saves" / case, None
+    else:
+        out, config = tmp_path, OURS / config
+        if "fsdp-checkpointing" in case:
+            config = tmp_path / "fsdp2_ac.yaml"
+            config.write_text((OURS / "fsdp2.yaml").read_text().replace("fsdp_activation_checkpointing: false",
+                                                                         "fsdp_activation_checkpointing: true"))
+        result = train(tmp_path, config, *saves_args(case))
+        assert result.returncode == 0, result.output[-6000:]
+        output = result.output
+    assert_sharded_and_saved(out, kind)
+    layers = json.loads((out / "report_rank0.json").read_text())["checkpointing"]["layers"]
     if "fsdp-checkpointing" in case:  # FsdpCheckpointingCheck verified FSDP's wrappers at train start
-        assert "gradient_checkpointing is turned off" in result.output and layers == {}
+        assert "gradient_checkpointing is turned off" in output and layers == {}
     else:  # ours: every layer non-reentrant (CheckpointingPolicy verified it at train start too)
         assert layers and set(layers.values()) == {False}, layers
 
@@ -144,20 +153,30 @@ LOADING_RUNS = {f"{trainer}{'-lora' * lora}": ["--trainer", trainer, *(["--lora"
 TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
-def test_cpu_ram_efficient_loading_rank1_reads_no_weights_and_trains_the_same(tmp_path):
+@pytest.fixture(scope="module")
+def loading(tmp_path_factory) -> Path:
+    """One launch per setting of ``fsdp_cpu_ram_efficient_loading`` runs the six loading cases, each in
+    ``<setting>/<name>``; the "true" one (fsdp2.yaml as shipped) also runs the saves test's SHIPPED_CONFIG_CASE, in
+    ``saves/<case>``."""
+    tmp = tmp_path_factory.mktemp("fsdp2-loading")
+    for flag in ("true", "false"):
+        config = tmp / f"fsdp2-{flag}.yaml"
+        config.write_text((OURS / "fsdp2.yaml").read_text().replace("fsdp_cpu_ram_efficient_loading: true",
+                                                                    f"fsdp_cpu_ram_efficient_loading: {flag}"))
+        argvs = [[*args, "--output_dir", str(tmp / flag / name)] for name, args in LOADING_RUNS.items()]
+        if flag == "true":
+            argvs.append([*saves_args(SHIPPED_CONFIG_CASE), "--output_dir", str(tmp / "saves" / SHIPPED_CONFIG_CASE)])
+        result = accelerate_launch(SCRIPTS / "run_many.py", ["train.py", json.dumps(argvs)], config, timeout=600)
+        assert not result.timed_out and result.returncode == 0, result.output[-6000:]
+    return tmp
+
+
+def test_cpu_ram_efficient_loading_rank1_reads_no_weights_and_trains_the_same(loading):
     """fsdp2.yaml's ``fsdp_cpu_ram_efficient_loading: true``: rank 1 reads not one byte of the weight files (it
     receives rank 0's), and every run ends exactly as with the flag off: same logs, same trained weights, and DPO's
     reference model holds exactly the checkpoint's weights. One launch per setting runs the six cases."""
-    for flag in ("true", "false"):
-        config = tmp_path / f"fsdp2-{flag}.yaml"
-        config.write_text((OURS / "fsdp2.yaml").read_text().replace("fsdp_cpu_ram_efficient_loading: true",
-                                                                    f"fsdp_cpu_ram_efficient_loading: {flag}"))
-        argvs = [[*args, "--output_dir", str(tmp_path / flag / name)] for name, args in LOADING_RUNS.items()]
-        result = accelerate_launch(SCRIPTS / "run_many.py", ["train.py", json.dumps(argvs)], config, timeout=600)
-        assert not result.timed_out and result.returncode == 0, result.output[-6000:]
-
     for name in LOADING_RUNS:
-        on, off = tmp_path / "true" / name, tmp_path / "false" / name
+        on, off = loading / "true" / name, loading / "false" / name
         reads = {d: [sum(json.loads((d / f"weight_reads_rank{r}.json").read_text()).values()) for r in (0, 1)]
                  for d in (on, off)}
         assert reads[on][0] == reads[off][0] == reads[off][1] > 0 and reads[on][1] == 0, (name, reads)
@@ -168,8 +187,8 @@ def test_cpu_ram_efficient_loading_rank1_reads_no_weights_and_trains_the_same(tm
         assert trained_on.keys() == trained_off.keys() and all(
             torch.equal(trained_on[k], trained_off[k]) for k in trained_on), name
     checkpoint = load_file(Path(default_model_path()) / "model.safetensors")
-    reference = load_file(tmp_path / "true" / "dpo" / "ref.safetensors")
+    reference = load_file(loading / "true" / "dpo" / "ref.safetensors")
     assert reference.keys() == checkpoint.keys() and all(torch.equal(reference[k], checkpoint[k]) for k in reference)
-    dpo_reads = [sum(json.loads((tmp_path / "true" / n / "weight_reads_rank0.json").read_text()).values())
+    dpo_reads = [sum(json.loads((loading / "true" / n / "weight_reads_rank0.json").read_text()).values())
                  for n in ("dpo", "dpo-lora")]
     assert dpo_reads[0] == 2 * dpo_reads[1]  # rank 0 read the policy and the reference model

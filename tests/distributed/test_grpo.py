@@ -2,7 +2,7 @@
 partitioned or DTensor shards) and on one process: it trains, the saved adapter reloads with plain transformers + peft
 to the trained policy's outputs, the weights the vLLM sync sends are ``merge_and_unload().save_pretrained()``'s, and a
 run SIGKILLed after checkpoint-2 resumes to the uninterrupted run's weights and logs. Driven through
-``tests/scripts/grpo_train.py``.
+``tests/scripts/grpo_train.py``; the uninterrupted run and the killed one share a launch.
 """
 
 import json
@@ -22,15 +22,16 @@ TRAIN = ["--max_steps", "4", "--save_steps", "2"]
 BACKENDS = ["zero3", "fsdp2", "single"]
 
 
-def grpo(tmp: Path, backend: str, out: str, *args: str) -> tuple[Path, object]:
-    script_args = ["--output_dir", str(tmp / out), *TRAIN, *args]
+def grpo(tmp: Path, backend: str, runs: dict[str, list[str]]) -> object:
+    """The runs (output directory name -> arguments), one after another in one launch (``run_many.py``)."""
+    argvs = json.dumps([["--output_dir", str(tmp / out), *TRAIN, *args] for out, args in runs.items()])
     if backend == "single":
-        result = run_command([sys.executable, str(SCRIPTS / "grpo_train.py"), *script_args], timeout=240)
+        result = run_command([sys.executable, str(SCRIPTS / "run_many.py"), "grpo_train.py", argvs], timeout=420)
     else:
         config = write_accelerate_config(tmp / "configs", backend)
-        result = accelerate_launch(SCRIPTS / "grpo_train.py", script_args, config, 240)
+        result = accelerate_launch(SCRIPTS / "run_many.py", ["grpo_train.py", argvs], config, 420)
     assert not result.timed_out, result.output[-4000:]
-    return tmp / out, result
+    return result
 
 
 def logged(out: Path) -> list[dict]:
@@ -40,10 +41,11 @@ def logged(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def reference(request, tmp_path_factory):
+    """The uninterrupted run, and after it in the same launch a run SIGKILLed at step 3 (after checkpoint-2)."""
     tmp = tmp_path_factory.mktemp(f"grpo-{request.param}")
-    out, result = grpo(tmp, request.param, "reference", "--save_model", "final")
-    assert result.returncode == 0, result.output[-6000:]
-    return request.param, tmp, out
+    result = grpo(tmp, request.param, {"reference": ["--save_model", "final"], "run": ["--kill_at_step", "3"]})
+    assert result.returncode != 0 and (tmp / "reference" / "report_rank0.json").is_file(), result.output[-6000:]
+    return request.param, tmp, tmp / "reference"
 
 
 def test_trains_saves_and_reloads_to_the_trained_policy(reference):
@@ -71,9 +73,9 @@ def test_trains_saves_and_reloads_to_the_trained_policy(reference):
 
 def test_resume_after_sigkill_equals_the_uninterrupted_run(reference):
     backend, tmp, ref = reference
-    out, killed = grpo(tmp, backend, "run", "--kill_at_step", "3")
-    assert killed.returncode != 0 and (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists()
-    out, resumed = grpo(tmp, backend, "run", "--resume")
+    out = tmp / "run"  # killed at step 3 (the fixture's launch)
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists()
+    resumed = grpo(tmp, backend, {"run": ["--resume"]})
     assert resumed.returncode == 0, resumed.output[-6000:]
     assert json.loads((out / "report_rank0.json").read_text())["steps_run_here"] == 2
     expected, got = load_file(ref / "trained.safetensors"), load_file(out / "trained.safetensors")

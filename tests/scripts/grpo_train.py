@@ -4,6 +4,8 @@ what happened in OUTPUT_DIR/report_rank0.json. Single process, or under ``accele
 With ``--vllm_server URL``: generation and the weight sync go to that server (vLLM's server mode; see
 tests/vllm_server_standin.py), each wait bounded by ``--request_timeout`` seconds.
 
+Several runs in one launch: ``run_many.py grpo_train.py ARGS_JSON``.
+
 With ``--save_model NAME``: the trained adapter is saved to OUTPUT_DIR/NAME, the policy's probe outputs to
 probes_NAME.json, and the weights the vLLM sync would send (every rank walks, rank 0 keeps them) to synced.safetensors.
 """
@@ -14,6 +16,7 @@ import os
 
 import launched  # tests/scripts/, beside this file
 import torch
+import transformers
 from peft import LoraConfig
 from safetensors.torch import save_file
 from train import CountSteps, KillAtStep, gathered_trainable, partition_report, probe_outputs
@@ -31,7 +34,7 @@ def digit_share(completions, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_steps", type=int, default=3)
@@ -41,7 +44,8 @@ def main():
     parser.add_argument("--save_model", default=None)
     parser.add_argument("--vllm_server", default=None)
     parser.add_argument("--request_timeout", type=float, default=600.0)
-    cli = parser.parse_args()
+    cli = parser.parse_args(argv)
+    transformers.set_seed(0)  # the LoRA weights are drawn before Trainer seeds: the same in a run after another
     server = {}
     if cli.vllm_server:
         import vllm_nccl_standin

@@ -1,9 +1,10 @@
 """Several runs of one test script, one after another, in one launch: start-up costs more than a run on the tiny
 models.
 
-Usage (under ``accelerate launch``, see ``tests/harness.py``): ``run_many.py SCRIPT ARGS_JSON``, where SCRIPT is
-``train.py``, ``save_roundtrip.py`` or ``vlm_train.py`` and ARGS_JSON a JSON list of its argument lists. For plain
-runs only: the scripts' fault options (kills, failing writes, the gather-whole switch) patch the process for good.
+Usage (under ``accelerate launch``, see ``tests/harness.py``, or in one process): ``run_many.py SCRIPT ARGS_JSON``,
+where SCRIPT is ``train.py``, ``save_roundtrip.py``, ``vlm_train.py`` or ``grpo_train.py`` and ARGS_JSON a JSON list
+of its argument lists. For plain runs only, but for the last: the scripts' fault options (kills, failing writes, the
+gather-whole switch) patch the process for good.
 """
 
 import importlib
