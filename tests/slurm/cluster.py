@@ -518,22 +518,49 @@ class SlurmCluster:
                 job's record, its output so far and the daemons' log tails.
         """
         wanted = {states} if isinstance(states, str) else set(states)
+
+        def there(info: dict[str, str]) -> bool:
+            return info.get("JobState") in wanted and int(info.get("Restarts", "0") or 0) >= min_restarts
+
+        def ended(info: dict[str, str]) -> bool:  # (a state before the restarts asked for may still requeue)
+            return info.get("JobState") in TERMINAL_STATES and int(info.get("Restarts", "0") or 0) >= min_restarts
+
+        return self.wait_until(job_id, there, ended, timeout, f"{sorted(wanted)} with restarts >= {min_restarts}",
+                               count_pending)
+
+    def wait_until(self, job_id: str, done, ended, timeout: float, what: str, count_pending: bool = True,
+                   poll: float = 0.2) -> dict[str, str]:
+        """Polls the job's record until ``done(record)``: the one waiting loop of the Slurm tests.
+
+        Args:
+            job_id: The job id.
+            done: What is waited for, given the job's record.
+            ended: Whether the job has ended without it, given the record (then the wait fails at once).
+            timeout: Seconds before `SlurmError`.
+            what: What is waited for, for the message.
+            count_pending: Whether the time the job spends PENDING counts towards `timeout` (see `wait_state`).
+            poll: Seconds between looks.
+
+        Returns:
+            The job's record once ``done``.
+
+        Raises:
+            SlurmError: At the timeout, or when the job has ended; the message has the job's record, its output so
+                far and the daemons' log tails.
+        """
         clock = RunClock(self, job_id, count_pending)
-        info: dict[str, str] = {}
         while True:
             info = clock.tick()
-            state, restarts = info.get("JobState", ""), int(info.get("Restarts", "0") or 0)
-            if state in wanted and restarts >= min_restarts:
+            if done(info):
                 return info
-            if state in TERMINAL_STATES and state not in wanted and restarts >= min_restarts:
-                raise SlurmError(self.describe(job_id, f"job {job_id} ended {state}, waiting for {sorted(wanted)}"))
+            state = f"{info.get('JobState', '')} (restarts {info.get('Restarts', '0')})"
+            if ended(info):
+                raise SlurmError(self.describe(job_id, f"job {job_id} ended {state}, waiting for {what}"))
             if clock.seconds > timeout:
-                raise SlurmError(self.describe(
-                    job_id, f"job {job_id} still {state} (restarts {restarts}) after {timeout}s"
-                    f"{'' if count_pending else ' out of the queue'}, waiting for {sorted(wanted)} with restarts >= "
-                    f"{min_restarts}"
-                ))
-            time.sleep(0.2)
+                raise SlurmError(self.describe(job_id, f"job {job_id} still {state} after {timeout}s"
+                                                       f"{'' if count_pending else ' out of the queue'}, waiting for "
+                                                       f"{what}"))
+            time.sleep(poll)
 
     def wait_done(self, job_id: str, timeout: float = 60) -> dict[str, str]:
         """Waits until the job has ended in any terminal state.

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tests.harness import REPO
-from tests.slurm.cluster import TERMINAL_STATES, RunClock
+from tests.slurm.cluster import TERMINAL_STATES
 from trl_ext.files.audit import audit
 
 SBATCH = REPO / "recipes" / "slurm.sbatch"
@@ -104,23 +104,21 @@ def wait_for(predicate, timeout: float, what: str, cluster=None, job: str | None
 
     Args:
         predicate: What to wait for.
-        timeout: Seconds before AssertionError; with a job, only those it spends out of the queue count (how long it
-            queues depends on the jobs before it, not on it), and the wait fails at once if the job ends first.
+        timeout: Seconds before AssertionError; with a job (`SlurmCluster.wait_until`), only those it spends out of
+            the queue count (how long it queues depends on the jobs before it, not on it), and the wait fails at once,
+            with a SlurmError, if the job ends first.
         what: What is waited for, for the message.
         cluster: The cluster running ``job``.
         job: The job whose work ``predicate`` waits for.
     """
-    clock = RunClock(cluster, job, count_pending=False) if job else None
-    start, state = time.monotonic(), ""
+    if job is not None:
+        cluster.wait_until(job, lambda info: predicate(), lambda info: info.get("JobState") in TERMINAL_STATES,
+                           timeout, what, count_pending=False, poll=0.5)
+        return
+    deadline = time.monotonic() + timeout
     while not predicate():
-        if clock is not None:
-            state = clock.tick().get("JobState", "")
-            if state in TERMINAL_STATES and not predicate():
-                raise AssertionError(cluster.describe(job, f"job {job} ended {state} before {what}"))
-        if (clock.seconds if clock else time.monotonic() - start) > timeout:
-            message = f"timed out after {timeout} s{' out of the queue' if clock else ''} waiting for {what}"
-            raise AssertionError(cluster.describe(job, message) if clock else message)
-        time.sleep(0.5 if clock else 0.2)
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.2)
 
 
 def wait_for_line(out: Path, text: str, timeout: float = 300, after: int = 0, cluster=None,
