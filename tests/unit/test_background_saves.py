@@ -249,3 +249,28 @@ def test_a_save_is_written_only_once_run_and_never_once_cancelled(tmp_path, tiny
     executor.join()
     assert isinstance(save.error, CheckpointError) and "abandoned" in str(save.error) and done == ["held"]
     assert not (tmp_path / "cancelled" / "model.safetensors").exists()
+
+
+def test_the_saves_threads_start_once_and_run_in_order_and_a_checkpoint_starts_none(tmp_path, tiny_model_path,
+                                                                                     monkeypatch):
+    """The copies' and the saves' threads start at the end of the first step, once: no checkpoint waits for a new
+    thread to start (on a busy CPU that wait held training for most of a background checkpoint's hold)."""
+    from trl_ext.saving.worker import Worker
+
+    worker, seen = Worker("test-worker"), []
+    results = [worker.submit(seen.append, i) for i in range(5)]
+    assert [f.result(timeout=10) for f in results] == [None] * 5 and seen == list(range(5))
+    failed = worker.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.result(timeout=10)
+    assert worker.submit(lambda: threading.current_thread()).result(timeout=10).daemon  # never holds the exit
+
+    started = []
+    original = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), original(self))[1])
+    trainer = trl_ext.SFTTrainer(model=tiny_model_path, args=trl_ext.SFTConfig(
+        output_dir=str(tmp_path), max_steps=6, save_steps=2, per_device_train_batch_size=2, report_to="none",
+        save_in_background=True), train_dataset=Dataset.from_list([{"text": "1+1=2"}] * 16))
+    trainer.train()
+    assert sorted(n for n in started if n.startswith("trl_ext-")) == ["trl_ext-copies", "trl_ext-save"], started
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]

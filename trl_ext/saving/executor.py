@@ -3,17 +3,18 @@ goes on.
 
 A ``Save`` is one checkpoint, collected on the training thread: its parts are copied (``stage``, into the snapshot's
 buffers) and queued (``add``), the weights by ``pipeline.save`` and the files other libraries write by ``deferred``.
-``Executor.run`` then runs it on a thread of its own, on every rank: it waits until the copies are complete, writes and
-checks every part, agrees on every rank's outcome over a gloo process group of the saves' own (so their collectives
-never interleave with training's), and runs the commits (the weights renamed into the checkpoint, the checkpoint
-renamed into place, retention). A failure on any rank commits nothing, on every rank.
+``Executor.run`` then runs it on the saves' thread (started once, ``worker``), on every rank: it waits until the
+copies are complete, writes and checks every part, agrees on every rank's outcome over a gloo process group of the
+saves' own (so their collectives never interleave with training's), and runs the commits (the weights renamed into the
+checkpoint, the checkpoint renamed into place, retention). A failure on any rank commits nothing, on every rank.
 """
 
 import datetime
 import enum
-import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from trl_ext import errors
 from trl_ext.errors import CheckpointError
 from trl_ext.process import distributed
 from trl_ext.saving.snapshot import Snapshot
+from trl_ext.saving.worker import Worker
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # as the default group's: one transfer or agreement of a save
 Task = Callable[[], "CheckpointError | None"]  # writes and checks one part; returns its failure, never raises
@@ -104,7 +106,7 @@ class Save:
 
 
 class Executor:
-    """Runs one ``Save`` at a time on a thread of its own, with a gloo process group of its own.
+    """Runs one ``Save`` at a time on the saves' thread (one for the run), with a gloo process group of its own.
 
     ``events`` records, in order, when each save started and finished (``("started", name, time.monotonic())``,
     ``("finished", ...)``), when its copies were complete (``"copied"``) and when each part was written
@@ -113,7 +115,8 @@ class Executor:
 
     def __init__(self):
         self._group = None
-        self._thread: threading.Thread | None = None
+        self.worker = Worker("trl_ext-save")
+        self._running: Future | None = None
         self._layouts: dict = {}
         self.events: list[tuple[str, str, float]] = []
 
@@ -132,7 +135,7 @@ class Executor:
         return self._layouts[key]
 
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._running is not None and not self._running.done()
 
     def run(self, save: Save) -> None:
         """Start writing ``save`` on the saves' thread (every rank; its copies started)."""
@@ -140,8 +143,7 @@ class Executor:
             raise CheckpointError("a background save is already in flight: wait for it first", kind="in-flight")
         self.group()  # created here, at the same point on every rank
         self.events.append(("started", save.name, time.monotonic()))
-        self._thread = threading.Thread(target=self._run, args=(save,), name="trl_ext-save", daemon=True)
-        self._thread.start()
+        self._running = self.worker.submit(self._run, save)
 
     def _run(self, save: Save) -> None:
         """The saves' thread: the copies, every part, the agreement, the commits."""
@@ -171,5 +173,5 @@ class Executor:
         self.events.append(("finished", save.name, time.monotonic()))
 
     def join(self, timeout: float | None = None) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._running is not None:
+            futures.wait([self._running], timeout)

@@ -41,12 +41,14 @@ pinned on a GPU machine (copies from the GPU run asynchronously only into page-l
 """
 
 import copy
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent import futures
 
 import torch
+
+from trl_ext.saving.worker import Worker
 
 SMALL_BYTES = 4 << 10  # at most this, a tensor is copied at once (counters, scalars): a queued copy costs more
 
@@ -63,7 +65,7 @@ class _Copies:
     """One checkpoint's queued copies, running beside training: GPU sources on ``stream``, CPU ones on a thread."""
 
     def __init__(self, queued: list[tuple[torch.UntypedStorage, torch.UntypedStorage]], stream,
-                 on_copies: Callable[[str], None] | None):
+                 on_copies: Callable[[str], None] | None, worker: Worker):
         # ``stream`` is None unless some source is on the GPU (the small ones were copied on the compute stream)
         self.error: BaseException | None = None
         self.started = time.monotonic()
@@ -81,11 +83,7 @@ class _Copies:
                     target.copy_(source, non_blocking=True)
             self._event = torch.cuda.Event(enable_timing=True)
             self._event.record(stream)
-        self._thread = None
-        if cpu or on_copies is not None:
-            self._thread = threading.Thread(target=self._copy, args=(cpu, on_copies), name="trl_ext-copies",
-                                            daemon=True)
-            self._thread.start()
+        self._copying = worker.submit(self._copy, cpu, on_copies) if cpu or on_copies is not None else None
 
     def _copy(self, pairs, on_copies) -> None:
         try:
@@ -100,13 +98,13 @@ class _Copies:
         self.ended = time.monotonic()
 
     def done(self) -> bool:
-        return (self._thread is None or not self._thread.is_alive()) and (self._event is None or self._event.query())
+        return (self._copying is None or self._copying.done()) and (self._event is None or self._event.query())
 
     def wait_for_training(self) -> None:
         """Before the originals change: the CPU copies joined; the GPU ones ordered before the compute stream's next
         work (the host does not wait for them)."""
-        if self._thread is not None:
-            self._thread.join()
+        if self._copying is not None:
+            futures.wait([self._copying])
         if self._event is not None and self._waited_on_gpu is None:
             self._waited_on_gpu = torch.cuda.Event(enable_timing=True)
             self._waited_on_gpu.record()
@@ -114,8 +112,8 @@ class _Copies:
 
     def wait(self) -> None:
         """Until every copy is complete (the saves' thread, before it reads them)."""
-        if self._thread is not None:
-            self._thread.join()
+        if self._copying is not None:
+            futures.wait([self._copying])
         if self._event is not None:
             self._event.synchronize()
 
@@ -142,6 +140,7 @@ class Snapshot:
         self.nbytes = 0  # the bytes this checkpoint's copies take
         self.on_copies: Callable[[str], None] | None = None  # tests: called on the copies' thread ("start", "end")
         self.copy_at_once: set[int] = set()  # storages (``_cdata``) that change outside the optimizer step
+        self.worker = Worker("trl_ext-copies")
         self._stream = None
         self._begin()
 
@@ -276,7 +275,7 @@ class Snapshot:
             return
         if self._on_gpu and self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._copies = _Copies(self._queued, self._stream if self._on_gpu else None, self.on_copies)
+        self._copies = _Copies(self._queued, self._stream if self._on_gpu else None, self.on_copies, self.worker)
         self._queued = []
 
     def wait_for_copies(self) -> float:
