@@ -129,7 +129,7 @@ def training(server: S3Server, repeats: int, cli, work: Path) -> None:
                 mirrors.append(f"s3://{server.bucket()}/run")
                 extra = ["--mirror", mirrors[-1]]
             before = cpu_seconds(server.proc.pid)
-            got = worker(str(model), work / f"{variant[-3:]}-{i}", server.env, *steps, *extra)
+            got = worker(str(model), work / f"{variant.split()[-1]}-{i}", server.env, *steps, *extra)
             if variant == "mirror on":
                 server_cpu.append(cpu_seconds(server.proc.pid) - before)
             results[variant].append({"median": statistics.median(got["steps"]), "mean": statistics.mean(got["steps"]),
@@ -156,7 +156,8 @@ def training(server: S3Server, repeats: int, cli, work: Path) -> None:
         local.append({"first": got["start_to_first_step_s"], "download": 0.0})
     print("\na fresh machine: process start to its first resumed step, seconds:")
     print_ratio_table({"resume from a local copy": local, "resume from the mirror": fresh},
-                      {"first": "start to first step (s)", "download": "download (s)"}, "resume from a local copy")
+                      {"first": "start to first step (s)"}, "resume from a local copy")
+    print(f"of which the download from the mirror: {statistics.median(r['download'] for r in fresh):.2f} s (median)")
 
 
 def model_bytes(model: Path) -> int:
