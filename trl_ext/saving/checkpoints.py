@@ -338,7 +338,7 @@ class Checkpoints:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if local * torch.get_num_threads() >= cores:
             notice(f"save_in_background on a CPU ({local} training process(es) x {torch.get_num_threads()} "
-                   f"thread(s) on {cores} cores): {CPU_COST.format(ratio='0.91-1.02x')}.")
+                   f"thread(s) on {cores} cores): {CPU_COST.format(ratio='0.77-1.14x')}.")
 
     # At the first step and at every optimizer step
 
