@@ -379,7 +379,7 @@ class Checkpoints:
         self.snapshot.begin()
         self.snapshot.worker.start()  # now, so that no checkpoint waits for a thread to start
         self.executor.worker.start()
-        self.executor.group()  # or a group to be created (every rank is here)
+        self.executor.group()  # the saves' process group too, so that no checkpoint creates it (every rank is here)
         reserve = Save(Path(), self.executor, self.snapshot, Mode.RESERVE)
         pipeline.reserve(trainer.model, *settings, reserve)
         self._other_files(reserve)
