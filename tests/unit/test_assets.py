@@ -18,6 +18,7 @@ def _digest(path: Path) -> str:
 
 
 @pytest.mark.slow  # builds the model again in a fresh process
+@pytest.mark.newest_only  # torch's kernels on each instruction set: the same torch in the oldest leg
 def test_model_build_is_deterministic_on_every_cpu_instruction_set(tmp_path, tiny_model_path):
     """Built here and in a process restricted to ATen's baseline kernels (ATEN_CPU_CAPABILITY=default): the same bytes.
     torch's own random init differed between the two, so a cache built on another machine was another model."""

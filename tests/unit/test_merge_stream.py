@@ -259,6 +259,7 @@ RSS_WORKER = textwrap.dedent("""
 
 
 @pytest.mark.slow  # 9 s on an idle 2-core machine, 25 s on a busy one: a 300 MB model, merged in a fresh process
+@pytest.mark.newest_only  # the merge's own memory (safetensors and torch, the same versions in the oldest leg)
 def test_peak_memory_stays_below_a_quarter_of_the_model(tmp_path):
     """A 288 MiB base whose (tied) embedding, 128 MiB, is larger than all the rest together: the merge's memory
     growth stays below a quarter of the model, and below that one tensor."""
