@@ -9,6 +9,7 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from tests import deepspeed_op
 from tests.harness import run_command
 from trl_ext.assets import arith_model_path, default_model_path
 from trl_ext.files.audit import audit
@@ -145,7 +146,10 @@ def test_recipe_refuses_to_train_over_another_run(tmp_path):
 
 
 @pytest.mark.parametrize("config", ["ddp", "zero2", "zero2_offload", "zero3_offload"])
+@pytest.mark.timeout(1800)  # the first offload case builds CPU Adam: 140 s alone, over 600 s under CI's load (measured)
 def test_every_accelerate_config_trains(config, tmp_path):
+    if "offload" in config:  # DeepSpeed's CPU Adam, built before the launch's timeout starts (tests/deepspeed_op.py)
+        deepspeed_op.build(deepspeed_op.CPU_ADAM)
     out = tmp_path / config
     cmd = [*ACCELERATE, "recipes/sft.py", "--config", f"accelerate_configs/{config}.yaml", "--output_dir", str(out),
            "--max_steps", "2", "--eval_strategy", "no", "--logging_steps", "1"]
