@@ -8,9 +8,7 @@ python3 -m venv .venv-oldest
 # DeepSpeed compiles its CPU ops (shared-memory comm) on first use into torch's extension cache, one directory per op
 # name for every DeepSpeed version: keep this venv's builds apart from the newest's.
 export TORCH_EXTENSIONS_DIR="$PWD/.venv-oldest/torch_extensions"
-# --no-compile: pip would byte-compile every installed module (84 s of CPU, measured); Python compiles the few that
-# the tests import, once, as they are imported
-.venv-oldest/bin/pip install -q --no-compile torch==2.13.0 -e ".[test]" \
+.venv-oldest/bin/pip install -q torch==2.13.0 -e ".[test]" \
     "trl==1.14.2" "transformers==5.10.4" "accelerate==1.13.0" "peft==0.20.0" "deepspeed==0.19.2"
 # Build DeepSpeed's CPU comm op now, once, rather than inside the first test's launch timeout
 .venv-oldest/bin/python -c "from deepspeed.accelerator import get_accelerator as a
