@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The oldest supported combination (docs/versions.md; the lower bounds in pyproject.toml) in a second
-# virtual environment: the tests marked `compat` (every unit test but the few marked `newest_only`, one 2-process ZeRO-3 save/reload, one resume
-# against the uninterrupted run, and DeepSpeed 0.19.2's checkpointing fallback). Run from the README's test command.
+# virtual environment: the tests marked `compat` (every unit test but the few marked `newest_only`, one 2-process
+# ZeRO-3 save/reload, one resume against the uninterrupted run, and DeepSpeed 0.19.2's checkpointing fallback). Run
+# from the README's test command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-oldest
