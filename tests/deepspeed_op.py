@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 DIRECTORY = Path(sys.prefix) / "torch_extensions"
-COMM = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
-CPU_ADAM = "from deepspeed.ops.op_builder import CPUAdamBuilder as B; B().load(verbose=False)"
+COMM, CPU_ADAM = "deepspeed_shm_comm", "cpu_adam"  # each op's directory name in DIRECTORY
+_LOAD = {COMM: "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)",
+         CPU_ADAM: "from deepspeed.ops.op_builder import CPUAdamBuilder as B; B().load(verbose=False)"}
 
 
 def use_own_directory() -> None:
@@ -53,12 +54,12 @@ def build(op: str = COMM) -> str:
     """Builds an op now, in one process, once per session (seconds when it is already built).
 
     Args:
-        op: ``COMM`` or ``CPU_ADAM``: the code that loads it.
+        op: ``COMM`` or ``CPU_ADAM``.
 
     Returns:
         The directory, for a ``TORCH_EXTENSIONS_DIR`` variable.
     """
-    _remove_stale_locks("cpu_adam" if op == CPU_ADAM else "deepspeed_shm_comm")  # a build killed by a test's timeout
-    subprocess.run([sys.executable, "-c", op], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(DIRECTORY)},
+    _remove_stale_locks(op)  # a build killed by a test's timeout
+    subprocess.run([sys.executable, "-c", _LOAD[op]], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(DIRECTORY)},
                    check=True, capture_output=True, timeout=1200)
     return str(DIRECTORY)

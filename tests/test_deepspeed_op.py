@@ -16,7 +16,7 @@ def test_only_the_locks_no_process_holds_are_removed(tmp_path, monkeypatch):
         lock.touch()
     held = os.open(building, os.O_RDONLY)  # as torch's FileBaton holds its lock while it builds
     try:
-        deepspeed_op._remove_stale_locks("cpu_adam")
+        deepspeed_op._remove_stale_locks(deepspeed_op.CPU_ADAM)
         assert not left.exists() and not default_layout.exists() and building.exists()
         left.touch()
         deepspeed_op._remove_stale_locks("*")

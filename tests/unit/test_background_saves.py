@@ -264,13 +264,13 @@ def test_the_saves_threads_start_once_and_run_in_order_and_a_checkpoint_starts_n
     results = [worker.submit(seen.append, i) for i in range(5)]
     assert [f.result(timeout=10) for f in results] == [None] * 5 and seen == list(range(5))
     reported = []
-    monkeypatch.setattr(threading, "excepthook", reported.append)  # what a thread's uncaught error goes to
-    failed = worker.submit(lambda: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        failed.result(timeout=10)
-    assert worker.submit(lambda: None).result(timeout=10) is None  # the thread goes on after an error
+    with monkeypatch.context() as patched:
+        patched.setattr(threading, "excepthook", reported.append)  # what a thread's uncaught error goes to
+        failed = worker.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failed.result(timeout=10)
+        assert worker.submit(lambda: None).result(timeout=10) is None  # the thread goes on after an error
     assert [type(r.exc_value) for r in reported] == [ZeroDivisionError] and reported[0].thread.name == "test-worker"
-    monkeypatch.undo()
     assert worker.submit(lambda: threading.current_thread()).result(timeout=10).daemon  # never holds the exit
 
     started = []
