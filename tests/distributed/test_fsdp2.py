@@ -8,7 +8,6 @@ TRL's own ``fsdp2.yaml`` runs unchanged (only ``--num_processes``), and so do ou
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 import trl
 from safetensors.torch import load_file
 
+from tests import reloading
 from tests.distributed.test_reliability import assert_fault_cost_nothing, digest, logged, max_diff
 from tests.harness import REPO, SCRIPTS, accelerate_launch, run_command
 from trl_ext.assets import default_model_path
@@ -39,10 +39,7 @@ def reloaded(kind: str, *checkpoints: Path) -> dict[str, torch.Tensor]:
     """Probe outputs of each checkpoint, loaded in a fresh process with plain transformers + peft, after asserting
     that every file beside the weights is what ``save_pretrained`` writes (``architectures`` names the model's class,
     not FSDP2's ``FSDP<Class>`` wrapper)."""
-    cmd = [sys.executable, str(SCRIPTS / "reload.py"), default_model_path(), kind, *map(str, checkpoints)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-4000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = reloading.reload(default_model_path(), kind, checkpoints)
     assert not any(found["metadata"].values()), found["metadata"]
     return {Path(k).name: torch.tensor(v) for k, v in found["outputs"].items()}
 

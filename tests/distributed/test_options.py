@@ -6,13 +6,11 @@ in a fresh process with plain transformers + peft to the trained model's outputs
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.harness import REPO, SCRIPTS
+from tests import reloading
 from trl_ext.assets import default_model_path
 from trl_ext.files.audit import audit
 
@@ -46,10 +44,7 @@ def engine_runs(request, shared_runs):
     shared_runs.many("train.py", request.param, runs)
     outs = {option: shared_runs.get("train.py", request.param, args) for option, args in zip(OPTIONS, runs)}
     checkpoints = [str(p) for out in outs.values() for p in (out / "final", out / "checkpoint-2")]
-    result = subprocess.run([sys.executable, str(SCRIPTS / "reload.py"), default_model_path(), "causal", *checkpoints],
-                            capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return request.param, outs, json.loads(result.stdout.strip().splitlines()[-1])
+    return request.param, outs, reloading.reload(default_model_path(), "causal", checkpoints, timeout=600)
 
 
 @pytest.mark.parametrize("option", OPTIONS)

@@ -2,9 +2,9 @@
 backend): trains, saves an adapter that passes the audit, and reloads in a fresh process with plain transformers +
 peft, on the 4-bit base and on the full-precision base, with outputs close to the trained model's.
 
-The six runs are trained first, then every adapter is reloaded in one fresh process (start-up costs more than a
-reload). Run as ``python -m tests.distributed.test_qlora BASE QUANT_TYPE KIND:ADAPTER...`` this file is the reload
-script (it imports no trl_ext).
+The seven runs are trained first, one launch per engine (``run_many.py``), then every adapter is reloaded in one
+fresh process (start-up costs more than a run or a reload). Run as ``python -m tests.distributed.test_qlora BASE
+QUANT_TYPE KIND:ADAPTER...`` this file is the reload script (it imports no trl_ext).
 """
 
 import json
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import REPO, run_training
+from tests.harness import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -64,22 +64,27 @@ def damage(adapter: Path, how: str, directory: Path) -> Path:
     return damaged
 
 
+def train_args(trainer: str) -> list[str]:
+    as_dict = trainer == "dpo"  # the YAML path: quantization_config given as a dict
+    return ["--trainer", trainer, "--lora", "--load_in_4bit", "--save_model", "final", "--max_steps", "2", "--rows",
+            "8", "--eval_steps", "1", "--quant_config_as", "dict" if as_dict else "object"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """Each case trained (one after another), then every adapter, and a damaged one, reloaded in one process.
+def runs(shared_runs, tmp_path_factory) -> dict:
+    """Each case trained (an engine's cases one after another in one launch), then every adapter, and a damaged one,
+    reloaded in one process.
 
     Returns {(trainer, backend): (output dir, report, reloaded outputs)}, plus "damaged": the "wrong" adapter's
     reloaded outputs and the "missing" one's reload process (which must fail).
     """
     found, adapters = {}, {}
+    for backend in dict.fromkeys(backend for _, backend in CASES):
+        shared_runs.many("train.py", backend, [train_args(t) for t, b in CASES if b == backend])
     for trainer, backend in CASES:
-        tmp = tmp_path_factory.mktemp(f"qlora-{trainer}-{backend}")
-        as_dict = trainer == "dpo"  # the YAML path: quantization_config given as a dict
-        report = run_training(tmp, backend, trainer, "--lora", "--load_in_4bit", "--save_model", "final",
-                              "--max_steps", "2", "--rows", "8", "--eval_steps", "1",
-                              "--quant_config_as", "dict" if as_dict else "object")
-        found[trainer, backend] = tmp / "out", report
-        adapters[tmp / "out" / "final"] = "reward" if trainer == "reward" else "causal"
+        out = shared_runs.get("train.py", backend, train_args(trainer))
+        found[trainer, backend] = out, json.loads((out / "report_rank0.json").read_text())
+        adapters[out / "final"] = "reward" if trainer == "reward" else "causal"
     # one training run serves the damaged-adapter checks
     sft_adapter = found["sft", "zero3"][0] / "final"
     wrong, missing = (damage(sft_adapter, how, tmp_path_factory.mktemp(how)) for how in ("wrong", "missing"))

@@ -6,8 +6,6 @@ by ``tests/scripts/reload.py`` (no trl_ext, no DeepSpeed) and its outputs compar
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers.trainer_utils import get_last_checkpoint
 
+from tests import reloading
 from tests.distributed.conftest import SFT_LORA_ROUNDTRIP
 from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
 from trl_ext.assets import default_model_path
@@ -42,10 +41,7 @@ def reloaded_outputs(checkpoints: list[Path], kind: str) -> dict[Path, torch.Ten
     """Outputs of each checkpoint loaded in one fresh process with plain transformers + peft, after asserting that
     every file beside the weights is what ``save_pretrained`` writes (``tests/metadata.py``)."""
     kind = {"sft": "causal", "dpo": "causal"}.get(kind, kind)  # a trainer name, or reload.py's own kind
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "reload.py"), default_model_path(), kind,
-                           *map(str, checkpoints)], capture_output=True, text=True, timeout=180, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = reloading.reload(default_model_path(), kind, checkpoints, timeout=180)
     assert not any(found["metadata"].values()), found["metadata"]
     return {Path(path): torch.tensor(values) for path, values in found["outputs"].items()}
 

@@ -7,14 +7,14 @@ The command lines are the ones a user types: the console scripts, a local datase
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from tests.harness import REPO, SCRIPTS, run_command, write_accelerate_config
+from tests import reloading
+from tests.harness import run_command, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.assets.datasets import DATA_DIR
 from trl_ext.files.audit import audit
@@ -88,10 +88,7 @@ def test_trl_ext_kto_under_zero3_trains_the_same_trajectory_and_saves_what_peft_
 
     saved = [str(tmp / "trl-ext-kto-zero3"), str(tmp / "trl-ext-kto-zero3" / "checkpoint-3"), str(tmp / "trl-kto"),
              default_model_path()]
-    reloaded = subprocess.run([sys.executable, str(SCRIPTS / "reload.py"), default_model_path(), "causal", *saved],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert reloaded.returncode == 0, reloaded.stderr[-4000:]
-    found = json.loads(reloaded.stdout.strip().splitlines()[-1])
+    found = reloading.reload(default_model_path(), "causal", saved)
     assert found["metadata"][saved[0]] == [] and found["metadata"][saved[1]] == []
     final, checkpoint, trls, base = (found["outputs"][path] for path in saved)
     assert final == checkpoint  # the final save is the last checkpoint's model

@@ -4,10 +4,15 @@ Usage: python reload.py BASE {causal,reward,reward-autopeft} CHECKPOINT...
 Prints a JSON object: ``{"outputs": {checkpoint: logits or rewards}, "metadata": {checkpoint: [difference, ...]}}``,
 where the differences are the files other than the weights that are not what ``save_pretrained`` writes (see
 ``tests/metadata.py``). An adapter that PEFT loads with missing keys is an error.
+
+``python reload.py --serve`` answers such requests one after another (``tests/reloading.py``: one such process per test
+session, as its start-up costs more than the reloads): each a JSON line ``{"base", "kind", "checkpoints"}`` on stdin,
+each answer one line ``RELOAD <that JSON object>`` on stdout, or ``RELOAD {"error": traceback}``.
 """
 
 import json
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -51,15 +56,31 @@ def _run(model) -> list:
         return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().tolist()
 
 
-def main():
-    warnings.filterwarnings("error", message=".*missing adapter keys.*")  # a head or LoRA weight not restored
-    base, kind, checkpoints = sys.argv[1], sys.argv[2], sys.argv[3:]
+def reload(base: str, kind: str, checkpoints: list[str]) -> dict:
     found = {"outputs": {}, "metadata": {}}
     for path in checkpoints:
         model, tokenizer = load(Path(path), base, kind)
         found["outputs"][path] = _run(model)
         found["metadata"][path] = metadata_problems(path, model, tokenizer)
-    print(json.dumps(found))
+    return found
+
+
+def serve() -> None:
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            answer = reload(request["base"], request["kind"], request["checkpoints"])
+        except Exception:  # noqa: BLE001 - the test reports it; the next request still gets an answer
+            answer = {"error": traceback.format_exc()}
+        print("RELOAD " + json.dumps(answer), flush=True)
+
+
+def main():
+    warnings.filterwarnings("error", message=".*missing adapter keys.*")  # a head or LoRA weight not restored
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        print(json.dumps(reload(sys.argv[1], sys.argv[2], sys.argv[3:])))
 
 
 if __name__ == "__main__":
