@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed.conftest import SharedRuns
 from tests.harness import REPO
 
 pytestmark = pytest.mark.slow
@@ -71,7 +72,7 @@ def train_args(trainer: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(shared_runs, tmp_path_factory) -> dict:
+def runs(tmp_path_factory) -> dict:
     """Each case trained (an engine's cases one after another in one launch), then every adapter, and a damaged one,
     reloaded in one process.
 
@@ -79,6 +80,7 @@ def runs(shared_runs, tmp_path_factory) -> dict:
     reloaded outputs and the "missing" one's reload process (which must fail).
     """
     found, adapters = {}, {}
+    shared_runs = SharedRuns(tmp_path_factory.mktemp("qlora"))  # this module's own (no other module reads them)
     for backend in dict.fromkeys(backend for _, backend in CASES):
         shared_runs.many("train.py", backend, [train_args(t) for t, b in CASES if b == backend])
     for trainer, backend in CASES:
