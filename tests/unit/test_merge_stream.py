@@ -102,6 +102,26 @@ def test_causal_lm(tmp_path, tiny_llama, tiny_model_path, variant):
     assert (result["out"] / "tokenizer.json").exists() and (result["out"] / "chat_template.jinja").exists()
 
 
+def test_a_base_saved_by_another_transformers_gives_the_files_save_pretrained_writes(tmp_path, tiny_llama):
+    """A base whose files another transformers version wrote (a Hub model's, usually): the merged model's generation
+    config is written as save_pretrained writes it, stamped with this version, not copied with the base's stamp."""
+    import json
+    import shutil
+
+    from tests.metadata import compare_files
+
+    base = tmp_path / "base"
+    shutil.copytree(_save_base(tiny_llama, tmp_path / "saved"), base)
+    for name in ("config.json", "generation_config.json"):
+        fields = json.loads((base / name).read_text())
+        (base / name).write_text(json.dumps({**fields, "transformers_version": "4.0.0"}))
+    model = _adapter(tiny_llama, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+                     tmp_path / "adapter")
+    out = check_merge(tmp_path, model, tmp_path / "adapter", base, AutoModelForCausalLM)["out"]
+    AutoModelForCausalLM.from_pretrained(out).save_pretrained(tmp_path / "resaved")
+    assert compare_files(str(out), str(tmp_path / "resaved")) == []
+
+
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 def test_bf16_base_is_bit_identical_to_peft(tmp_path, tiny_llama, dora):
     """A bf16 base with an fp32 adapter (PEFT's default dtypes): every merged tensor equals merge_and_unload's."""

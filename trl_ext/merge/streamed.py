@@ -203,6 +203,11 @@ def _copy_files(base: Path, adapter: Path, staging: Path, generates: bool) -> No
                 or name.endswith(".index.json") or (adapter_tokenizer and name in TOKENIZER_FILES)
                 or (not generates and name == "generation_config.json")):
             continue
+        if name == "generation_config.json":  # written as save_pretrained writes it: stamped with this transformers
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_pretrained(base).save_pretrained(staging)
+            continue
         shutil.copyfile(path, staging / name)
     if adapter_tokenizer:
         for name in TOKENIZER_FILES:
