@@ -9,6 +9,10 @@ python3 -m venv .venv-oldest
 # DeepSpeed compiles its CPU ops (shared-memory comm) on first use into torch's extension cache, one directory per op
 # name for every DeepSpeed version: keep this venv's builds apart from the newest's.
 export TORCH_EXTENSIONS_DIR="$PWD/.venv-oldest/torch_extensions"
+# The embedded tiny models and data, built by this venv's versions: the files they write carry them (config.json's
+# transformers_version, say), and in the cache the main suite shares, which session built a model first would decide
+# what the other's saves are compared with
+export TRL_EXT_CACHE="$PWD/.venv-oldest/trl_ext_cache"
 .venv-oldest/bin/pip install -q torch==2.13.0 -e ".[test]" \
     "trl==1.14.2" "transformers==5.10.4" "accelerate==1.13.0" "peft==0.20.0" "deepspeed==0.19.2"
 # Build DeepSpeed's CPU comm op now, once, rather than inside the first test's launch timeout
