@@ -66,8 +66,10 @@ def reload(base: str, kind: str, checkpoints: list[str]) -> dict:
 
 
 def serve() -> None:
+    seed = torch.initial_seed()  # what a fresh process starts with: weights a checkpoint lacks initialize the same
     for line in sys.stdin:
         request = json.loads(line)
+        torch.manual_seed(seed)
         try:
             answer = reload(request["base"], request["kind"], request["checkpoints"])
         except Exception:  # noqa: BLE001 - the test reports it; the next request still gets an answer
