@@ -105,13 +105,9 @@ def test_causal_lm(tmp_path, tiny_llama, tiny_model_path, variant):
 def test_a_base_saved_by_another_transformers_gives_the_files_save_pretrained_writes(tmp_path, tiny_llama):
     """A base whose files another transformers version wrote (a Hub model's, usually): the merged model's generation
     config is written as save_pretrained writes it, stamped with this version, not copied with the base's stamp."""
-    import json
-    import shutil
-
     from tests.metadata import compare_files
 
-    base = tmp_path / "base"
-    shutil.copytree(_save_base(tiny_llama, tmp_path / "saved"), base)
+    base = _save_base(tiny_llama, tmp_path / "base")
     for name in ("config.json", "generation_config.json"):
         fields = json.loads((base / name).read_text())
         (base / name).write_text(json.dumps({**fields, "transformers_version": "4.0.0"}))
