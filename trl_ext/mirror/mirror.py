@@ -17,6 +17,7 @@ checkpoint whole.
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -161,7 +162,7 @@ class Mirror:
         queued = set()
         for job in uploader.pending(up.staging_root):
             if job.step is not None and job.step in complete:
-                uploader.shutil.rmtree(job.staged, ignore_errors=True)
+                shutil.rmtree(job.staged, ignore_errors=True)
                 continue
             notice(f"checkpoint_mirror: finishing the upload of {job.name} that an earlier run left")
             up.submit(job)

@@ -310,8 +310,9 @@ class Uploader:
             rel = f"{job.rel}/{name}" if job.rel else name
             size, digest = self._retry(f"upload {rel}", lambda: self.store.upload(staged / name, rel,
                                                                                     self._cancel.is_set))
-            done.add(name, size, digest)
-            self._current_bytes[0] += size
+            with self._lock:  # the files upload in parallel
+                done.add(name, size, digest)
+                self._current_bytes[0] += size
 
         with ThreadPoolExecutor(max_workers=FILES_IN_PARALLEL, thread_name_prefix="trl_ext-mirror-file") as pool:
             for future in [pool.submit(one, name) for name in sorted(files, key=lambda n: -sizes[n])]:
