@@ -56,9 +56,9 @@ def download_if_missing(trainer) -> str | None:
     """
     if getattr(trainer, "_mirror", None) is None:
         return None
-    if args_has_local_checkpoint(trainer.args):
-        return None
-    return _from_rank0(lambda: _download(trainer))
+    # The local check is rank 0's too: its download commits a checkpoint that a slower rank would otherwise find, and
+    # skip the broadcast rank 0 waits in (a collective mismatch, seen in a 2-process FSDP2 run).
+    return _from_rank0(lambda: None if args_has_local_checkpoint(trainer.args) else _download(trainer))
 
 
 def args_has_local_checkpoint(args) -> bool:
@@ -75,10 +75,12 @@ def requeued(trainer) -> str | None:
     """
     job = slurm.current()
     mirror = getattr(trainer, "_mirror", None)
-    if mirror is None or job is None or job.restart == 0 or args_has_local_checkpoint(trainer.args):
+    if mirror is None or job is None or job.restart == 0:
         return None
 
     def decide():
+        if args_has_local_checkpoint(trainer.args):  # on rank 0 only, as in download_if_missing
+            return None
         marker = mirror.store.read_json(lease.RUN_MARKER) or {}
         if marker.get("slurm_job") != job.job_id:
             notice(f"Slurm job {job.job_id}, restart {job.restart}: neither {trainer.args.output_dir} nor the mirror "
