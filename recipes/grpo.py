@@ -26,6 +26,10 @@ python recipes/grpo.py --config recipes/configs/grpo_qwen2.5_0.5b.yaml
 Continue a stopped run: add `--output_dir <its dir> --resume_from_checkpoint true` (its last complete checkpoint).
 """
 
+from trl_ext.launching.launch import launch_if_asked
+
+launch_if_asked()  # under an accelerate config or a multi-machine job: start the processes before torch and TRL load
+
 import re
 
 import torch

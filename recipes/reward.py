@@ -26,6 +26,10 @@ Continue a stopped run: add `--output_dir <its dir> --resume_from_checkpoint tru
 """  # noqa: E501 (the command above stays one copy-paste line)
 
 
+from trl_ext.launching.launch import launch_if_asked
+
+launch_if_asked()  # under an accelerate config or a multi-machine job: start the processes before torch and TRL load
+
 from trl_ext import (
     ModelConfig,
     RewardConfig,

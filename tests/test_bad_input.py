@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from datasets import Dataset
@@ -119,6 +120,7 @@ def recipe(name: str, *argv: str) -> Callable:
 
     def run(ws: Path, assets: Path) -> tuple[int, str]:
         import trl_ext
+        from trl_ext.launching import launch
         from trl_ext.launching.scripting import parse_recipe_args
 
         config_cls, kind = {"sft": (trl_ext.SFTConfig, "sft"), "reward": (trl_ext.RewardConfig, "preference"),
@@ -131,8 +133,14 @@ def recipe(name: str, *argv: str) -> Callable:
         if all(c.startswith("accelerate_configs/") for c in configs):  # no recipe config: the script's default
             args = ["--config", str(REPO / "recipes" / "configs" / f"{name}.yaml"), *args]
         datasets.disable_progress_bars()  # "Generating train split" bars are not part of the message
+
+        def never_relaunched(*args, **kwargs):  # a re-launch would replace this test process
+            raise AssertionError(f"the recipe re-launched in-process: {args}")
+
         try:
-            return run_python(lambda: parse_recipe_args(parser, name, kind, ["--output_dir", str(ws / "out"), *args]))
+            with mock.patch.object(launch, "_exec", never_relaunched):
+                return run_python(lambda: parse_recipe_args(parser, name, kind,
+                                                            ["--output_dir", str(ws / "out"), *args]))
         finally:
             datasets.enable_progress_bars()
 
@@ -325,8 +333,7 @@ CASES = [
     Case("recipe-unknown-config-key", with_setup(files(**{"typo.yaml": "learnin_rate: 1.0e-3\n"}),
                                                  recipe("dpo", "--config", "{ws}/typo.yaml")),
          1, "learnin_rate (did you mean learning_rate?)"),
-    Case("recipe-unknown-flag", recipe("dpo", "--config", "accelerate_configs/zero3.yaml", "--lora_rr", "8"), 1,
-         "lora_rr (did you mean lora_r?)"),
+    Case("recipe-unknown-flag", recipe("dpo", "--lora_rr", "8"), 1, "lora_rr (did you mean lora_r?)"),
     Case("recipe-dataset-missing-columns",
          with_setup(files(**{"data__train.jsonl": '{"question": "1+1?", "answer": "2"}\n',
                              "data__test.jsonl": '{"question": "1+1?", "answer": "2"}\n'}),

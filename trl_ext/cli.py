@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in trl_cli.COMMANDS:  # TRL's command line, TRL's parser: everything after the name is TRL's
+        from trl_ext.launching import launch
+
+        launch.under_node_launcher(["trl-ext", *argv])  # one machine of several: its launcher starts its ranks
         return trl_cli.run(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="trl-ext", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)

@@ -128,15 +128,20 @@ class MirrorError(TrlExtError, RuntimeError):
 class UsageError(SystemExit):
     """Bad input on the command line or in a config: one line on stderr, exit code 1, nothing started or written.
 
-    Under a multi-process launch every rank checks the input and one of them says what is wrong. A ``SystemExit``
-    (not a ``TrlExtError``): Python prints its message and exits with code 1, as argparse's errors do.
+    Under a multi-process launch every rank checks the input and one of them says what is wrong; with ``every_rank``,
+    each process says it (what one machine's environment gets wrong, the others' may not). A ``SystemExit`` (not a
+    ``TrlExtError``): Python prints its message and exits with code 1, as argparse's errors do.
     """
 
     kind = "usage"
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, every_rank: bool = False):
         self.message = message
-        super().__init__(f"error: {message}" if env_rank() == 0 else 1)
+        self.every_rank = every_rank
+        super().__init__(f"error: {message}" if every_rank or env_rank() == 0 else 1)
+
+    def __reduce__(self):  # decided on one rank, raised on each: each says it, or not, by its own rank
+        return type(self), (self.message, self.every_rank)
 
     def __str__(self) -> str:
         return f"error: {self.message}"

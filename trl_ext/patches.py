@@ -280,6 +280,21 @@ PATCHES: dict[str, Patch] = {
                    _source_has("trl.cli.commands.training.TrainingCommand.run",
                                "from ..accelerate_launcher import launch_training_script")),
     ),
+    "accelerate-launch-environment": Patch(
+        target="accelerate.commands.launch.{deepspeed,multi_gpu,simple}_launcher",
+        why="a rank that torchrun, a Kubeflow pod or Ray Train started applies the accelerate config named with "
+            "--config in its own process: accelerate's launch command translates the config into its processes' "
+            "environment (prepare_*_env) and then starts them; the starting is replaced by recording that environment",
+        upstream="none: accelerate has no public function from a config to its processes' environment (1.13-1.15)",
+        remove_when="accelerate exposes the environment its launch command computes",
+        guard=_all(_has("accelerate.commands.launch.launch_command", "args"),
+                   _has("accelerate.commands.launch.deepspeed_launcher", "args"),
+                   _has("accelerate.commands.launch.multi_gpu_launcher", "args"),
+                   _has("accelerate.commands.launch.simple_launcher", "args"),
+                   _has("accelerate.utils.launch.prepare_deepspeed_cmd_env", "args"),
+                   _has("accelerate.utils.launch.prepare_multi_gpu_env", "args"),
+                   _has("accelerate.utils.launch.prepare_simple_launcher_cmd_env", "args")),
+    ),
 }
 
 

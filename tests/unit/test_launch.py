@@ -18,7 +18,7 @@ ZERO3, DPO_CONFIG = "accelerate_configs/zero3.yaml", "recipes/configs/dpo.yaml"
 @pytest.fixture(autouse=True)
 def _in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
-    for var in ("RANK", "WORLD_SIZE", launch.RELAUNCHED):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.RELAUNCHED):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -66,15 +66,16 @@ def test_relaunch_command():
 
 
 def test_process_count_follows_the_machine(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert launch.default_num_processes() == 2  # no GPU here: 2 CPU processes
-    monkeypatch.setenv("WORLD_SIZE", "4")  # `accelerate launch --num_processes 4 recipe.py --config zero3.yaml`
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     assert launch.default_num_processes() == 4
 
 
 def test_relaunch_loop_is_refused(monkeypatch):
     monkeypatch.setenv(launch.RELAUNCHED, ZERO3)
     with pytest.raises(UsageError, match="already re-launched"):
-        launch.relaunch(ZERO3, "recipes/dpo.py", [])
+        launch.start("recipes/dpo.py", ["--config", ZERO3])
 
 
 def test_take_option():

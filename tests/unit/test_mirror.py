@@ -295,7 +295,7 @@ def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_can
     assert not (tmp_path / uploader.STAGING / "checkpoint-2").exists()
 
 
-@pytest.mark.parametrize("path", ["resume_from_checkpoint=True", "requeued Slurm job"])
+@pytest.mark.parametrize("path", ["resume_from_checkpoint=True", "restarted run"])
 def test_a_rank_that_finds_the_checkpoint_rank_0_just_downloaded_still_joins_rank_0s_broadcast(path, tmp_path,
                                                                                               monkeypatch):
     """Rank 1 looks at the output directory after rank 0's download has committed a checkpoint there: it must still
@@ -303,7 +303,7 @@ def test_a_rank_that_finds_the_checkpoint_rank_0_just_downloaded_still_joins_ran
     import torch.distributed as dist
 
     from trl_ext.resuming import mirrored
-    from trl_ext.scheduling import job as slurm
+    from trl_ext.scheduling import orchestrators
 
     (tmp_path / "checkpoint-2").mkdir()  # what rank 0 downloaded and committed a moment ago
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
@@ -317,9 +317,10 @@ def test_a_rank_that_finds_the_checkpoint_rank_0_just_downloaded_still_joins_ran
     monkeypatch.setattr("trl_ext.process.distributed", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
-    if path == "requeued Slurm job":
-        monkeypatch.setattr(slurm, "current", lambda: type("J", (), {"job_id": "7", "restart": 1})())
-        got = mirrored.requeued(trainer)
+    if path == "restarted run":
+        monkeypatch.setattr(orchestrators, "current",
+                            lambda: orchestrators.Job("Slurm", False, run="slurm-7", restart=1))
+        got = mirrored.restarted(trainer)
     else:
         got = mirrored.download_if_missing(trainer)
     assert broadcasts == [0] and got == "/from/rank0/checkpoint-2"

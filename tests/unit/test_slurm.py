@@ -2,7 +2,6 @@
 command Slurm's decisions make, the output directory named by the job and resumed after a requeue (never another
 job's), and the sbatch script's syntax."""
 
-import json
 import subprocess
 from types import SimpleNamespace
 
@@ -12,9 +11,8 @@ from tests.harness import REPO
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch, scripting
 from trl_ext.resuming import choose
-from trl_ext.scheduling import job as slurm
 from trl_ext.scheduling import node as node_launcher
-from trl_ext.scheduling import ownership
+from trl_ext.scheduling import orchestrators, ownership, slurm
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
 
@@ -22,7 +20,8 @@ JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", 
 @pytest.fixture
 def in_job(monkeypatch):
     """This process as one of job 4242's: first run (restart 0) unless the test says otherwise."""
-    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", node_launcher.NODE_ENV):
+    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", node_launcher.NODE_ENV, "RANK", "WORLD_SIZE",
+                "LOCAL_RANK", orchestrators.RUN_ID_ENV):
         monkeypatch.delenv(key, raising=False)
     for key, value in JOB.items():
         monkeypatch.setenv(key, value)
@@ -40,51 +39,51 @@ def test_the_job_is_read_from_slurms_variables(in_job):
 
 
 def _node(in_job, gpus=0, node_rank=1):
-    in_job.setenv(node_launcher.NODE_ENV, json.dumps({"job_id": "4242", "restart": 0, "nodes": 2,
-                                                      "node_rank": node_rank, "address": "10.0.0.7", "port": 24242,
-                                                      "gpus": gpus}))
+    """The Slurm node launcher's view of this node, as it hands it to the recipe."""
+    in_job.setattr(slurm, "main_address", lambda job: "10.0.0.7")
+    in_job.setenv("SLURM_NODEID", str(node_rank))
+    in_job.setenv("SLURM_GPUS_ON_NODE", str(gpus))
+    job = node_launcher.machine()
+    in_job.setenv(node_launcher.NODE_ENV, job.to_env())
+    return job
 
 
 @pytest.mark.parametrize("gpus, asked, total", [(0, None, 4), (8, None, 16), (0, 2, 2)])
 def test_slurm_decides_the_machines_ranks_address_and_port(in_job, gpus, asked, total):
-    _node(in_job, gpus)
-    cmd, _ = launch.launch_command("accelerate_configs/zero3.yaml", "recipes/dpo.py", ["--x"], asked)
-    options = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1)}
+    job = _node(in_job, gpus)
+    assert orchestrators.current() == job  # the recipe under the node launcher sees what the launcher decided
+    args, _ = launch.machine_args(job, asked)
+    options = {args[i]: args[i + 1] for i in range(len(args) - 1)}
     assert (options["--num_machines"], options["--machine_rank"], options["--main_process_ip"],
-            options["--main_process_port"], options["--num_processes"]) == ("2", "1", "10.0.0.7", "24242", str(total))
+            options["--main_process_port"], options["--num_processes"]) == ("2", "1", "10.0.0.7", str(job.port),
+                                                                             str(total))
+    assert job.port == slurm.PORT_BASE + 4242  # derived from the job id: the same on every node
     assert options["--deepspeed_multinode_launcher"] == "standard"  # torchrun on each node, not pdsh
-    assert cmd[-2:] == ["recipes/dpo.py", "--x"] and "--config_file" in cmd
 
 
 def test_one_process_per_gpu_slurm_allocated_else_per_visible_device(in_job):
     in_job.setenv("SLURM_GPUS_ON_NODE", "8")
     in_job.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert node_launcher._gpus() == 8  # what Slurm allocated to this node
+    assert node_launcher.local_gpus() == 8  # what Slurm allocated to this node
     in_job.delenv("SLURM_GPUS_ON_NODE")
-    assert node_launcher._gpus() == 2
+    assert node_launcher.local_gpus() == 2
     in_job.setenv("CUDA_VISIBLE_DEVICES", "-1")  # the usual way of hiding every GPU
-    assert node_launcher._gpus() == 0
+    assert node_launcher.local_gpus() == 0
 
 
-def test_the_log_says_once_what_slurm_replaced(in_job):
-    _node(in_job, node_rank=0)
-    _, line = launch.launch_command("accelerate_configs/zero3.yaml", "recipes/dpo.py", [])
-    assert "Slurm job 4242 (restart 0): 2 machine(s), this one number 0, 4 processes, rendezvous 10.0.0.7:24242" in line
+def test_the_log_says_what_slurm_replaced(in_job):
+    job = _node(in_job, node_rank=0)
+    _, line = launch.machine_args(job)
+    assert (f"Slurm job 4242 (restart 0): 2 machine(s), this one number 0, 4 processes, rendezvous 10.0.0.7:{job.port}"
+            in line)
     assert "replace the accelerate config's machines, ranks, address and port" in line
-    in_job.setenv("SLURM_NODEID", "1")
-    assert launch.launch_command("accelerate_configs/zero3.yaml", "recipes/dpo.py", [])[1] is None
-
-
-def test_outside_slurm_the_launch_is_unchanged(monkeypatch):
-    monkeypatch.delenv(node_launcher.NODE_ENV, raising=False)
-    cmd, line = launch.launch_command("accelerate_configs/zero3.yaml", "recipes/dpo.py", [], 2)
-    assert "--num_machines" not in cmd and cmd[cmd.index("--num_processes") + 1] == "2" and "2 processes" in line
 
 
 def test_the_node_launcher_refuses_outside_a_job(monkeypatch):
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.delenv("SLURM_JOBID", raising=False)
-    with pytest.raises(UsageError, match="runs inside a Slurm job"):
+    for key in ("SLURM_JOB_ID", "SLURM_JOBID", node_launcher.NODE_ENV, "PET_NNODES", "SKYPILOT_NODE_RANK",
+                "LWS_LEADER_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(UsageError, match="sbatch recipes/slurm.sbatch"):
         node_launcher.main(["recipes/dpo.py"])
 
 
@@ -101,7 +100,7 @@ def test_the_output_directory_is_the_jobs_and_a_requeued_run_resumes_from_it(in_
     args = _args(None)
     scripting.prepare_output_dir(args, "dpo")
     out = tmp_path / "outputs" / "dpo-slurm-4242"
-    assert args.output_dir == "outputs/dpo-slurm-4242" and ownership.job_of(out) == "4242"  # marked by the first node
+    assert args.output_dir == "outputs/dpo-slurm-4242" and ownership.run_of(out) == "slurm-4242"  # marked for the job
     (out / "checkpoint-20").mkdir()
     (out / "checkpoint-40").mkdir()
     (out / ".checkpoint-60.trl_ext-partial").mkdir()  # being written when the job died: never picked
@@ -110,20 +109,20 @@ def test_the_output_directory_is_the_jobs_and_a_requeued_run_resumes_from_it(in_
     scripting.prepare_output_dir(requeued, "dpo")  # the job's own directory is not refused: it trains on into it
     assert requeued.output_dir == "outputs/dpo-slurm-4242" and requeued.resume_from_checkpoint is None
     with caplog.at_level("WARNING", logger="trl_ext"):  # and its trainer resumes, saying so once
-        assert choose.requeued_checkpoint(_trainer_args(requeued)) == "outputs/dpo-slurm-4242/checkpoint-40"
+        assert choose.restarted_checkpoint(_trainer_args(requeued)) == "outputs/dpo-slurm-4242/checkpoint-40"
     assert caplog.text.count("Slurm job 4242, restart 1: resuming from outputs/dpo-slurm-4242/checkpoint-40") == 1
 
 
 def test_a_fresh_job_never_resumes_another_jobs_directory(in_job, tmp_path):
     out = tmp_path / "mine"
     (out / "checkpoint-20").mkdir(parents=True)
-    (out / ownership.JOB_MARKER).write_text('{"job": "1111"}')  # another job's
+    (out / ownership.RUN_MARKER).write_text('{"run": "slurm-1111"}')  # another job's
     with pytest.raises(UsageError, match="already holds files from another run"):
         scripting.prepare_output_dir(_args(out), "dpo")
     asked = _args(out, resume="true")  # unless asked
     scripting.prepare_output_dir(asked, "dpo")
     assert asked.resume_from_checkpoint == str(out / "checkpoint-20")
-    assert choose.after_requeue(out) is None  # and a trainer does not resume it by itself
+    assert choose.after_restart(out) is None  # and a trainer does not resume it by itself
 
 
 def test_a_requeued_job_without_a_committed_checkpoint_starts_over(in_job, tmp_path, caplog):
@@ -133,7 +132,7 @@ def test_a_requeued_job_without_a_committed_checkpoint_starts_over(in_job, tmp_p
     args = _args(out)
     scripting.prepare_output_dir(args, "dpo")
     with caplog.at_level("WARNING", logger="trl_ext"):
-        assert choose.requeued_checkpoint(_trainer_args(args)) is None
+        assert choose.restarted_checkpoint(_trainer_args(args)) is None
     assert args.resume_from_checkpoint is None and "holds no committed checkpoint yet" in caplog.text
 
 

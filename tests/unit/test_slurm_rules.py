@@ -27,7 +27,7 @@ def in_job(monkeypatch, tmp_path):
     run.mkdir()
     monkeypatch.setenv(ownership.RUN_ENV, str(run))
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # what outcome.watch() installs is this test's only
-    monkeypatch.setattr(outcome, "_watching", False)
+    monkeypatch.setattr(outcome, "_watching", [False, None])
     return run
 
 
@@ -54,22 +54,21 @@ def test_a_wrapped_peer_loss_is_still_a_peer_loss():
 
 
 def test_a_node_reports_its_ranks_ending_in_one_line_with_the_code_the_script_decides_on(in_job):
-    job = SimpleNamespace(job_id="4242", node_rank=1)
-    assert node.ending(job, str(in_job), 0) == (0, None)  # finished: the recipe says so itself
+    assert node.ending(str(in_job), 0) == (0, None)  # finished: the recipe says so itself
     outcome.stopped("SIGUSR1", 40, "out/checkpoint-40", in_job)
-    code, line = node.ending(job, str(in_job), 0)  # the ranks end quietly with 0 after a planned stop
+    code, line = node.ending(str(in_job), 0)  # the ranks end quietly with 0 after a planned stop
     assert code == 138 and "stopped on the time-limit warning, with checkpoint-40 saved (exit 138)" in line
     for path in in_job.glob("stopped-*"):
         path.unlink()
     outcome.record(RuntimeError("Connection closed by peer"), in_job)
-    assert node.ending(job, str(in_job), 1)[0] == restart.LOST
+    assert node.ending(str(in_job), 1)[0] == restart.LOST
     (in_job / "failed-1.json").write_text(json.dumps({"kind": "error", "error": "ValueError: boom", "rank": "3"}))
-    code, line = node.ending(job, str(in_job), 1)  # one rank's own error outweighs its peers' lost connections
+    code, line = node.ending(str(in_job), 1)  # one rank's own error outweighs its peers' lost connections
     assert code == restart.ERROR and "rank 3 failed: ValueError: boom" in line
 
 
 def test_a_rank_killed_without_a_word_is_reported_as_killed(in_job):
-    assert node.ending(SimpleNamespace(job_id="1", node_rank=0), str(in_job), -signal.SIGKILL)[0] == restart.KILLED
+    assert node.ending(str(in_job), -signal.SIGKILL)[0] == restart.KILLED
 
 
 # ------------------------------------------------------------------------------------------------ requeue or not
@@ -141,7 +140,7 @@ def test_the_record_belongs_to_its_job_only(in_job, tmp_path, monkeypatch):
     ownership.update(out, failures=1)
     monkeypatch.setenv("SLURM_JOB_ID", "99")
     ownership.update(out, failures=7)  # another job's run cannot change it
-    assert ownership.record(out) == {"job": "4242", "failures": 1} and not ownership.is_own(out)
+    assert ownership.record(out) == {"run": "slurm-4242", "failures": 1} and not ownership.is_own(out)
     assert ownership.newest_checkpoint(out) == 0 and ownership.newest_checkpoint(tmp_path / "missing") == 0
 
 

@@ -34,6 +34,8 @@ NOT_SHOWN = {
                                  "private method the probe calls)",
     "trl-script-classes": "a missing hook: TRL's scripts take no trainer class (its guard reads the script's source)",
     "trl-cli-script": "a missing hook: TRL's CLI takes no script (its guard reads the command's source)",
+    "accelerate-launch-environment": "a missing hook: accelerate has no function from a config to its processes' "
+                                     "environment; tests/unit/test_orchestrators.py applies configs through it",
     "deferred-checkpoint-files": "a missing hook, not a bug: Trainer, DeepSpeed and accelerate write a checkpoint's "
                                  "states themselves, with no way to stage them (its guard checks the calls it defers)",
     "partitioned-adapter-dtype": "needs a 4-bit model under ZeRO-3 (two processes, bitsandbytes' kernels): "

@@ -1,30 +1,45 @@
-"""Run a recipe under the accelerate config its command line names.
+"""Where a recipe's processes come from, decided before torch or TRL is imported.
 
 `accelerate launch recipes/dpo.py --config accelerate_configs/zero3.yaml` hands `--config` to the script, not to
 accelerate: with TRL's own scripts such a line fails on unknown keys or trains without DeepSpeed. Here every
-``--config`` file is read and told apart by content (an accelerate config has ``distributed_type``); an accelerate
-config makes the recipe re-launch itself once as
-``accelerate launch --config_file CONFIG --num_processes N recipe.py <the other arguments>``.
+``--config`` file is read and told apart by content (an accelerate config has ``distributed_type``), and what happens
+depends on who started this process (``scheduling.orchestrators``):
+
+- a rank that torchrun (or ``accelerate launch``) started, on one machine or many, elastic or not: it trains as that
+  rank, with the accelerate config applied in this process (``launching.in_process``); nothing is re-launched;
+- one process per machine (Slurm through ``recipes/slurm.sbatch``, SkyPilot, Kubernetes pods with torchrun's ``PET_*``
+  variables, LeaderWorkerSet): the node launcher (``scheduling.node``) starts this machine's ranks with
+  ``accelerate launch --num_machines N --machine_rank R ...``, the orchestrator's machines, address and port in place
+  of the config's;
+- neither (``python recipe.py``): under an accelerate config the recipe replaces itself by
+  ``accelerate launch --config_file CONFIG --num_processes N recipe.py <the other arguments>`` on this machine;
+  without one it trains in this process.
+
+The decision reads only the command line, the config files and the environment: a re-launch costs a process start,
+not an import of torch and TRL. The input's checks that need TRL run in the ranks.
 """
 
 import os
+import socket
 import sys
 from pathlib import Path
 
-import torch
 import yaml
-from accelerate.utils.other import get_free_port
 
+from trl_ext import process
 from trl_ext.errors import UsageError
-from trl_ext.process import env_rank, env_world_size
-from trl_ext.scheduling import node as slurm_node
+from trl_ext.process import notice
+from trl_ext.scheduling import node, orchestrators
 
 RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
 ACCELERATE_KEYS = ("distributed_type", "compute_environment")
-# The launcher's own variables: the re-launched `accelerate launch` must start from a clean slate.
-LAUNCHER_ENV_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_")
+# The launcher's own variables: a new `accelerate launch` must start from a clean slate. torchrun reads PET_<OPTION> as
+# its options, so a Kubernetes pod's PET_NNODES would turn a launch on this machine into a wait for other machines.
+LAUNCHER_ENV_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "PET_")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DATA_PARALLEL = Path(__file__).resolve().parents[2] / "accelerate_configs" / "ddp.yaml"
+_started: dict[tuple, list[str]] = {}  # what start() decided, by its arguments: a recipe asks twice
 
 
 def read_config(path: str) -> dict:
@@ -86,13 +101,24 @@ def take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (accelerate's helper would import torch first)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
 def default_num_processes() -> int:
-    """One process per visible GPU; 2 CPU processes (gloo) on a machine without one. Under an outer multi-process
-    launch (``accelerate launch --num_processes N recipe.py --config ...``), the N the user asked for."""
-    outer = env_world_size()
-    if outer > 1:
-        return outer
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+    """One process per visible GPU; 2 CPU processes (gloo) on a machine without one."""
+    return node.local_gpus() or node.CPU_PROCESSES_PER_NODE
+
+
+def _processes(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"--num_processes {value!r} is not a number of processes (1 or more).")
+    return int(value)
 
 
 def relaunch_command(accelerate_config: str, script: str, script_args: list[str], num_processes: int) -> list[str]:
@@ -100,52 +126,131 @@ def relaunch_command(accelerate_config: str, script: str, script_args: list[str]
            "--num_processes", str(num_processes)]
     config = read_config(accelerate_config)
     if int(config.get("num_machines", 1)) <= 1 and "main_process_port" not in config:
-        cmd += ["--main_process_port", str(get_free_port())]  # the default port may be held by an outer launch
+        cmd += ["--main_process_port", str(free_port())]  # the default port may be held by another run here
     return [*cmd, script, *script_args]
 
 
-def launch_command(accelerate_config: str, script: str, script_args: list[str],
-                   num_processes: int | None = None) -> tuple[list[str], str | None]:
-    """The ``accelerate launch`` command that runs ``script`` under ``accelerate_config``, and the line to print (None:
-    nothing to say here). On one node of a Slurm job (``scheduling.node``), Slurm's machines, ranks, address and port
-    replace the config's own; elsewhere, ``num_processes`` (default: one per GPU, 2 on CPU) on this machine.
+def machine_args(job: orchestrators.Job, num_processes: int | None = None) -> tuple[list[str], str]:
+    """The ``accelerate launch`` arguments for one machine of a job that an orchestrator placed on several, and the
+    line that says what they replace.
 
     Args:
-        accelerate_config: the accelerate config file.
-        script: the recipe.
-        script_args: its arguments.
-        num_processes: the processes the user asked for (``--num_processes``), or None.
+        job: the job, as the node launcher passed it on (``scheduling.node``).
+        num_processes: the total the user asked for (``--num_processes``), else ``job.per_node`` (or one per GPU, 2
+            on CPU) on every machine.
 
     Returns:
-        The command, and the line that says how it runs (printed by the first node only under Slurm).
+        ``(arguments, line)``: ``--num_machines``, ``--machine_rank``, ``--main_process_ip``,
+        ``--main_process_port``, ``--num_processes`` and DeepSpeed's per-machine launcher (torchrun, not pdsh).
+
+    Raises:
+        UsageError: ``--num_processes`` that does not divide among the machines.
     """
-    under_slurm = slurm_node.machine_args(num_processes)
-    if under_slurm is not None:
-        machines, line = under_slurm
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config, *machines,
-               script, *script_args]
-        return cmd, line if os.environ.get("SLURM_NODEID", "0") == "0" else None
-    n = num_processes or default_num_processes()
-    return relaunch_command(accelerate_config, script, script_args, n), (
-        f"running under {accelerate_config} with {n} processes: accelerate launch --config_file {accelerate_config} "
-        f"--num_processes {n} {script} ...")
+    per_node = job.per_node or default_num_processes()
+    total = num_processes or per_node * job.nodes
+    if total % job.nodes:
+        raise UsageError(f"--num_processes {total} does not divide among {job.nodes} machines; give a multiple of "
+                         f"{job.nodes}.", every_rank=True)
+    args = ["--num_machines", str(job.nodes), "--machine_rank", str(job.node_rank),
+            "--main_process_ip", job.address or "127.0.0.1", "--main_process_port", str(job.port),
+            "--num_processes", str(total), "--rdzv_backend", "static", "--same_network",
+            "--deepspeed_multinode_launcher", "standard"]
+    line = (f"{job.label} (restart {job.restart}): {job.nodes} machine(s), this one number "
+            f"{job.node_rank}, {total} processes, rendezvous {job.address}:{job.port}; these replace the accelerate "
+            "config's machines, ranks, address and port")
+    return args, line
 
 
-def relaunch(accelerate_config: str, script: str, script_args: list[str], num_processes: int | None = None):
-    """Replace this process by ``accelerate launch`` running ``script`` under ``accelerate_config``. Does not return.
-
-    Under an outer multi-process launch only its first process re-launches; the others leave quietly.
-    """
-    if os.environ.get(RELAUNCHED):
-        raise UsageError(f"already re-launched under {os.environ[RELAUNCHED]}, and an accelerate config is still on "
-                         "the command line; pass it once.")
-    if env_rank() != 0:
-        sys.exit(0)
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIXES)}
-    env[RELAUNCHED] = accelerate_config
+def _exec(cmd: list[str], set_env: dict[str, str], strip_launcher: bool = True) -> None:
+    env = dict(os.environ)
+    if strip_launcher:
+        env = {k: v for k, v in env.items() if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIXES)}
+    env.update(set_env)
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway, announcing it in a 4-line banner
-    cmd, line = launch_command(accelerate_config, script, script_args, num_processes)
-    if line is not None:
-        print(f"[trl_ext] {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    sys.stderr.flush()
     os.execve(sys.executable, cmd, env)
+
+
+def start(script: str, argv: list[str]) -> list[str]:
+    """Decide where this recipe trains (see the module's docstring): re-launch (does not return), or apply the
+    accelerate config here and return the arguments to parse. Idempotent: a second call in the same process returns
+    the same arguments.
+
+    Args:
+        script: the recipe's path (``sys.argv[0]``).
+        argv: its arguments.
+
+    Returns:
+        ``argv`` without the accelerate config and ``--num_processes``, for TRL's parser.
+
+    Raises:
+        UsageError: contradictory launcher variables, an unreadable config, ``--num_processes`` that cannot apply.
+    """
+    key = (script, tuple(argv))
+    if key in _started:
+        return list(_started[key])
+    accelerate_config, recipe_config, rest = split_configs(argv)
+    num_processes, rest = take_option(rest, "num_processes")
+    asked = _processes(num_processes)
+    rest = [*rest, "--config", recipe_config] if recipe_config else rest
+    job = orchestrators.current()
+    process.speaks_here(job is None or job.per_rank or job.node_rank == 0)  # one machine says what all would say
+    relaunched = os.environ.get(RELAUNCHED)
+    if accelerate_config and relaunched:
+        raise UsageError(f"already re-launched under {relaunched}, and an accelerate config is still on the command "
+                         "line; pass it once.")
+    if job is not None and job.per_rank:  # torchrun started this process as one rank: train here, as that rank
+        if asked is not None and asked != job.world_size:
+            raise UsageError(f"--num_processes {asked}: the launcher started {job.world_size} processes; drop "
+                             "--num_processes (the launcher decides) or launch that many.")
+        applied = ""
+        if accelerate_config:
+            from trl_ext.launching import in_process
+
+            applied = f"; {accelerate_config} applied in each process ({in_process.apply(accelerate_config, job)})"
+        if not relaunched:  # (a re-launch said how it runs already)
+            notice(f"{job.describe()}{applied}")
+        _started[key] = rest
+        return rest
+    if job is not None and os.environ.get(orchestrators.NODE_ENV):  # the node launcher's child: this machine's ranks
+        config = accelerate_config or str(DATA_PARALLEL)
+        if accelerate_config is None:
+            notice(f"no accelerate config on {job.orchestrator}: {os.path.relpath(config)} (data parallel)")
+        machines, line = machine_args(job, asked)
+        notice(line)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *machines, script, *rest]
+        _exec(cmd, {RELAUNCHED: config, **dict([node.TORCHRUN_SIGNALS])})
+    under_node_launcher([script, *argv], job)
+    if accelerate_config:
+        n = asked or default_num_processes()
+        print(f"[trl_ext] running under {accelerate_config} with {n} processes: accelerate launch --config_file "
+              f"{accelerate_config} --num_processes {n} {script} ...", file=sys.stderr, flush=True)
+        _exec(relaunch_command(accelerate_config, script, rest, n), {RELAUNCHED: accelerate_config})
+    if asked is not None:
+        raise UsageError("--num_processes needs an accelerate config: --config accelerate_configs/<name>.yaml.")
+    _started[key] = rest
+    return rest
+
+
+def under_node_launcher(command: list[str], job: orchestrators.Job | None = None) -> None:
+    """Replace this process by the node launcher running ``command`` when it is one machine's process of a job that an
+    orchestrator placed on several machines (SkyPilot, pods with torchrun's ``PET_*`` variables, LeaderWorkerSet) and
+    not yet under it; otherwise nothing.
+
+    Args:
+        command: the recipe's path and arguments, or ``["trl-ext", <command>, ...]``.
+        job: this process's job (default: read now).
+    """
+    job = orchestrators.current() if job is None else job
+    if job is not None and not job.per_rank and job.nodes > 1 and not os.environ.get(orchestrators.NODE_ENV):
+        _exec([sys.executable, "-m", "trl_ext.scheduling.node", *command], {}, strip_launcher=False)
+
+
+def launch_if_asked() -> None:
+    """A recipe's first line: under an accelerate config or an orchestrator that places one process per machine,
+    start the processes now, before torch and TRL are imported (see ``start``); otherwise nothing. What it decides is
+    decided again, the same way, when the recipe parses its arguments."""
+    if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
+        return
+    start(sys.argv[0], sys.argv[1:])

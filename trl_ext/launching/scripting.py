@@ -17,39 +17,38 @@ from trl_ext.errors import UsageError
 from trl_ext.launching import launch
 from trl_ext.process import end_together, env_world_size, notice
 from trl_ext.resuming.choose import last_committed
-from trl_ext.scheduling import job as slurm
-from trl_ext.scheduling import outcome, ownership
-from trl_ext.scheduling.node import NODE_ENV
+from trl_ext.scheduling import orchestrators, outcome, ownership
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
 
 
 def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[str] | None = None):
-    """``(script_args, training_args, model_args)`` for a recipe, checked; or a re-launch under an accelerate config.
+    """``(script_args, training_args, model_args)`` for a recipe, checked; or a re-launch under an accelerate config
+    or an orchestrator (``launching.launch.start``: decided before anything heavy is imported).
 
     ``recipe``: "sft", "reward" or "dpo", whose TRL trainer judges the dataset; ``dataset_kind``: "sft" or
     "preference", the formats an error message suggests (see ``input_checks.FORMATS``), or None for prompt datasets
     (GRPO), whose rows only the trainer and its reward functions interpret.
     Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
+    Under a multi-process launch every rank checks the input; what depends on the disk (the output directory) is
+    decided on rank 0 for all.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    outcome.watch()  # on a Slurm node: an error that ends this process is told apart from a lost peer
+    outcome.watch()  # under a launcher: an error that ends this process is told apart from a lost peer
     # --help: the recipe's own options first, then TRL's (hundreds of lines) as argparse lists them
     parser.usage = (f"%(prog)s [--config RECIPE.yaml] [--config accelerate_configs/NAME.yaml [--num_processes N]] "
                     f"[--overwrite_output_dir] [TRL's {recipe} options, below]")
     parser.description = (
         "--config RECIPE.yaml: a recipe config (TRL's YAML; default: recipes/configs/<recipe>.yaml, the embedded tiny "
         "model and data). --config accelerate_configs/NAME.yaml: run under that accelerate config; the recipe launches "
-        "its processes itself, so a refused input ends on its one line (under `accelerate launch`, accelerate adds "
-        "its own report). Both --config may be given. --num_processes N: with an accelerate config. "
-        "--overwrite_output_dir: replace an output_dir that holds another run. Every option below is TRL's; on the "
-        "command line it overrides the config.")
-    accelerate_config, recipe_config, rest = launch.split_configs(argv)
-    if accelerate_config is None and os.environ.get(NODE_ENV) and not os.environ.get(launch.RELAUNCHED):  # a Slurm node
-        accelerate_config = str(Path(sys.argv[0]).resolve().parent.parent / "accelerate_configs" / "ddp.yaml")
-        notice(f"under Slurm without an accelerate config: {os.path.relpath(accelerate_config)} (data parallel)")
-    num_processes, rest = launch.take_option(rest, "num_processes")
+        "its processes itself (under torchrun, each process applies it). Both --config may be given. "
+        "--num_processes N: with an accelerate config. --overwrite_output_dir: replace an output_dir that holds "
+        "another run. Every option below is TRL's; on the command line it overrides the config.")
+    if "-h" in argv or "--help" in argv:
+        parser.parse_args_and_config(["--help"])
+    rest = launch.start(sys.argv[0], argv)  # re-launches here (no return), or gives the arguments to parse
+    recipe_config, rest = launch.take_option(rest, "config")
     overwrite = "--overwrite_output_dir" in rest
     parser_args = [a for a in rest if a != "--overwrite_output_dir"]
     if recipe_config is None:
@@ -64,19 +63,12 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[
         training_args.eval_on_start = False
         notice("eval_strategy is 'no': eval_on_start is switched off too.")
     _check_flags(model_args)
-    prepare_output_dir(training_args, recipe, overwrite)
     check_model(model_args.model_name_or_path)
+    _decided_everywhere(training_args, lambda: prepare_output_dir(training_args, recipe, overwrite))
+    outcome.watch(training_args.output_dir)  # and, restarted, an error of its own is refused at the next attempt
     check_dataset(script_args, training_args, model_args, recipe, dataset_kind)
     check_mirror(training_args)
-    if accelerate_config:  # hand the checked choices on, so every process trains into the same place
-        forwarded = [*rest, "--config", recipe_config, "--output_dir", training_args.output_dir]
-        if training_args.resume_from_checkpoint:
-            resume = training_args.resume_from_checkpoint
-            forwarded += ["--resume_from_checkpoint", "true" if resume is True else resume]
-        launch.relaunch(accelerate_config, sys.argv[0], forwarded, int(num_processes) if num_processes else None)
-    elif num_processes:
-        raise UsageError("--num_processes needs an accelerate config: --config accelerate_configs/<name>.yaml.")
-    _wait_for_everyone()  # every rank has checked the output dir before any rank writes to it
+    _wait_for_everyone()  # every rank has checked the input before any rank writes
     return script_args, training_args, model_args
 
 
@@ -95,19 +87,21 @@ def _unknown_arguments_message(parser, error: str, config: str) -> str:
 def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> str:
     """Give each run its own directory unless the user chose one; never train over another run's output.
 
-    ``--resume_from_checkpoint true`` resolves to the last complete ``checkpoint-N`` of the output dir. Under Slurm
-    the default directory is named by the job id (the same when the job is requeued) and marked for the job: run
-    again after a requeue, the job trains on into it, and the trainer resumes from the newest checkpoint its earlier
-    run committed there, by itself (``resuming.choose.requeued_checkpoint``).
+    ``--resume_from_checkpoint true`` resolves to the last complete ``checkpoint-N`` of the output dir. A run that its
+    orchestrator names (a Slurm job, a SkyPilot task, a TrainJob, torchrun's ``--rdzv-id``; see
+    ``scheduling.orchestrators``) gets a default directory named by it, the same when the run is restarted, and marked
+    for it: restarted, the run trains on into it, and the trainer resumes from the newest checkpoint its earlier
+    attempt committed there, by itself (``resuming.choose.after_restart``). Call it on rank 0 (the recipes decide it
+    there for every rank).
     """
-    job = slurm.current()
+    job = orchestrators.current()
+    run = job.run if job is not None else None
     if training_args.output_dir in (None, TRANSFORMERS_DEFAULT_OUTPUT_DIR):
-        training_args.output_dir = (os.path.join("outputs", f"{recipe}-slurm-{job.job_id}") if job else
-                                    _same_on_all_ranks(os.path.join(
-                                        "outputs", f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")))
+        training_args.output_dir = os.path.join(
+            "outputs", f"{recipe}-{run}" if run else f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     out = Path(training_args.output_dir)
     resume = training_args.resume_from_checkpoint
-    own = ownership.is_own(out)  # the job's own directory: the trainer resumes from its newest checkpoint by itself
+    own = ownership.is_own(out)  # the run's own directory: the trainer resumes from its newest checkpoint by itself
     if resume in RESUME_LAST and last_committed(out) is None and getattr(training_args, "checkpoint_mirror", None):
         training_args.resume_from_checkpoint = True  # the trainer downloads the mirror's newest complete checkpoint
         notice(f"{out} holds no complete checkpoint: resuming from the newest complete one of "
@@ -129,9 +123,22 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
                 "--output_dir, pass --resume_from_checkpoint true to continue that run, or --overwrite_output_dir."
             )
         notice(f"--overwrite_output_dir: training into '{out}'; its files are replaced as the new run saves.")
-    if job is not None and job.node_rank == 0:  # this job's directory from now on: a requeued run resumes from it
-        ownership.claim(out)
+    if own:
+        outcome.refuse_after_error(out)  # a restart of a run that ended in an error of its own: not retried
+    ownership.claim(out)  # the run's directory from now on: a restarted run resumes from it
     return str(out)
+
+
+def _decided_everywhere(training_args, prepare) -> None:
+    """``prepare()`` (which sets the output directory and what to resume) on rank 0 only, its outcome (or its refusal)
+    on every rank: ranks that each look at the directory could see it before and after rank 0 creates it."""
+    from trl_ext.process import decided_on_rank0
+
+    def decide():
+        prepare()
+        return training_args.output_dir, training_args.resume_from_checkpoint
+
+    training_args.output_dir, training_args.resume_from_checkpoint = decided_on_rank0(decide)
 
 
 def check_mirror(training_args) -> None:
@@ -239,16 +246,6 @@ def check_dataset(script_args, training_args, model_args, recipe: str, kind: str
                        training_args, model, kind=kind)
     except DatasetError as exc:
         raise UsageError(str(exc)) from None
-
-
-def _same_on_all_ranks(value: str) -> str:
-    """Rank 0's value everywhere (ranks start at slightly different times)."""
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
-
-    if PartialState().num_processes == 1:
-        return value
-    return broadcast_object_list([value], from_process=0)[0]
 
 
 def _wait_for_everyone() -> None:

@@ -8,10 +8,10 @@ and the dataset are checked as the recipes check them.
 """
 
 import contextlib
+import os
+import sys
 from argparse import Namespace
 from pathlib import Path
-
-import trl
 
 from trl_ext import patches
 
@@ -29,6 +29,8 @@ def trl_ext_classes(command: str):
     Args:
         command: a key of ``COMMANDS``.
     """
+    import trl
+
     import trl_ext
 
     prefix = COMMANDS[command]
@@ -59,21 +61,47 @@ def _check_before_launch(command: str, training_script_args: list[str]) -> None:
 
 
 def _launch_runner(script_name: str, launch_args: list[str], training_script_args: list[str], **kwargs) -> None:
-    """TRL's ``launch_training_script``, launching trl_ext's runner of the same script."""
-    from accelerate.commands.launch import launch_command, launch_command_parser
-
+    """TRL's ``launch_training_script``, launching trl_ext's runner of the same script; in a rank that torchrun
+    started (``torchrun -m trl_ext sft ...``, as Kubeflow's TRL runtime runs TRL's scripts), the script runs in this
+    process, with the accelerate config (``--accelerate_config``, ``--config_file``) applied here."""
     from trl_ext.launching import launch
     from trl_ext.process import notice
-    from trl_ext.scheduling import node as slurm_node
+    from trl_ext.scheduling import orchestrators
 
     command = script_name.removesuffix(".py")
     _check_before_launch(command, training_script_args)
     num_processes, _ = launch.take_option(launch_args, "num_processes")
-    under_slurm = slurm_node.machine_args(int(num_processes) if num_processes else None)
-    if under_slurm is not None:  # one node of a Slurm job: Slurm decides the machines (later options win)
-        launch_args = [*launch_args, *under_slurm[0]]
-        notice(under_slurm[1])
+    job = orchestrators.current()
+    if job is not None and job.per_rank:
+        config_file, _ = launch.take_option(launch_args, "config_file")
+        applied = ""
+        if config_file:
+            from trl_ext.launching import in_process
+
+            applied = f"; {config_file} applied in each process ({in_process.apply(config_file, job)})"
+        if not os.environ.get(launch.RELAUNCHED):
+            notice(f"{job.describe()}{applied}")
+        _run_in_this_process(command, training_script_args)
+        return
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    if job is not None and os.environ.get(orchestrators.NODE_ENV):  # the orchestrator's machines
+        machines, line = launch.machine_args(job, int(num_processes) if num_processes else None)
+        launch_args = [*launch_args, *machines]  # later options win
+        notice(line)
     launch_command(launch_command_parser().parse_args([*launch_args, str(RUNNER), command, *training_script_args]))
+
+
+def _run_in_this_process(command: str, training_script_args: list[str]) -> None:
+    """TRL's ``trl/scripts/<command>.py`` run as ``__main__`` here, as the runner runs it in a launched process."""
+    import runpy
+
+    argv = sys.argv
+    sys.argv = [str(RUNNER), *training_script_args]
+    try:
+        runpy.run_module(f"trl.scripts.{command}", run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = argv
 
 
 def run(command: str, argv: list[str]) -> int:

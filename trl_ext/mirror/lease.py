@@ -3,7 +3,8 @@ so that two runs never write to the same prefix.
 
 Object stores offer no lock that every one of them supports, so the marker is a lease: a run takes it when it is
 absent, released or expired (not renewed for ``LEASE_SECONDS``), or when its holder is certainly gone (a process of
-this host that no longer exists, or an earlier run of the same Slurm job: a requeue); it then reads it back after a
+this host that no longer exists, or an earlier attempt of the same run: a requeued Slurm job, recreated pods); it
+then reads it back after a
 moment, and gives way if another run wrote it meanwhile. Only a resuming run may take over a mirror that holds
 another run's checkpoints; a new run is refused there, as it is in an output directory that holds another run.
 """
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from trl_ext.errors import MirrorError
 from trl_ext.mirror.store import RUN_MARKER, Store
-from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import ownership
 
 LEASE_SECONDS = 120.0  # a marker not renewed for this long is free
 RENEW_SECONDS = 30.0  # how often a training run renews it
@@ -31,7 +32,7 @@ class Holder:
     run: str = field(default_factory=lambda: uuid.uuid4().hex)
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
-    slurm_job: str | None = field(default_factory=lambda: (job.job_id if (job := slurm.current()) else None))
+    job: str | None = field(default_factory=ownership.current_run)  # the orchestrator's run identity, if any
     output_dir: str = ""
     renewed: float = 0.0
     released: bool = False
@@ -42,7 +43,7 @@ class Holder:
         return cls(**known)
 
     def describe(self) -> str:
-        job = f", Slurm job {self.slurm_job}" if self.slurm_job else ""
+        job = f", {self.job}" if self.job else ""
         return f"run {self.run[:8]} (host {self.host}, pid {self.pid}{job}, output_dir {self.output_dir})"
 
 
@@ -52,8 +53,8 @@ def _gone(other: Holder, me: Holder, now: float) -> str | None:
         return "it ended"
     if now - other.renewed > LEASE_SECONDS:
         return f"it was last renewed {now - other.renewed:.0f} s ago"
-    if other.slurm_job and other.slurm_job == me.slurm_job:
-        return f"it was an earlier run of this Slurm job ({other.slurm_job})"
+    if other.job and other.job == me.job:
+        return f"it was an earlier attempt of this run ({other.job})"
     if other.host == me.host:
         try:
             os.kill(other.pid, 0)
@@ -82,7 +83,7 @@ def claim(store: Store, me: Holder, resuming: bool, say: Callable[[str], None]) 
         raw = store.read_json(RUN_MARKER)
         other = Holder.from_dict(raw) if raw else None
         if other is not None and other.run != me.run:
-            same_job = bool(other.slurm_job) and other.slurm_job == me.slurm_job  # a requeued job is the same run
+            same_job = bool(other.job) and other.job == me.job  # a restarted run is the same run
             if not resuming and not same_job:
                 raise MirrorError(f"checkpoint_mirror {store.shown} belongs to another {other.describe()}: resume "
                                   "that run (resume_from_checkpoint=True), or choose another checkpoint_mirror")

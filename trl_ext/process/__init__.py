@@ -50,7 +50,7 @@ def decided_on_rank0(decide, group=None):
     if dist.get_rank() == 0:
         try:
             answer = [decide(), None]
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - raised on every rank below (a refusal of bad input too)
             answer = [None, exc]
     dist.broadcast_object_list(answer, src=0, group=group)
     if answer[1] is not None:
@@ -58,9 +58,19 @@ def decided_on_rank0(decide, group=None):
     return answer[0]
 
 
+_speaks = [True]  # whether this machine prints notices (see ``speaks_here``)
+
+
+def speaks_here(speaks: bool) -> None:
+    """Say whether this process prints notices when it is not one of a launch's ranks: a job's launcher on each of
+    several machines reads the same input and would say the same; only the first machine's speaks."""
+    _speaks[0] = speaks
+
+
 def notice(message: str) -> None:
-    """One-line notice, printed once per process (rank 0 only when distributed; under Slurm, the first node's)."""
-    if env_rank() == 0 and os.environ.get("SLURM_NODEID", "0") == "0":
+    """One-line notice, printed once per run (rank 0 only when distributed; before the ranks exist, the first
+    machine's launcher process)."""
+    if env_rank() == 0 and _speaks[0]:
         logger.warning(f"[trl_ext] {message}")
 
 

@@ -1,7 +1,8 @@
 """Which checkpoint a run resumes from: the one asked for, or with ``resume_from_checkpoint=True`` the newest committed
-``checkpoint-N`` of the output directory, the same on every rank and present on every node; and, in a Slurm job that
-was requeued, the newest committed checkpoint its earlier run left, without being asked (``after_requeue``), in the
-job's own directory only (``scheduling.ownership``): a fresh job never resumes another job's directory by itself.
+``checkpoint-N`` of the output directory, the same on every rank and present on every node; and, in a run that its
+orchestrator restarted (a requeued Slurm job, torchrun's restart, recreated pods, a recovered SkyPilot task), the
+newest committed checkpoint its earlier attempt left, without being asked (``after_restart``), in the run's own
+directory only (``scheduling.ownership``): a fresh run never resumes another run's directory by itself.
 
 Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden staging directory
 (``.checkpoint-N.trl_ext-partial``) until it is complete and checked, and ``get_last_checkpoint`` never matches it.
@@ -14,8 +15,7 @@ import os
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ext.errors import ResumeError
-from trl_ext.scheduling import job as slurm
-from trl_ext.scheduling import ownership
+from trl_ext.scheduling import orchestrators, ownership
 
 
 def last_committed(output_dir: str | os.PathLike) -> str | None:
@@ -61,30 +61,30 @@ def checkpoint_to_resume(args, wanted) -> str | None:
     return path
 
 
-def after_requeue(output_dir: str | os.PathLike) -> tuple[str | None, str] | None:
-    """In a Slurm job run again after a requeue (or restarted into its own directory): the newest committed checkpoint
-    of ``output_dir`` if the directory is this job's, and the one line that says so; None otherwise (not under Slurm,
-    another job's directory, or a first run).
+def after_restart(output_dir: str | os.PathLike) -> tuple[str | None, str] | None:
+    """In a run that its orchestrator restarted (or started again into its own directory): the newest committed
+    checkpoint of ``output_dir`` if the directory is this run's, and the one line that says so; None otherwise (no
+    run identity, another run's directory).
 
     Args:
         output_dir: the run's output directory.
 
     Returns:
-        ``(checkpoint or None, line)``: None when this job's earlier run committed no checkpoint yet.
+        ``(checkpoint or None, line)``: None when this run's earlier attempt committed no checkpoint yet.
     """
     if not ownership.is_own(output_dir):
         return None
-    job = slurm.current()
+    job = orchestrators.current()
     last = last_committed(output_dir)
     if last is None:
-        return None, f"Slurm job {job.job_id}, restart {job.restart}: {output_dir} holds no committed checkpoint " \
-                     "yet; training from the start"
-    return last, f"Slurm job {job.job_id}, restart {job.restart}: resuming from {last}"
+        return None, f"{job.label}, restart {job.restart}: {output_dir} holds no committed checkpoint yet; training " \
+                     "from the start"
+    return last, f"{job.label}, restart {job.restart}: resuming from {last}"
 
 
-def requeued_checkpoint(args) -> str | None:
-    """``after_requeue`` for a trainer, decided on rank 0 and broadcast (collective when ``args.world_size > 1``; call
-    it on every rank, only under Slurm), said in one line; the output directory is claimed for this job.
+def restarted_checkpoint(args) -> str | None:
+    """``after_restart`` for a trainer, decided on rank 0 and broadcast (collective when ``args.world_size > 1``; call
+    it on every rank of a run with an identity), said in one line; the output directory is claimed for this run.
 
     Args:
         args: the run's ``TrainingArguments``.
@@ -95,12 +95,12 @@ def requeued_checkpoint(args) -> str | None:
     from trl_ext.process import decided_on_rank0, notice
 
     def decide():
-        requeued = after_requeue(args.output_dir)
-        if requeued is not None and (requeued[0] is not None or slurm.current().restart > 0):
+        restarted = after_restart(args.output_dir)
+        if restarted is not None and (restarted[0] is not None or orchestrators.current().restart > 0):
             # nothing here, with a mirror: the mirror's resume (resuming/mirrored.py) says what happens instead
-            if requeued[0] is not None or not getattr(args, "checkpoint_mirror", None):
-                notice(requeued[1])
+            if restarted[0] is not None or not getattr(args, "checkpoint_mirror", None):
+                notice(restarted[1])
         ownership.claim(args.output_dir)
-        return requeued[0] if requeued is not None else None
+        return restarted[0] if restarted is not None else None
 
     return decided_on_rank0(decide)

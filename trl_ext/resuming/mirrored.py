@@ -1,7 +1,7 @@
 """Resuming from the checkpoint mirror (``checkpoint_mirror``): a run whose output directory holds no committed
 checkpoint (a fresh machine, a deleted directory) downloads the newest complete mirrored one, checked against its
-manifest, and resumes from it as from a local one. Asked for with ``resume_from_checkpoint=True``; a requeued Slurm
-job whose mirror this job was writing does it by itself.
+manifest, and resumes from it as from a local one. Asked for with ``resume_from_checkpoint=True``; a restarted run (a
+requeued Slurm job, recreated pods, a recovered SkyPilot task) whose mirror this run was writing does it by itself.
 
 Decided on rank 0 and broadcast (a mismatching checkpoint refused there, the next older one tried); a failure is
 raised on every rank.
@@ -12,7 +12,7 @@ from trl_ext.mirror import downloader, lease
 from trl_ext.mirror.store import first_line
 from trl_ext.process import decided_on_rank0, notice
 from trl_ext.resuming.choose import last_committed
-from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import orchestrators
 
 
 def _from_rank0(decide) -> str | None:
@@ -65,29 +65,31 @@ def args_has_local_checkpoint(args) -> bool:
     return last_committed(args.output_dir) is not None
 
 
-def requeued(trainer) -> str | None:
-    """Under Slurm, a job run again (``SLURM_RESTART_COUNT`` > 0) whose output directory holds no checkpoint (a
-    node-local directory gone with its machine): if the mirror's run marker says this job was writing to it, the newest
-    complete mirrored checkpoint, downloaded and checked. Collective.
+def restarted(trainer) -> str | None:
+    """In a run with an identity (a Slurm job, a SkyPilot task, a TrainJob, ...; ``scheduling.orchestrators``) whose
+    output directory holds no checkpoint (a node-local directory gone with its machine, recreated pods, a recovered
+    task on a new machine): if the mirror's run marker says this run was writing to it, the newest complete mirrored
+    checkpoint, downloaded and checked. Collective.
 
     Returns:
         The local checkpoint to resume, the same on every rank, or None.
     """
-    job = slurm.current()
+    job = orchestrators.current()
     mirror = getattr(trainer, "_mirror", None)
-    if mirror is None or job is None or job.restart == 0:
+    if mirror is None or job is None or job.run is None:
         return None
 
     def decide():
         if args_has_local_checkpoint(trainer.args):  # on rank 0 only, as in download_if_missing
             return None
         marker = mirror.store.read_json(lease.RUN_MARKER) or {}
-        if marker.get("slurm_job") != job.job_id:
-            notice(f"Slurm job {job.job_id}, restart {job.restart}: neither {trainer.args.output_dir} nor the mirror "
-                   f"{mirror.store.shown} holds a checkpoint of this job; training from the start")
+        if marker.get("job") != job.run:
+            if job.restart:
+                notice(f"{job.label}, restart {job.restart}: neither {trainer.args.output_dir} nor the mirror "
+                       f"{mirror.store.shown} holds a checkpoint of this run; training from the start")
             return None
-        notice(f"Slurm job {job.job_id}, restart {job.restart}: {trainer.args.output_dir} holds no committed "
-               f"checkpoint; this job's mirror {mirror.store.shown} is the place to resume from")
+        notice(f"{job.label}, restart {job.restart}: {trainer.args.output_dir} holds no committed checkpoint; this "
+               f"run's mirror {mirror.store.shown} is the place to resume from")
         return _download(trainer)
 
     return _from_rank0(decide)

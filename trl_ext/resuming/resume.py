@@ -23,7 +23,7 @@ from trl_ext.files import hub_names
 from trl_ext.process import decided_on_rank0, notice
 from trl_ext.resuming import checks, choose, fsdp2, mirrored, rng, universal, world_size
 from trl_ext.saving import supports
-from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import ownership
 
 
 @dataclass
@@ -133,9 +133,9 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         trainer: the trainer about to train (its DeepSpeed engine is not built yet).
         resume_from_checkpoint: as given to ``train``: None or False, a path, or True (the newest committed one;
             with ``checkpoint_mirror`` and none in the output directory, the mirror's newest, downloaded:
-            ``mirrored``). Under Slurm, None in a job run again after a requeue means the newest checkpoint its
-            earlier run committed in this output directory (``choose.requeued_checkpoint``), or in the mirror it was
-            writing (``mirrored.requeued``).
+            ``mirrored``). In a run with an identity (``scheduling.orchestrators``), None means the newest checkpoint
+            an earlier attempt of the run committed in this output directory (``choose.restarted_checkpoint``), or in
+            the mirror it was writing (``mirrored.restarted``).
 
     Returns:
         The ``Resume``: its ``checkpoint`` is the path to hand Trainer (None: nothing to resume, or True found
@@ -144,8 +144,8 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
     Raises:
         ResumeError: a damaged checkpoint, one missing on some node, or a global batch that cannot be kept.
     """
-    if not resume_from_checkpoint and slurm.current() is not None:  # a requeued Slurm job resumes by itself
-        resume_from_checkpoint = choose.requeued_checkpoint(trainer.args) or mirrored.requeued(trainer)
+    if not resume_from_checkpoint and ownership.current_run() is not None:  # a restarted run resumes by itself
+        resume_from_checkpoint = choose.restarted_checkpoint(trainer.args) or mirrored.restarted(trainer)
     if not resume_from_checkpoint:
         return Resume()
     if resume_from_checkpoint is True:  # an output directory without a checkpoint: the mirror's newest, if any

@@ -1,37 +1,39 @@
-"""One node of a Slurm job: ``recipes/slurm.sbatch`` runs ``python -m trl_ext.scheduling.node RECIPE [options]`` once
-per node (``srun --ntasks-per-node=1``). It runs the recipe (or ``trl-ext <command>``), which launches its processes
-with what Slurm decided (``machine_args``: the number of machines, this machine's rank, the first node's address and
-a port derived from the job id, the total number of processes) in place of its accelerate config's own.
+"""One machine of a job that an orchestrator started once per machine: ``recipes/slurm.sbatch`` runs
+``python -m trl_ext.scheduling.node RECIPE [options]`` once per node (``srun --ntasks-per-node=1``), and a recipe (or
+``trl-ext <command>``) that SkyPilot, a Kubernetes pod with torchrun's ``PET_*`` variables or a LeaderWorkerSet started
+re-launches itself under it (``launching.launch``). It first meets the other machines within a stated time
+(``rendezvous``; Slurm starts a job's nodes together), then runs the recipe, which launches this machine's ranks with
+what the orchestrator decided (``launching.launch.machine_args``: the number of machines, this machine's rank, the
+first machine's address and port, the processes) in place of its accelerate config's own.
 
-Slurm delivers its signals (``scancel``, ``scontrol requeue``, preemption, the time limit itself) to every process of
-the job step; the batch script passes the time-limit warning on as SIGURG, which this launcher turns into SIGUSR1. The
-ranks record them and agree at the next step boundary to save a checkpoint and stop (``scheduling.preemption``). The
-processes in between stay out of it: this launcher starts its children with SIGUSR1 and SIGTERM ignored and tells
-torchrun to leave SIGTERM alone (it would otherwise stop the ranks itself and kill them 30 s later, whatever their
-checkpoint needs); the ranks install their own handlers when training starts. Once signalled, the launcher sends the
-signal again every few seconds to everything it started, so that a signal that came before training started is acted
-on as soon as it has.
+Schedulers deliver their signals (``scancel``, ``scontrol requeue``, preemption, the time limit, a pod's deletion) to
+the job's processes; under Slurm the batch script passes the time-limit warning on as SIGURG, which this launcher turns
+into SIGUSR1. The ranks record them and agree at the next step boundary to save a checkpoint and stop
+(``scheduling.preemption``). The processes in between stay out of it: this launcher starts its children with SIGUSR1
+and SIGTERM ignored and tells torchrun to leave SIGTERM alone (it would otherwise stop the ranks itself and kill them
+30 s later, whatever their checkpoint needs); the ranks install their own handlers when training starts. Once
+signalled, the launcher sends the signal again every few seconds to everything it started, so that a signal that came
+before training started is acted on as soon as it has.
 
 When its processes end, the launcher reads what its ranks left (``scheduling.outcome``) and says in one line how this
-node ended, with the exit code the batch script decides on (``scheduling.restart``): 0, 128 + the signal of a planned
-stop (138 for the warning, 143 for SIGTERM; the ranks themselves end quietly, with 0, so that torchrun prints no
-traceback for it), ``restart.LOST`` when its ranks lost a peer or their node, ``restart.ERROR`` for an error of their
-own.
+machine ended, with an exit code a scheduler can act on (``scheduling.restart``; Kubernetes failure policies match
+them): 0, 128 + the signal of a planned stop (138 for the warning, 143 for SIGTERM; the ranks themselves end quietly,
+with 0, so that torchrun prints no traceback for it), ``restart.LOST`` (200) when its ranks lost a peer or their
+machine, ``restart.ERROR`` (201) for an error of their own.
 """
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 
-from trl_ext.errors import UsageError
-from trl_ext.scheduling import job as slurm
-from trl_ext.scheduling import outcome, ownership, restart
+from trl_ext.errors import SetupError, UsageError
+from trl_ext.scheduling import orchestrators, outcome, ownership, rendezvous, restart, slurm
+from trl_ext.scheduling.orchestrators import NODE_ENV
 from trl_ext.scheduling.ownership import RUN_ENV
 
-NODE_ENV = "TRL_EXT_SLURM_NODE"  # set for what this launcher runs: Slurm's machine arguments, as JSON
 CPU_PROCESSES_PER_NODE = 2  # the recipes' default without a GPU
 RESEND_SECONDS = 5  # once signalled, the signal is sent again this often until the processes end
 RECORDED = (signal.SIGUSR1, signal.SIGTERM)  # what the ranks act on; the processes in between ignore them
@@ -39,42 +41,13 @@ WARNING = signal.SIGURG  # the time-limit warning as the batch script passes it 
 # torchrun's own handlers (torch >= 2.6 reads this): not SIGTERM, which the ranks handle with a checkpoint
 TORCHRUN_SIGNALS = ("PET_SIGNALS_TO_HANDLE", "SIGINT,SIGHUP,SIGQUIT")
 # The nodes' torchrun agents meet at their end in an exit barrier hosted by the first node's agent, which leaves as soon
-# as the barrier is complete; another node's agent still waiting for the answer then logs "Error waiting on exit
-# barrier" with a traceback (harmless; seen once in two runs of a planned stop). This launcher's line says how its
-# ranks ended, so the agents' own log (read from LOGLEVEL by torch's elastic package only) is kept to the critical,
-# unless the user set LOGLEVEL.
+# as the barrier is complete; another node's agent still waiting for the answer may then log "Error waiting on exit
+# barrier" with a traceback, harmless. This launcher's line says how its ranks ended, so the agents' own log (read
+# from LOGLEVEL by torch's elastic package only) is kept to the critical, unless the user set LOGLEVEL.
 AGENT_LOG_LEVEL = ("LOGLEVEL", "CRITICAL")
 
 
-def machine_args(num_processes: int | None = None) -> tuple[list[str], str] | None:
-    """The ``accelerate launch`` arguments Slurm decides, for a launch run by this launcher, and the one line that
-    says so; None outside one.
-
-    Args:
-        num_processes: the total the user asked for (``--num_processes``), else one per GPU on every node (2 per node
-            on CPU).
-
-    Returns:
-        ``(arguments, line)``: ``--num_machines``, ``--machine_rank``, ``--main_process_ip``, ``--main_process_port``,
-        ``--num_processes`` and DeepSpeed's per-node launcher (torchrun on each node, not pdsh).
-    """
-    node = os.environ.get(NODE_ENV)
-    if not node:
-        return None
-    node = json.loads(node)
-    per_node = node["gpus"] or CPU_PROCESSES_PER_NODE
-    total = num_processes or per_node * node["nodes"]
-    args = ["--num_machines", str(node["nodes"]), "--machine_rank", str(node["node_rank"]),
-            "--main_process_ip", node["address"], "--main_process_port", str(node["port"]),
-            "--num_processes", str(total), "--rdzv_backend", "static", "--same_network",
-            "--deepspeed_multinode_launcher", "standard"]
-    line = (f"Slurm job {node['job_id']} (restart {node['restart']}): {node['nodes']} machine(s), this one number "
-            f"{node['node_rank']}, {total} processes, rendezvous {node['address']}:{node['port']}; these replace the "
-            f"accelerate config's machines, ranks, address and port")
-    return args, line
-
-
-def _gpus() -> int:
+def local_gpus() -> int:
     """This node's GPUs: Slurm's count when it allocated them, else the visible devices, else CUDA's (torch is
     imported only on a machine with an NVIDIA device)."""
     if os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():
@@ -120,19 +93,22 @@ def main(argv: list[str] | None = None) -> int:
         (else the recipe's own code).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    job = slurm.current()
     if not argv:
-        raise UsageError("usage: python -m trl_ext.scheduling.node RECIPE [recipe options] (one per node, under "
-                         "srun; see recipes/slurm.sbatch)")
-    if job is None:
-        raise UsageError("python -m trl_ext.scheduling.node runs inside a Slurm job (SLURM_JOB_ID is not set): submit "
-                         "it with sbatch recipes/slurm.sbatch RECIPE [options]")
-    node = {"job_id": job.job_id, "restart": job.restart, "nodes": job.nodes, "node_rank": job.node_rank,
-            "address": slurm.main_address(job), "port": job.port, "gpus": _gpus()}
+        raise UsageError("usage: python -m trl_ext.scheduling.node RECIPE [recipe options] (one per machine: under "
+                         "srun, see recipes/slurm.sbatch; or as a recipe re-launches itself under SkyPilot or a "
+                         "Kubernetes pod)")
+    job = machine()
+    if job.nodes > 1 and job.orchestrator != "Slurm":  # Slurm starts a job's nodes together; pods and VMs come apart
+        try:
+            rendezvous.gather(job, say=lambda line: print(f"[trl_ext] {job.label}: {line}", file=sys.stderr,
+                                                          flush=True))
+        except SetupError as exc:
+            print(f"[trl_ext] {job.label}, node {job.node_rank}: error: {exc}", file=sys.stderr, flush=True)
+            return restart.LOST
     run = ownership.run_dir(job)
     os.makedirs(run, exist_ok=True)
-    command = argv if argv[0] == "trl-ext" else [sys.executable, *argv]
-    env = {AGENT_LOG_LEVEL[0]: AGENT_LOG_LEVEL[1], **os.environ, NODE_ENV: json.dumps(node), RUN_ENV: run,
+    command = [sys.executable, *(["-m", "trl_ext", *argv[1:]] if argv[0] == "trl-ext" else argv)]
+    env = {AGENT_LOG_LEVEL[0]: AGENT_LOG_LEVEL[1], **os.environ, NODE_ENV: job.to_env(), RUN_ENV: run,
            TORCHRUN_SIGNALS[0]: TORCHRUN_SIGNALS[1]}
     received = set()
     for signum in RECORDED:  # for the ranks; this one waits
@@ -150,21 +126,43 @@ def main(argv: list[str] | None = None) -> int:
             continue
     for signum in (*RECORDED, WARNING):  # exiting now: Python's exit would give them back their default (to end it)
         signal.signal(signum, signal.SIG_IGN)
-    code, line = ending(job, run, code)
+    code, line = ending(run, code)
     if line:
         where = os.environ.get("SLURMD_NODENAME", "")
-        print(f"[trl_ext] Slurm job {job.job_id}, node {job.node_rank}{f' ({where})' if where else ''}: {line}",
+        print(f"[trl_ext] {job.label}, node {job.node_rank}{f' ({where})' if where else ''}: {line}",
               file=sys.stderr, flush=True)
-    if job.node_rank != 0:  # the first node's is the batch script's to read, then remove
+    if job.node_rank != 0 or job.orchestrator != "Slurm":  # the first Slurm node's is the batch script's to read
         shutil.rmtree(run, ignore_errors=True)
     return code
 
 
-def ending(job: slurm.SlurmJob, run: str, code: int) -> tuple[int, str | None]:
+def machine() -> orchestrators.Job:
+    """This machine's job, as the node launcher hands it to its ranks: under Slurm the job's nodes, this one's place
+    and the first node's address (Slurm's configuration); elsewhere the orchestrator's variables as read.
+
+    Returns:
+        The job (one process per machine).
+
+    Raises:
+        UsageError: no orchestrator that starts one process per machine.
+    """
+    job = orchestrators.current()
+    if job is None or job.per_rank:
+        raise UsageError("python -m trl_ext.scheduling.node runs one machine of a job that Slurm, SkyPilot, a "
+                         "Kubernetes pod with torchrun's PET_* variables or a LeaderWorkerSet started (none of their "
+                         "variables is set): under Slurm submit it with sbatch recipes/slurm.sbatch RECIPE [options]",
+                         every_rank=True)
+    if job.orchestrator == "Slurm":
+        found = slurm.current()
+        job = replace(job, nodes=found.nodes, node_rank=found.node_rank, address=slurm.main_address(found),
+                      per_node=local_gpus() or None)
+    return job
+
+
+def ending(run: str, code: int) -> tuple[int, str | None]:
     """This node's exit code and its one line, from its processes' exit code and what its ranks left in ``run``.
 
     Args:
-        job: the job.
         run: this node's run directory.
         code: the recipe's exit code (negative: killed by that signal).
 

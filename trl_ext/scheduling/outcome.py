@@ -1,8 +1,13 @@
-"""How a rank of a Slurm job ended, left for its node's launcher: a planned stop (the signal, the step, the checkpoint
+"""How a rank ended, left for whoever decides what happens next: a planned stop (the signal, the step, the checkpoint
 it saved) or a failure, told apart where it is known: a lost peer or node (its collectives broke: a peer died, its
 node went away, the network dropped) or an error of its own (a bug, bad data, a full disk). The rank writes one small
-file into its node's run directory (``ownership.RUN_ENV``) as it ends; the node's launcher reads them all (``node``),
-and the batch script decides from every node's answer (``restart``).
+file as it ends:
+
+- into its machine's run directory (``ownership.RUN_ENV``), under the node launcher: the launcher reads them all
+  (``node``), and under Slurm the batch script decides from every node's answer (``restart``);
+- into its output directory, for a run that its orchestrator may restart (torchrun's ``--max-restarts``, an elastic
+  job): the next attempt reads it and refuses at once to repeat an error of the run's own (``refuse_after_error``);
+  restarting cannot fix a bug, and a lost machine is what a restart is for.
 
 Told apart by the exception, never by the log: torch's distributed errors (``DistNetworkError``, ``DistStoreError``,
 ``DistBackendError``) and the transports' words for a broken connection (gloo's "Connection closed by peer", NCCL's
@@ -11,18 +16,22 @@ Told apart by the exception, never by the log: torch's distributed errors (``Dis
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
+from trl_ext.errors import UsageError
+from trl_ext.scheduling import orchestrators, ownership
 from trl_ext.scheduling.ownership import RUN_ENV
 
 PEER, ERROR = "peer", "error"
+ATTEMPTS = ".trl_ext-attempts"  # in an output directory: how each attempt of a restarted run ended, one folder each
 # What the transports say when the other end of a collective is gone (gloo, NCCL, TCPStore, sockets).
 PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
               "ncclremoteerror", "communicator was aborted", "connection refused", "no route to host",
               "socket timeout", "recv failed", "send failed")
 _DIST_ERRORS = ("DistNetworkError", "DistStoreError", "DistBackendError")
-_watching = False
+_watching = [False, None]  # the hook is installed; the output directory whose attempts it records
 
 
 def kind_of(exc: BaseException) -> str:
@@ -43,6 +52,12 @@ def kind_of(exc: BaseException) -> str:
     return ERROR
 
 
+def _entry(exc: BaseException) -> dict:
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return {"kind": kind_of(exc), "error": f"{type(exc).__name__}: {first}" if first else type(exc).__name__,
+            "rank": os.environ.get("RANK", "0")}
+
+
 def record(exc: BaseException, run_dir: str | os.PathLike | None = None) -> str | None:
     """Leave this rank's failure for its node's launcher: ``failed-<pid>.json`` in the run directory.
 
@@ -56,16 +71,13 @@ def record(exc: BaseException, run_dir: str | os.PathLike | None = None) -> str 
     run_dir = run_dir or os.environ.get(RUN_ENV)
     if not run_dir or not os.path.isdir(run_dir):
         return None
-    kind = kind_of(exc)
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    entry = {"kind": kind, "error": f"{type(exc).__name__}: {first}" if first else type(exc).__name__,
-             "rank": os.environ.get("RANK", "0")}
+    entry = _entry(exc)
     path = Path(run_dir) / f"failed-{os.getpid()}.json"
     try:
         path.write_text(json.dumps(entry))
     except OSError:
         return None
-    return kind
+    return entry["kind"]
 
 
 def failures(run_dir: str | os.PathLike) -> list[dict]:
@@ -125,18 +137,76 @@ def _read(run_dir, pattern: str) -> list[dict]:
     return found
 
 
-def watch() -> None:
-    """In a rank of a Slurm node (under ``scheduling.node``), record the exception that ends the process; elsewhere,
-    nothing. Idempotent; the previous hook still runs (the traceback is printed as before)."""
-    global _watching
-    if _watching or not os.environ.get(RUN_ENV):
+def _attempt(job) -> int:
+    return job.restart if job is not None else 0
+
+
+def record_attempt(exc: BaseException, output_dir: str | os.PathLike) -> bool:
+    """Leave this rank's failure in the run's output directory, under this attempt's number, for the next attempt.
+
+    Args:
+        exc: the exception that ends the rank.
+        output_dir: the run's output directory (its own: marked for this run).
+
+    Returns:
+        Whether it was recorded (not for a directory that is not this run's).
+    """
+    if not ownership.is_own(output_dir):
+        return False
+    folder = Path(output_dir) / ATTEMPTS / str(_attempt(orchestrators.current()))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"failed-{os.environ.get('RANK', '0')}-{os.getpid()}.json").write_text(json.dumps(_entry(exc)))
+    except OSError:
+        return False
+    return True
+
+
+def refuse_after_error(output_dir: str | os.PathLike) -> None:
+    """At the start of a restarted run's attempt, in its own output directory: refuse at once when an earlier attempt
+    ended in an error of its own (the first attempt clears what an earlier launch of the run left).
+
+    Args:
+        output_dir: the run's own output directory.
+
+    Raises:
+        UsageError: an earlier attempt's error, on every rank that reads it.
+    """
+    job = orchestrators.current()
+    attempt = _attempt(job)
+    attempts = Path(output_dir) / ATTEMPTS
+    if attempt == 0:
+        shutil.rmtree(attempts, ignore_errors=True)  # a new launch of the run: its restarts count from here
         return
-    _watching = True
+    for earlier in sorted((int(p.name) for p in attempts.glob("*") if p.name.isdigit()), reverse=True):
+        errors = [f for f in _read(attempts / str(earlier), "failed-*.json") if f.get("kind") == ERROR]
+        if earlier < attempt and errors:
+            first = errors[0]
+            raise UsageError(f"{job.label}, restart {attempt}: attempt {earlier} ended in an error of its own on rank "
+                             f"{first['rank']} ({first['error']}); a restart would repeat it, so this one stops. Fix "
+                             "it, then start the run again (it resumes from its newest checkpoint).")
+
+
+def watch(output_dir: str | os.PathLike | None = None) -> None:
+    """Record the exception that ends this process: for its machine's launcher (under ``scheduling.node``) and, once
+    ``output_dir`` is given, for the next attempt of a run its orchestrator may restart. Idempotent; the previous hook
+    still runs (the traceback is printed as before).
+
+    Args:
+        output_dir: the run's output directory, once chosen.
+    """
+    if output_dir is not None:
+        _watching[1] = output_dir
+    if _watching[0]:
+        return
+    _watching[0] = True
     previous = sys.excepthook
 
     def hook(kind, exc, tb):
         if not isinstance(exc, KeyboardInterrupt):
             record(exc)
+            if _watching[1] is not None:
+                record_attempt(exc, _watching[1])
         previous(kind, exc, tb)
 
     sys.excepthook = hook

@@ -1,11 +1,14 @@
-"""Which output directory belongs to which Slurm job, and what the job keeps there across its runs.
+"""Which output directory belongs to which run, and what the run keeps there across its restarts.
 
-A directory becomes a job's when the job's first run claims it (``claim``): a hidden file, ``.trl_ext-slurm-job``,
-holds the job's id and its record (failures in a row without a new checkpoint, the newest checkpoint seen at the last
-failure, how long a checkpoint and a step took). A run of the same job, after a requeue, trains on into its own
-directory and resumes from it (``is_own``); a fresh job never resumes another job's directory by itself. Each claim
-also tells the batch script, on the first node, where the run trains (in the node's ``run_dir``): after the step
-ends, it reads the record there to decide whether to requeue the job (``restart``).
+A run is known by its orchestrator's identity (``orchestrators.Job.run``: a Slurm job id, a SkyPilot task id, a
+TrainJob's name, torchrun's ``--rdzv-id``, ``TRL_EXT_RUN_ID``). A directory becomes a run's when the run first
+claims it (``claim``): a hidden file, ``.trl_ext-run``, holds the run's identity and its record (failures in a row
+without a new checkpoint, the newest checkpoint seen at the last failure, how long a checkpoint and a step took). The
+same run, restarted (a requeued Slurm job, torchrun's restart, recreated pods, a recovered SkyPilot task), trains on
+into its own directory and resumes from it (``is_own``); a fresh run never resumes another run's directory by itself.
+Under the node launcher each claim also tells it, on the first machine, where the run trains (in the machine's
+``run_dir``): under Slurm the batch script reads the record there to decide whether to requeue the job
+(``restart``).
 
 Nothing here imports torch or transformers: the batch script reads it between runs.
 """
@@ -15,73 +18,82 @@ import os
 import re
 from pathlib import Path
 
-from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import orchestrators
 
-JOB_MARKER = ".trl_ext-slurm-job"  # in an output directory: the Slurm job that trains into it, and its record
-RUN_ENV = "TRL_EXT_SLURM_RUN"  # for the ranks: their node's run directory (``run_dir``), set by the node's launcher
+RUN_MARKER = ".trl_ext-run"  # in an output directory: the run that trains into it, and its record
+RUN_ENV = "TRL_EXT_RUN_DIR"  # for the ranks: their machine's run directory (``run_dir``), set by the node launcher
 OUTPUT_DIR_NOTE = "output_dir"  # in the first node's run directory: where this run trains
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR; partial saves are hidden
 
 
 def record(output_dir: str | os.PathLike) -> dict:
-    """The job's record in ``output_dir``: ``{"job": id, ...}``, or ``{}`` when the directory is no job's.
+    """The run's record in ``output_dir``: ``{"run": identity, ...}``, or ``{}`` when the directory is no run's.
 
     Args:
         output_dir: a run's output directory.
 
     Returns:
-        The record (``job``; once written: ``failures``, ``checkpoint``, ``save_seconds``, ``step_seconds``).
+        The record (``run``; once written: ``failures``, ``checkpoint``, ``save_seconds``, ``step_seconds``).
     """
     try:
-        text = (Path(output_dir) / JOB_MARKER).read_text().strip()
+        text = (Path(output_dir) / RUN_MARKER).read_text().strip()
     except OSError:
         return {}
     try:
         data = json.loads(text)
     except ValueError:
         return {}
-    return data if isinstance(data, dict) and data.get("job") else {}
+    return data if isinstance(data, dict) and data.get("run") else {}
 
 
-def job_of(output_dir: str | os.PathLike) -> str | None:
-    """The id of the Slurm job ``output_dir`` is marked for, or None."""
-    return record(output_dir).get("job")
+def run_of(output_dir: str | os.PathLike) -> str | None:
+    """The identity of the run ``output_dir`` is marked for, or None."""
+    return record(output_dir).get("run")
+
+
+def current_run() -> str | None:
+    """The identity of the run this process belongs to, or None (no orchestrator, or one that names no run)."""
+    try:
+        job = orchestrators.current()
+    except SystemExit:  # contradictory variables: said where the launch is decided
+        return None
+    return job.run if job is not None else None
 
 
 def is_own(output_dir: str | os.PathLike) -> bool:
-    """Whether ``output_dir`` belongs to the Slurm job this process runs in (False outside Slurm)."""
-    job = slurm.current()
-    return job is not None and job_of(output_dir) == job.job_id
+    """Whether ``output_dir`` belongs to the run this process belongs to (False for a run without an identity)."""
+    run = current_run()
+    return run is not None and run_of(output_dir) == run
 
 
 def claim(output_dir: str | os.PathLike) -> None:
-    """In a Slurm job, make ``output_dir`` this job's (created if missing; an existing mark is left as it is, once per
-    job) and tell the batch script where this run trains; outside one, nothing.
+    """For a run with an identity, make ``output_dir`` the run's (created if missing; an existing mark is left as it
+    is, once per run) and tell the node launcher where this run trains; otherwise nothing.
 
     Args:
         output_dir: the run's output directory.
     """
-    job = slurm.current()
-    if job is None:
+    job = orchestrators.current()
+    if job is None or job.run is None:
         return
-    if job_of(output_dir) is None:
+    if run_of(output_dir) is None:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        _write(output_dir, {"job": job.job_id})
+        _write(output_dir, {"run": job.run})
     run = os.environ.get(RUN_ENV)
     if run and job.node_rank == 0 and os.path.isdir(run):
         _replace(Path(run) / OUTPUT_DIR_NOTE, os.path.abspath(output_dir))
 
 
 def update(output_dir: str | os.PathLike, **fields) -> None:
-    """Add ``fields`` to the job's record in ``output_dir`` (only when the directory is this job's).
+    """Add ``fields`` to the run's record in ``output_dir`` (only when the directory is this run's).
 
     Args:
         output_dir: the run's output directory.
         **fields: what to record (JSON values).
     """
     current = record(output_dir)
-    job = slurm.current()
-    if current and (job is None or current["job"] == job.job_id):
+    run = current_run()
+    if current and (run is None or current["run"] == run):
         _write(output_dir, {**current, **fields})
 
 
@@ -98,10 +110,10 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> int:
     return max(steps, default=0)
 
 
-def run_dir(job: slurm.SlurmJob) -> str:
-    """This run's directory on this node, where the ranks leave how they ended and, on the first node, where the run
-    trains: in the node's temporary directory, named by the job, its restart and the node (two Slurm nodes may share a
-    host).
+def run_dir(job: orchestrators.Job) -> str:
+    """This run's directory on this machine, where the ranks leave how they ended and, on the first machine, where the
+    run trains: in the machine's temporary directory, named by the run, its restart and the machine (two Slurm nodes,
+    or two pods' containers, may share a host).
 
     Args:
         job: the job, as this process sees it.
@@ -109,8 +121,9 @@ def run_dir(job: slurm.SlurmJob) -> str:
     Returns:
         The directory's path (not created here).
     """
-    node = os.environ.get("SLURMD_NODENAME") or str(job.node_rank)
-    return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"trl_ext-slurm-{job.job_id}.{job.restart}.{node}")
+    machine = os.environ.get("SLURMD_NODENAME") or str(job.node_rank)
+    run = job.run or f"pid{os.getpid()}"
+    return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"trl_ext-{run}.{job.restart}.{machine}")
 
 
 def announced_output_dir(run_dir: str | os.PathLike) -> str | None:
@@ -122,7 +135,7 @@ def announced_output_dir(run_dir: str | os.PathLike) -> str | None:
 
 
 def _write(output_dir, data: dict) -> None:
-    _replace(Path(output_dir) / JOB_MARKER, json.dumps(data, sort_keys=True))
+    _replace(Path(output_dir) / RUN_MARKER, json.dumps(data, sort_keys=True))
 
 
 def _replace(path: Path, text: str) -> None:

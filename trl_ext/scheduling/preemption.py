@@ -24,8 +24,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_ext.process import distributed, end_together, notice
-from trl_ext.scheduling import deadline, outcome, ownership
-from trl_ext.scheduling import job as slurm
+from trl_ext.scheduling import deadline, outcome, ownership, slurm
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REASK_SECONDS = 10.0  # once warned, rank 0 asks Slurm for the time left this often (the limit may change)

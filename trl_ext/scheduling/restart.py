@@ -27,8 +27,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from trl_ext.scheduling import job as slurm
-from trl_ext.scheduling import outcome, ownership
+from trl_ext.scheduling import orchestrators, outcome, ownership, slurm
 
 FINISHED, REQUEUE, STOPPED, FAILED = 0, 10, 11, 12  # this module's answer to the batch script
 WARNED, TERMINATED, KILLED = 138, 143, 137  # 128 + SIGUSR1, SIGTERM, SIGKILL
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     job = slurm.current()
     unwell = unwell_nodes(job.node_list) if job is not None and job.node_list and args.status not in (0, WARNED) \
         else []
-    run = ownership.run_dir(job) if job is not None else None
+    run = ownership.run_dir(orchestrators.current()) if job is not None else None  # the first node's
     decision = decide(args.status, args.warned, args.terminated, run, unwell)
     if run:  # the first node's; the other nodes' launchers removed theirs
         shutil.rmtree(run, ignore_errors=True)

@@ -1,0 +1,318 @@
+"""Every launcher's variables, in one process: which machines, which one am I, where do we meet, which run is this,
+was I restarted; what a recipe then does (train as the rank, start the machine's ranks, or re-launch), decided before
+torch is imported; contradictory variables refused in one line naming the variable, on every process; the machines'
+bounded meeting; and a restarted run that refuses to repeat an error of its own. The real launches are in
+tests/distributed/test_launchers.py."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from tests.harness import REPO
+from trl_ext import process
+from trl_ext.errors import SetupError, UsageError
+from trl_ext.launching import in_process, launch, scripting
+from trl_ext.scheduling import node, orchestrators, outcome, ownership, rendezvous
+
+ZERO3 = "accelerate_configs/zero3.yaml"
+# Every variable a reader looks at: each test starts from none of them.
+ALL = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+       "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "PET_NNODES", "PET_NODE_RANK",
+       "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NPROC_PER_NODE", "JOB_COMPLETION_INDEX", "JOBSET_NAME",
+       "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS",
+       "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE", "SKYPILOT_TASK_ID", "SLURM_JOB_ID", "SLURM_JOBID",
+       "SLURM_RESTART_COUNT", "SLURM_NODEID", orchestrators.NODE_ENV, orchestrators.RUN_ID_ENV,
+       orchestrators.PORT_ENV, launch.RELAUNCHED, "CUDA_VISIBLE_DEVICES", ownership.RUN_ENV)
+
+KUBEFLOW = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "auto", "PET_MASTER_PORT": "29500",
+            "PET_MASTER_ADDR": "dpo-run-node-0-0.dpo-run"}
+SKYPILOT = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2", "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_TASK_ID": "sky-managed-2026_dpo_3-0"}
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+            "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "job7",
+            "TORCHELASTIC_RESTART_COUNT": "2"}
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Set a launcher's variables (none else set); returns the setter."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(process, "_speaks", [True])  # a launch decided here may silence this process's notices
+    for key in ALL:
+        monkeypatch.delenv(key, raising=False)
+
+    def set_env(**variables):
+        for key, value in variables.items():
+            monkeypatch.setenv(key, value)
+        return monkeypatch
+
+    return set_env
+
+
+def test_no_orchestrator(env):
+    assert orchestrators.current() is None
+
+
+def test_a_torchrun_rank(env):
+    env(**TORCHRUN)
+    job = orchestrators.current()
+    assert job.per_rank and (job.rank, job.world_size, job.nodes, job.node_rank) == (3, 4, 2, 1)
+    assert (job.address, job.port, job.run, job.restart) == ("10.0.0.1", 29400, "torchrun-job7", 2)
+    assert job.describe() == ("torchrun: rank 3 of 4 on 2 machine(s), rendezvous 10.0.0.1:29400, run torchrun-job7, "
+                              "restart 2")
+
+
+def test_torchruns_default_rendezvous_id_names_no_run(env):
+    env(**{**TORCHRUN, "TORCHELASTIC_RUN_ID": "none"})
+    assert orchestrators.current().run is None
+
+
+def test_kubeflow_pods_whose_command_is_the_recipe(env):
+    env(**KUBEFLOW)
+    job = orchestrators.current()
+    assert not job.per_rank and (job.nodes, job.node_rank, job.address, job.port) == (
+        2, 1, "dpo-run-node-0-0.dpo-run", 29500)
+    assert job.per_node is None  # "auto": one per GPU, 2 on CPU
+    assert job.run == "trainjob-dpo-run"  # Kubeflow Trainer's first pod names the TrainJob: the same when recreated
+
+
+def test_a_pytorchjob_pods_own_rank_is_not_a_processes(env):
+    """Training-operator v1 sets RANK to the pod's index and WORLD_SIZE to the pod count (no LOCAL_RANK)."""
+    env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="dpo-master-0", MASTER_PORT="23456", PET_NNODES="2",
+        PET_NODE_RANK="1", PET_NPROC_PER_NODE="4", PET_MASTER_ADDR="dpo-master-0", PET_MASTER_PORT="23456")
+    job = orchestrators.current()
+    assert not job.per_rank and (job.nodes, job.node_rank, job.per_node, job.run) == (2, 1, 4, "k8s-dpo-master-0")
+
+
+def test_torchrun_in_a_kubeflow_pod_keeps_the_trainjob_as_the_run(env):
+    env(**KUBEFLOW, **{**TORCHRUN, "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"})
+    job = orchestrators.current()
+    assert job.per_rank and job.orchestrator == "Kubeflow" and job.run == "trainjob-dpo-run"
+
+
+def test_a_jobset_that_sets_torchruns_variables(env):
+    env(PET_NNODES="2", JOB_COMPLETION_INDEX="1", PET_MASTER_ADDR="10.1.0.4", JOBSET_NAME="dpo")
+    job = orchestrators.current()
+    assert (job.nodes, job.node_rank, job.port, job.run) == (2, 1, orchestrators.TORCHRUN_PORT, "jobset-dpo")
+
+
+def test_a_leader_worker_set_group(env):
+    env(LWS_LEADER_ADDRESS="dpo-0.dpo.default", LWS_GROUP_SIZE="3", LWS_WORKER_INDEX="2")
+    job = orchestrators.current()
+    assert (job.orchestrator, job.nodes, job.node_rank, job.address, job.run) == (
+        "LeaderWorkerSet", 3, 2, "dpo-0.dpo.default", "lws-dpo-0")
+
+
+def test_skypilot_nodes(env):
+    env(**SKYPILOT)
+    job = orchestrators.current()
+    assert (job.nodes, job.node_rank, job.address, job.per_node) == (2, 1, "10.0.0.1", None)
+    assert job.run == "skypilot-sky-managed-2026_dpo_3-0"  # kept across a managed job's recoveries
+    assert orchestrators.PORT_BASE <= job.port < orchestrators.PORT_BASE + orchestrators.PORT_SPAN
+    assert job.port == orchestrators.current().port  # the same on every node
+    env(SKYPILOT_NUM_GPUS_PER_NODE="8", **{orchestrators.PORT_ENV: "31000"})
+    assert (orchestrators.current().per_node, orchestrators.current().port) == (8, 31000)
+
+
+def test_the_run_can_be_named_anywhere(env):
+    env(**SKYPILOT, **{orchestrators.RUN_ID_ENV: "my-run"})
+    assert orchestrators.current().run == "my-run"
+
+
+def test_the_node_launchers_view_reaches_its_ranks(env):
+    env(**SKYPILOT)
+    job = orchestrators.current()
+    env(**{orchestrators.NODE_ENV: job.to_env(), **TORCHRUN, "TORCHELASTIC_RUN_ID": "none",
+           "TORCHELASTIC_RESTART_COUNT": "0"})
+    rank = orchestrators.current()
+    assert rank.per_rank and rank.orchestrator == "SkyPilot" and rank.run == job.run and rank.rank == 3
+
+
+@pytest.mark.parametrize("variables, named", [
+    ({**KUBEFLOW, "PET_NODE_RANK": "2"}, "PET_NODE_RANK=2 is beyond PET_NNODES=2"),
+    ({**KUBEFLOW, "PET_NNODES": "zero"}, "PET_NNODES='zero'"),
+    ({**{k: v for k, v in KUBEFLOW.items() if k != "PET_MASTER_ADDR"}}, "PET_MASTER_ADDR is not set"),
+    ({**KUBEFLOW, "PET_MASTER_PORT": "70000"}, "PET_MASTER_PORT=70000 is not a TCP port"),
+    ({**KUBEFLOW, "PET_NPROC_PER_NODE": "eight"}, "PET_NPROC_PER_NODE='eight'"),
+    ({**SKYPILOT, "SKYPILOT_NUM_NODES": "3"}, "SKYPILOT_NODE_IPS lists 2 address(es) but SKYPILOT_NUM_NODES=3"),
+    ({**SKYPILOT, "SKYPILOT_NODE_RANK": "5"}, "SKYPILOT_NODE_RANK=5 is beyond SKYPILOT_NUM_NODES=2"),
+    ({"LWS_LEADER_ADDRESS": "a", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "2"}, "LWS_WORKER_INDEX=2 is beyond"),
+    ({**TORCHRUN, "RANK": "4"}, "RANK=4 is beyond WORLD_SIZE=4"),
+])
+def test_contradictory_variables_are_named_in_one_line_on_every_process(env, variables, named):
+    env(**{"RANK": "1", **variables})  # not rank 0: said here too
+    with pytest.raises(UsageError) as error:
+        orchestrators.current()
+    assert named in str(error.value) and "\n" not in str(error.value)
+    assert isinstance(error.value.code, str) and error.value.code.startswith("error: ")  # printed, exit code 1
+
+
+class Exec(Exception):
+    """What ``os.execve`` was asked to run (the test's stand-in raises it instead of replacing the process)."""
+
+
+@pytest.fixture
+def execs(monkeypatch):
+    def execve(path, argv, environment):
+        raise Exec(argv, environment)
+
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.setattr(launch, "_started", {})
+
+
+def _exec_of(call):
+    with pytest.raises(Exec) as caught:
+        call()
+    return caught.value.args
+
+
+def test_a_rank_applies_the_accelerate_config_here_and_is_never_relaunched(env, execs, caplog):
+    env(**TORCHRUN, ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")  # an outer accelerate config's, replaced
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        rest = launch.start("recipes/dpo.py", ["--config", ZERO3, "--max_steps", "3"])
+    assert rest == ["--max_steps", "3"]
+    assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "true" and os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert "ACCELERATE_USE_FSDP" not in os.environ and "FSDP_VERSION" not in os.environ
+    with pytest.raises(UsageError, match="the launcher started 4 processes"):
+        launch._started.clear()
+        launch.start("recipes/dpo.py", ["--config", ZERO3, "--num_processes", "2"])
+
+
+def test_the_rank_says_which_launcher_and_world_it_found(env, execs, caplog):
+    env(**{**TORCHRUN, "RANK": "0"})
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        launch.start("recipes/dpo.py", ["--config", ZERO3])
+    assert ("torchrun: rank 0 of 4 on 2 machine(s), rendezvous 10.0.0.1:29400, run torchrun-job7, restart 2; "
+            f"{ZERO3} applied in each process (DeepSpeed ZeRO-3)") in caplog.text
+
+
+def test_in_process_environment_is_accelerates_own(env):
+    assert in_process.environment("accelerate_configs/fsdp2.yaml", 4)["FSDP_VERSION"] == "2"
+    ddp = in_process.environment("accelerate_configs/ddp.yaml", 4)
+    assert not any(key.startswith("FSDP_") or "DEEPSPEED" in key for key in ddp)
+
+
+def test_one_machine_re_launches_under_accelerate(env, execs):
+    argv, environment = _exec_of(lambda: launch.start("recipes/dpo.py", ["--config", ZERO3, "--max_steps", "3"]))
+    assert argv[:5] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3]
+    assert argv[argv.index("--num_processes") + 1] == "2" and argv[-3:] == ["recipes/dpo.py", "--max_steps", "3"]
+    assert environment[launch.RELAUNCHED] == ZERO3
+
+
+def test_one_process_per_machine_starts_the_node_launcher_then_the_machines_ranks(env, execs):
+    env(**SKYPILOT, PET_NNODES="9")  # a pod's torchrun variables must not reach the machine's own torchrun
+    argv, _ = _exec_of(lambda: launch.start("recipes/sft.py", ["--config", ZERO3]))
+    assert argv == [sys.executable, "-m", "trl_ext.scheduling.node", "recipes/sft.py", "--config", ZERO3]
+    env(**{orchestrators.NODE_ENV: orchestrators.current().to_env()})  # what the node launcher hands the recipe
+    argv, environment = _exec_of(lambda: launch.start("recipes/sft.py", ["--config", ZERO3, "--x"]))
+    options = dict(zip(argv, argv[1:]))
+    assert (options["--num_machines"], options["--machine_rank"], options["--main_process_ip"],
+            options["--num_processes"]) == ("2", "1", "10.0.0.1", "4")  # 2 CPU processes on each machine
+    assert argv[-2:] == ["recipes/sft.py", "--x"] and "PET_NNODES" not in environment
+
+
+def test_a_pytorchjob_pod_other_than_the_first_starts_its_ranks_too(env, execs):
+    """RANK=1 (the pod's index) once made the recipe leave quietly: pod 1 trained nothing."""
+    env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="dpo-master-0", MASTER_PORT="23456", PET_NNODES="2",
+        PET_NODE_RANK="1", PET_MASTER_ADDR="dpo-master-0", PET_MASTER_PORT="23456")
+    argv, _ = _exec_of(lambda: launch.start("recipes/dpo.py", ["--config", ZERO3]))
+    assert argv[1:3] == ["-m", "trl_ext.scheduling.node"]
+
+
+def test_processes_that_do_not_divide_among_the_machines_are_refused(env):
+    env(**SKYPILOT)
+    with pytest.raises(UsageError, match="--num_processes 3 does not divide among 2 machines"):
+        launch.machine_args(orchestrators.current(), 3)
+
+
+def test_the_decision_imports_neither_torch_nor_trl():
+    code = ("import sys; from trl_ext.launching import launch; launch.start('recipes/dpo.py', ['--max_steps', '1']); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'trl', 'transformers', 'accelerate'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_machines_meet_within_the_bound(env):
+    env(**{rendezvous.TIMEOUT_ENV: "20"})
+    port = launch.free_port()
+    jobs = [orchestrators.Job("SkyPilot", False, nodes=2, node_rank=r, address="127.0.0.1", port=port)
+            for r in (0, 1)]
+    took, errors = [], []
+
+    def meet(job):
+        try:
+            took.append(rendezvous.gather(job, say=lambda line: None))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=meet, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors and len(took) == 2
+
+
+def test_a_machine_that_never_comes_is_named_within_the_bound(env):
+    env(**{rendezvous.TIMEOUT_ENV: "1"})
+    job = orchestrators.Job("SkyPilot", False, nodes=3, node_rank=0, address="127.0.0.1", port=launch.free_port())
+    with pytest.raises(SetupError, match=r"waited 1 s for 2 of 3 machines at 127\.0\.0\.1:\d+: machine\(s\) 1, 2 "
+                                         "never arrived"):
+        rendezvous.gather(job, say=lambda line: None)
+    second = orchestrators.Job("SkyPilot", False, nodes=2, node_rank=1, address="127.0.0.1", port=launch.free_port())
+    with pytest.raises(SetupError, match="could not reach the first machine"):
+        rendezvous.gather(second, say=lambda line: None)
+
+
+def _args(out):
+    return SimpleNamespace(output_dir=str(out) if out else None, resume_from_checkpoint=None)
+
+
+def test_a_named_runs_directory_is_its_own_and_another_runs_is_refused(env, tmp_path):
+    env(**TORCHRUN).chdir(tmp_path)
+    args = _args(None)
+    scripting.prepare_output_dir(args, "dpo")
+    assert args.output_dir == "outputs/dpo-torchrun-job7" and ownership.run_of(args.output_dir) == "torchrun-job7"
+    (tmp_path / args.output_dir / "checkpoint-2").mkdir()
+    again = _args(None)
+    scripting.prepare_output_dir(again, "dpo")  # a restart trains on into it (and its trainer resumes)
+    assert again.output_dir == args.output_dir
+    env(TORCHELASTIC_RUN_ID="job8")
+    with pytest.raises(UsageError, match="already holds files from another run"):
+        scripting.prepare_output_dir(_args(tmp_path / args.output_dir), "dpo")
+
+
+def test_a_restart_refuses_to_repeat_an_error_of_the_runs_own(env, tmp_path):
+    env(**{**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "0"})
+    ownership.claim(tmp_path)
+    outcome.refuse_after_error(tmp_path)  # the first attempt: nothing earlier
+    try:
+        raise ConnectionError("Connection closed by peer")
+    except ConnectionError as lost:
+        assert outcome.record_attempt(lost, tmp_path)
+    env(TORCHELASTIC_RESTART_COUNT="1")
+    outcome.refuse_after_error(tmp_path)  # a lost peer is what a restart is for
+    try:
+        raise KeyError("chosen")
+    except KeyError as bug:
+        assert outcome.record_attempt(bug, tmp_path)
+    env(TORCHELASTIC_RESTART_COUNT="2")
+    with pytest.raises(UsageError) as refused:
+        outcome.refuse_after_error(tmp_path)
+    assert "torchrun run torchrun-job7, restart 2: attempt 1 ended in an error of its own on rank 3 (KeyError: " \
+           "'chosen')" in str(refused.value)
+    env(TORCHELASTIC_RESTART_COUNT="0")  # the run launched again, after a fix: its restarts count from here
+    outcome.refuse_after_error(tmp_path)
+    assert not (tmp_path / outcome.ATTEMPTS).exists()
+
+
+def test_the_exit_codes_a_kubernetes_failure_policy_matches(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "failed-1.json").write_text(json.dumps({"kind": outcome.ERROR, "error": "KeyError: 'x'", "rank": "1"}))
+    assert node.ending(str(run), 1) == (201, "rank 1 failed: KeyError: 'x' (exit 201)")
