@@ -1,18 +1,22 @@
-"""A recipe run that prints when each part of its start happens, for bench/slurm_recovery.py: ``[timing] <event>
-<unix time>`` from the first rank (and from the process that re-launches the ranks), with the events ``start`` (Python
-is up, before the recipe's imports), ``trainer`` and ``trainer_built`` (the trainer's construction, which loads the
-model), ``train`` (``train()`` called: resume chosen, engine built), ``resumed`` (DeepSpeed's checkpoint loaded) and
-``first_step`` (the first training step done). ``TRL_EXT_BENCH_RECIPE`` names the recipe; ``TRL_EXT_BENCH_STEP_SECONDS``
-slows every step of the first run, so that it is still training when the bench kills a node.
+"""A recipe run that prints when each part of its start happens, for bench/slurm_recovery.py and
+bench/elastic_recovery.py: ``[timing] <event> <unix time> restart <N>`` from the first rank (and from the process that
+re-launches the ranks), with the events ``start`` (Python is up, before the recipe's imports), ``trainer`` and
+``trainer_built`` (the trainer's construction, which loads the model), ``train`` (``train()`` called: resume chosen,
+engine built), ``resumed`` (DeepSpeed's checkpoint loaded) and ``first_step`` (the first training step done); N is the
+run's restart (Slurm's requeues, torchrun's restarts). ``TRL_EXT_BENCH_RECIPE`` names the recipe;
+``TRL_EXT_BENCH_STEP_SECONDS`` slows every step of the first run, so that it is still training when the bench kills a
+node.
 """
 
 import os
 import time
 
+RESTART = os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+
 
 def _say(event: str) -> None:
     if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_NODEID", "0") == "0":
-        print(f"[timing] {event} {time.time():.3f} restart {os.environ.get('SLURM_RESTART_COUNT', '0')}", flush=True)
+        print(f"[timing] {event} {time.time():.3f} restart {RESTART}", flush=True)
 
 
 _say("start" if os.environ.get("RANK") is not None else "launch")
@@ -24,8 +28,7 @@ from trl_ext.trainers.mixin import TrlExtMixin  # noqa: E402
 
 init, train, training_step = TrlExtMixin.__init__, TrlExtMixin.train, transformers.Trainer.training_step
 load = trainer_module.deepspeed_load_checkpoint
-slow = float(os.environ.get("TRL_EXT_BENCH_STEP_SECONDS", 0)) if os.environ.get("SLURM_RESTART_COUNT", "0") in (
-    "", "0") else 0.0
+slow = float(os.environ.get("TRL_EXT_BENCH_STEP_SECONDS", 0)) if RESTART == "0" else 0.0
 steps = []
 
 

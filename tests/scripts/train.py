@@ -119,6 +119,17 @@ class KillAtStep(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class RaiseAtStep(TrainerCallback):
+    """A bug in training: ``KeyError`` at the end of optimizer step ``step``, on every rank or only on ``rank``."""
+
+    def __init__(self, step: int, rank: int | None):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.rank in (None, args.process_index):
+            raise KeyError(f"a bug at step {self.step}")
+
+
 class SignalAtStep(TrainerCallback):
     """A scheduler preempting the job: ``signum`` to this process while optimizer step ``step`` runs, on every rank or
     only on ``rank``."""
@@ -408,6 +419,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--save_on_each_node", action="store_true")
     parser.add_argument("--kill_at_step", type=int, default=0, help="SIGKILL every rank (or --kill_rank) at this step")
     parser.add_argument("--kill_rank", type=int, default=None)
+    parser.add_argument("--raise_at_step", type=int, default=0, help="a bug: KeyError on --kill_rank (or every rank)")
     parser.add_argument("--kill_during_save", type=int, default=0,
                         help="SIGKILL every rank while checkpoint-N is written")
     parser.add_argument("--kill_during_states_save", type=int, default=0,
@@ -488,6 +500,8 @@ def main(argv: list[str] | None = None):
     callbacks = [recorder, counter, gathers]
     if cli.kill_at_step:
         callbacks.append(KillAtStep(cli.kill_at_step, cli.kill_rank))
+    if cli.raise_at_step:
+        callbacks.append(RaiseAtStep(cli.raise_at_step, cli.kill_rank))
     hold = HoldSave(*cli.hold_save) if cli.hold_save else None
     if hold is not None:
         callbacks.append(hold)

@@ -211,6 +211,7 @@ def start(script: str, argv: list[str]) -> list[str]:
             applied = f"; {accelerate_config} applied in each process ({in_process.apply(accelerate_config, job)})"
         if not relaunched:  # (a re-launch said how it runs already)
             notice(f"{job.describe()}{applied}")
+            _warn_shared_store()
         _started[key] = rest
         return rest
     if job is not None and os.environ.get(orchestrators.NODE_ENV):  # the node launcher's child: this machine's ranks
@@ -231,6 +232,18 @@ def start(script: str, argv: list[str]) -> list[str]:
         raise UsageError("--num_processes needs an accelerate config: --config accelerate_configs/<name>.yaml.")
     _started[key] = rest
     return rest
+
+
+def _warn_shared_store() -> None:
+    """torchrun's agents share their TCP store with the ranks unless told not to; a restarted attempt's ranks then read
+    the previous attempt's addresses and hang setting up their process group (pytorch#135712), and a machine joining an
+    elastic job waits for an address nobody publishes (pytorch#147064). Said once, where restarts can happen."""
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if (restarts.isdigit() and int(restarts) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"):
+        notice("torchrun may restart this job (--max-restarts), and its agents share their TCP store with the ranks: "
+               "a restarted attempt would hang setting up its processes (pytorch#135712). Start torchrun with "
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (docs/launchers.md).")
 
 
 def under_node_launcher(command: list[str], job: orchestrators.Job | None = None) -> None:

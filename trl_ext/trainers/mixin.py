@@ -27,7 +27,7 @@ from trl_ext.mirror import Mirror
 from trl_ext.process import destroy_gloo_group_at_exit, warning_filter
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
-from trl_ext.scheduling import preemption
+from trl_ext.scheduling import outcome, ownership, preemption
 from trl_ext.trainers import compat, configs
 
 
@@ -58,6 +58,9 @@ class TrlExtMixin:
             bound.arguments["args"] = training_args = configs.from_training_arguments(
                 training_args, self._config_class, self._trl_class)
         runtime.check_distributed_setup(training_args)
+        outcome.watch(training_args.output_dir)  # restarted by its orchestrator, an error of its own is not repeated:
+        if ownership.is_own(training_args.output_dir):
+            outcome.refuse_after_error(training_args.output_dir)  # refused before the model loads
         self._mirror = Mirror.for_args(training_args)  # checkpoint_mirror: the store checked before the model loads
         if self._fused_lm_head:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
