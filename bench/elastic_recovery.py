@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, wait_for_path  # noqa: E402
+from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, wait_for_path, wait_for_port  # noqa: E402
 
 DPO = ["bench/_recovery_worker.py", "--config", "accelerate_configs/zero3.yaml", "--config", "recipes/configs/dpo.yaml",
        "--max_steps", "60", "--save_steps", "20", "--save_strategy", "steps", "--eval_strategy", "no",
@@ -58,7 +58,9 @@ def main() -> None:
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench-elastic",
            "--rdzv-conf", f"last_call_timeout={args.last_call}", *DPO, "--output_dir", str(out)]
     env = {**ELASTIC_ENV, "TRL_EXT_BENCH_RECIPE": "recipes/dpo.py", "TRL_EXT_BENCH_STEP_SECONDS": "0.5"}
-    first, second = (Machine(name, cmd, env, work / f"{name}.log") for name in ("first", "second"))
+    first = Machine("first", cmd, env, work / "first.log")
+    wait_for_port(port, 300, first)  # the first machine hosts the rendezvous; the second is the one that dies
+    second = Machine("second", cmd, env, work / "second.log")
     wait_for_path(out / "checkpoint-20", 900, [first, second])
     killed = second.die()
     noticed = first.when(r"failed \(exitcode", 300, after=killed)

@@ -94,6 +94,21 @@ class Machine:
         return killed
 
 
+def wait_for_port(port: int, timeout: float, machine: Machine) -> None:
+    """Wait until something listens on ``port`` here (an elastic job's rendezvous: the machine whose agent started
+    first hosts it, and must be the one that survives)."""
+    import socket
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        if machine.proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {port} after {timeout} s:\n{machine.output[-3000:]}")
+
+
 def wait_for_path(path: Path, timeout: float, machines: list[Machine] = ()) -> float:
     """The time ``path`` exists; waits (fails early, with their output, if every machine has ended)."""
     end = time.monotonic() + timeout

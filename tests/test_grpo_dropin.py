@@ -52,7 +52,7 @@ def test_vllm_generation_is_ours_while_trl_builds_the_trainer(monkeypatch):
     """TRL constructs VLLMGeneration inline; inside our constructor the name resolves to the bounded sync."""
     import sys
 
-    from trl_ext.trainers.trl_trainers import _bounded_weight_sync
+    from trl_ext.trainers.online import _bounded_weight_sync
 
     module = sys.modules[trl.GRPOTrainer.__module__]
     original = module.VLLMGeneration

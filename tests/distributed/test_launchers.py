@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.harness import SCRIPTS, run_command
-from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, wait_for_path
+from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, wait_for_path, wait_for_port
 from tests.s3_server import S3Server
 from trl_ext.assets import arith_model_path
 from trl_ext.assets.datasets import DATA_DIR
@@ -129,7 +129,8 @@ def test_a_skypilot_job_trains_one_run_on_every_vm_and_recovers_on_new_ones_from
     out = tmp_path / "sft"
     with S3Server(tmp_path / "s3") as s3:
         bucket = s3.bucket()
-        argv = ["tests/slurm/slowed.py", "--config", "accelerate_configs/fsdp2.yaml", *SFT, "--max_steps", "6",
+        argv = ["tests/slurm/slowed.py", "--config", "accelerate_configs/fsdp2.yaml", "--config",
+                "recipes/configs/sft.yaml", *SFT, "--max_steps", "6",
                 "--save_steps", "2", "--checkpoint_mirror", f"s3://{bucket}/sft", "--output_dir", str(out)]
         hold = tmp_path / "hold"
         hold.mkdir()
@@ -151,7 +152,8 @@ def test_a_skypilot_job_trains_one_run_on_every_vm_and_recovers_on_new_ones_from
         codes = [vm.wait(900) for vm in again]
     log = again[0].output
     assert codes == [0, 0], "\n".join(vm.output[-4000:] for vm in again)
-    assert "this run's mirror" in log and f"resuming from {out}/checkpoint-2" in log, log[-6000:]
+    assert "this run's mirror" in log and f"/sft/checkpoint-2 into {out}/checkpoint-2" in log, log[-6000:]
+    assert "it was an earlier attempt" in log  # the lease of the run's own dead VMs is taken over
     state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["global_step"] == 6 and len(list((out / "checkpoint-6").glob("rng_state_*.pth"))) == 4  # 4 ranks
     report = audit(str(out))
@@ -171,14 +173,16 @@ def elastic(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("elastic")
     out, hold = tmp / "sft", tmp / "hold"
     hold.mkdir()
-    argv = ["tests/slurm/slowed.py", "--config", "accelerate_configs/zero3.yaml", *SFT, "--max_steps", "8",
-            "--save_steps", "2", "--output_dir", str(out)]
+    argv = ["tests/slurm/slowed.py", "--config", "accelerate_configs/zero3.yaml", "--config",
+            "recipes/configs/sft.yaml", *SFT, "--max_steps", "8", "--save_steps", "2", "--output_dir", str(out)]
     # Every attempt holds checkpoint-6's write until the test releases it: the first world never gets past it, the
     # machine left alone is still training there when the new machine arrives.
     env = {"TRL_EXT_TEST_RECIPE": "recipes/sft.py", "TRL_EXT_TEST_RUNS": "0,1", "TRL_EXT_TEST_HOLD": "checkpoint-6",
            "TRL_EXT_TEST_HOLD_DIR": str(hold)}
     port = _free_port()
-    first, second = (_elastic(tmp, name, port, argv, env) for name in ("first", "second"))
+    first = _elastic(tmp, "first", port, argv, env)
+    wait_for_port(port, 300, first)  # the first machine hosts the rendezvous; the second is the one that dies
+    second = _elastic(tmp, "second", port, argv, env)
     wait_for_path(out / "checkpoint-2", 900, [first, second])
     killed = second.die()
     resumed = first.when(r"restart 1: resuming from .*checkpoint-[24]$", 600, after=killed)

@@ -24,7 +24,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_ext.process import distributed, end_together, notice
-from trl_ext.scheduling import deadline, outcome, ownership, slurm
+from trl_ext.scheduling import deadline, outcome, ownership
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REASK_SECONDS = 10.0  # once warned, rank 0 asks Slurm for the time left this often (the limit may change)
@@ -117,6 +117,8 @@ class Preemption(TrainerCallback):
 
     def _due(self, state) -> bool:
         """Rank 0: whether the warned run must stop now."""
+        from trl_ext.scheduling import slurm  # the time-limit warning's timing is Slurm's
+
         job = slurm.current()
         if job is None:
             return True  # nothing says how much time is left: stop now

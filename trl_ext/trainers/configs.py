@@ -1,4 +1,5 @@
-"""TRL's config classes, adapted to the hardware before validation (see ``runtime.adapt_to_hardware``).
+"""What trl_ext's config classes add to TRL's (each is defined beside its trainer: ``sft.SFTConfig``, ...): adapted to
+the hardware before validation (``HardwareAware``, see ``runtime.adapt_to_hardware``), and the options below.
 
 They are subclasses: every field, default and CLI flag is TRL's, and ``isinstance(cfg, trl.DPOConfig)`` holds.
 Fields added: ``max_shard_size`` for trl_ext's save path, ``save_in_background``, ``save_on_preemption`` and the
@@ -8,14 +9,14 @@ checkpoint mirror's ``checkpoint_mirror``, ``mirror_storage_options`` and ``mirr
 
 from dataclasses import dataclass, field
 
-import trl
-
 from trl_ext.engines.runtime import adapt_to_hardware
 from trl_ext.errors import ConfigTypeError
 from trl_ext.process import warning_filter
 
 
-class _HardwareAware:
+class HardwareAware:
+    """Settings the hardware cannot honour changed, with one line, before TRL's and transformers' checks."""
+
     def __post_init__(self):
         warning_filter.quiet_known_noise()  # before TrainingArguments warns about TRL's own default
         adapt_to_hardware(self)
@@ -23,7 +24,9 @@ class _HardwareAware:
 
 
 @dataclass
-class _SaveOptions:
+class SaveOptions:
+    """The save path's options (every config)."""
+
     max_shard_size: str = field(
         default="50GB",
         metadata={"help": "Largest safetensors file a full-model save writes (e.g. '5GB'). Saving streams tensor by "
@@ -81,43 +84,15 @@ VLLM_REQUEST_TIMEOUT = 600.0  # seconds; a generation request for a large batch 
 
 
 @dataclass
-class _VLLMServerOptions:
+class VLLMServerOptions:
+    """Bounded waits on a vLLM server (GRPO, RLOO)."""
+
     vllm_request_timeout: float = field(
         default=VLLM_REQUEST_TIMEOUT,
         metadata={"help": "Server mode (vllm_mode='server'): seconds to wait for each answer of the vLLM server, and "
                           "(plus 30 s) for each weight sync. A server that stalls or dies stops training on every "
                           "rank within this bound, with a message naming the server and the step."},
     )
-
-
-@dataclass
-class SFTConfig(_HardwareAware, _SaveOptions, trl.SFTConfig):
-    __doc__ = trl.SFTConfig.__doc__
-
-
-@dataclass
-class RewardConfig(_HardwareAware, _SaveOptions, trl.RewardConfig):
-    __doc__ = trl.RewardConfig.__doc__
-
-
-@dataclass
-class DPOConfig(_HardwareAware, _SaveOptions, trl.DPOConfig):
-    __doc__ = trl.DPOConfig.__doc__
-
-
-@dataclass
-class KTOConfig(_HardwareAware, _SaveOptions, trl.KTOConfig):
-    __doc__ = trl.KTOConfig.__doc__
-
-
-@dataclass
-class GRPOConfig(_HardwareAware, _SaveOptions, _VLLMServerOptions, trl.GRPOConfig):
-    __doc__ = trl.GRPOConfig.__doc__
-
-
-@dataclass
-class RLOOConfig(_HardwareAware, _SaveOptions, _VLLMServerOptions, trl.RLOOConfig):
-    __doc__ = trl.RLOOConfig.__doc__
 
 
 def from_training_arguments(args, config_class: type, trl_trainer: type):

@@ -1,49 +1,17 @@
-"""Drop-in replacements for TRL's trainers: each is TRL's class plus ``TrlExtMixin``, with the same constructor,
-configs and results."""
+"""``GRPOConfig``, ``GRPOTrainer``, ``RLOOConfig`` and ``RLOOTrainer``: TRL's online RL trainers plus ``TrlExtMixin``,
+with prompt-only datasets and the vLLM weight sync that never gathers the whole model (``weight_sync``), bounded waits
+on a vLLM server included."""
 
 import inspect
 import sys
+from dataclasses import dataclass
 
 import trl
 
 from trl_ext import patches
 from trl_ext.data import model_paths
-from trl_ext.trainers import configs, reward_head, weight_sync
+from trl_ext.trainers import configs, weight_sync
 from trl_ext.trainers.mixin import TrlExtMixin
-
-
-class SFTTrainer(TrlExtMixin, trl.SFTTrainer):
-    __doc__ = trl.SFTTrainer.__doc__
-    _config_class, _default_run_suffix = configs.SFTConfig, "SFT"
-    _dataset_kind = "sft"
-
-
-class RewardTrainer(TrlExtMixin, trl.RewardTrainer):
-    __doc__ = trl.RewardTrainer.__doc__
-    _config_class, _default_run_suffix = configs.RewardConfig, "Reward"
-    _dataset_kind = "preference"
-    _fused_lm_head = False
-
-    def _around_trl_init(self, bound):
-        # One output, and a head trained and saved whole under PEFT (see reward_head).
-        if isinstance(bound.arguments["model"], str):
-            reward_head.allow_new_head(bound.arguments["model"], bound.arguments["args"])
-        return reward_head.head_trained_whole(sys.modules[self._trl_class.__module__])
-
-    def _after_trl_init(self):
-        reward_head.check(self.model)
-
-
-class DPOTrainer(TrlExtMixin, trl.DPOTrainer):
-    __doc__ = trl.DPOTrainer.__doc__
-    _config_class, _default_run_suffix = configs.DPOConfig, "DPO"
-    _dataset_kind = "preference"
-
-
-class KTOTrainer(TrlExtMixin, trl.KTOTrainer):
-    __doc__ = trl.KTOTrainer.__doc__
-    _config_class, _default_run_suffix = configs.KTOConfig, "KTO"
-    _dataset_kind = "unpaired_preference"
 
 
 def _bounded_weight_sync(trl_module, request_timeout: float = configs.VLLM_REQUEST_TIMEOUT):
@@ -72,11 +40,21 @@ class _OnlineRLMixin:
             generation.current_step = lambda: self.state.global_step + 1
 
 
+@dataclass
+class GRPOConfig(configs.HardwareAware, configs.SaveOptions, configs.VLLMServerOptions, trl.GRPOConfig):
+    __doc__ = trl.GRPOConfig.__doc__
+
+
 class GRPOTrainer(_OnlineRLMixin, TrlExtMixin, trl.GRPOTrainer):
     __doc__ = trl.GRPOTrainer.__doc__
-    _config_class, _default_run_suffix = configs.GRPOConfig, "GRPO"
+    _config_class, _default_run_suffix = GRPOConfig, "GRPO"
+
+
+@dataclass
+class RLOOConfig(configs.HardwareAware, configs.SaveOptions, configs.VLLMServerOptions, trl.RLOOConfig):
+    __doc__ = trl.RLOOConfig.__doc__
 
 
 class RLOOTrainer(_OnlineRLMixin, TrlExtMixin, trl.RLOOTrainer):
     __doc__ = trl.RLOOTrainer.__doc__
-    _config_class, _default_run_suffix = configs.RLOOConfig, "RLOO"
+    _config_class, _default_run_suffix = RLOOConfig, "RLOO"
