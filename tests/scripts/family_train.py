@@ -138,5 +138,6 @@ def main():
 
 
 if __name__ == "__main__":
+    launched.freeze_imports()  # see launched.py
     main()
     launched.finish()  # see launched.py

@@ -96,5 +96,6 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
+    launched.freeze_imports()  # see launched.py
     main()
     launched.finish()  # see launched.py

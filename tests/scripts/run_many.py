@@ -22,6 +22,7 @@ PATCHING = ("--kill_at_step", "--kill_at", "--kill_during_save", "--kill_during_
 if __name__ == "__main__":
     script = importlib.import_module(Path(sys.argv[1]).stem)  # beside this file, on sys.path
     argvs = json.loads(sys.argv[2])
+    launched.freeze_imports()  # see launched.py
     for i, argv in enumerate(argvs):
         last = i == len(argvs) - 1  # a fault that ends the launch (a kill) may come last
         assert last or not set(PATCHING) & set(argv), f"an option that patches the process, not last: {argv}"
