@@ -6,7 +6,7 @@ Each error also subclasses the built-in exception it always was (``RuntimeError`
 An error keeps its class, kind and detail when it crosses ranks (``agree``: pickled, gathered, raised on every rank).
 """
 
-from trl_ext.process import distributed, env_rank
+from trl_ext.process import env_rank, gathered
 
 # Kinds that code branches on.
 NONFINITE = "nonfinite"  # a save refused because the weights hold NaN or inf: training diverged
@@ -177,13 +177,7 @@ def across_ranks(error: TrlExtError | None, group=None, prefer: tuple[str, ...] 
     Returns:
         The agreed failure, the same on every rank, or None when every rank succeeded.
     """
-    import torch.distributed as dist
-
-    everyone = [error]
-    if distributed():
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, error, group=group)
-    failures = [e for e in everyone if e is not None]
+    failures = [e for e in gathered(error, group) if e is not None]
     return combined(failures, prefer) if failures else None
 
 

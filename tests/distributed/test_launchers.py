@@ -31,6 +31,7 @@ from tests.s3_server import S3Server
 from trl_ext.assets import arith_model_path
 from trl_ext.assets.datasets import DATA_DIR
 from trl_ext.files.audit import audit
+from trl_ext.mirror import manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -138,10 +139,10 @@ def test_a_skypilot_job_trains_one_run_on_every_vm_and_recovers_on_new_ones_from
                "TRL_EXT_TEST_HOLD_DIR": str(hold)}  # the first VMs never get past checkpoint-4
         first = _skypilot(tmp_path, "vm", argv, env)
         wait_for_path(out / "checkpoint-2", 900, first)
-        first[0].when(r"\[test\] holding checkpoint-4", 300)  # checkpoint-2 is mirrored by then (it was committed)
+        first[0].when(r"\[test\] holding checkpoint-4", 300)
         assert "SkyPilot run skypilot-sky-managed-1_sft_7-0 (restart 0): 2 machine(s), this one number 0, 4 processes" \
                in first[0].output, first[0].output[-4000:]
-        time.sleep(2)  # the mirror's upload of checkpoint-2 (its manifest last) is well under this here
+        wait_for_path(s3.data / bucket / "sft" / "checkpoint-2" / manifest.NAME, 300, first)  # its manifest: last
         for vm in first:
             vm.die()
         import shutil

@@ -8,7 +8,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trl_ext"
 # Lowest first: a module may import from its own room and from the rooms before it, never from a later one.
-FLOORS = ["process", "errors", "patches", "scheduling", "assets", "engines", "files", "data", "saving", "merge",
+FLOORS = ["process", "errors", "patches", "assets", "engines", "files", "scheduling", "data", "saving", "merge",
           "mirror", "resuming", "trainers", "launching", "cli", "__main__", "__init__"]
 
 

@@ -41,22 +41,22 @@ def detect(args) -> Storage:
     Returns:
         The storage, the same on every rank.
     """
-    from accelerate.utils import broadcast_object_list, gather_object
-    from torch import distributed
+    from trl_ext.process import decided_on_rank0, gathered
 
     if args.world_size <= 1 or _local_world_size(args) >= args.world_size:
         return Storage(multi_node=False, shared=True)
-    marker = [None]
-    if args.process_index == 0:
+
+    def write_marker() -> str:
         os.makedirs(args.output_dir, exist_ok=True)
-        marker = [os.path.join(args.output_dir, f".trl_ext-shared-{uuid.uuid4().hex}")]
-        with open(marker[0], "w"):
+        marker = os.path.join(args.output_dir, f".trl_ext-shared-{uuid.uuid4().hex}")
+        with open(marker, "w"):
             pass
-    broadcast_object_list(marker, from_process=0)
-    seen = gather_object([os.path.exists(marker[0])])
-    distributed.barrier()  # everyone has looked
+        return marker
+
+    marker = decided_on_rank0(write_marker)
+    seen = gathered(os.path.exists(marker))  # a collective: every rank has looked once it returns
     if args.process_index == 0:
-        os.remove(marker[0])
+        os.remove(marker)
     return Storage(multi_node=True, shared=all(seen))
 
 

@@ -1,6 +1,7 @@
 """This process as the launcher started it: its rank and the world size (readable before any process group), whether
-it runs in a process group and the decisions taken on rank 0 for every rank, the one-line notices trl_ext prints, and a
-clean exit for its gloo process group."""
+it runs in a process group, every rank-wide decision (rank 0 decides for all: ``decided_on_rank0``; every rank's view:
+``gathered``; the largest of every rank's number: ``max_over_ranks``; an error agreed on every rank is
+``errors.agree``), the one-line notices trl_ext prints, and a clean exit for its gloo process group."""
 
 import atexit
 import functools
@@ -65,6 +66,48 @@ def speaks_here(speaks: bool) -> None:
     """Say whether this process prints notices when it is not one of a launch's ranks: a job's launcher on each of
     several machines reads the same input and would say the same; only the first machine's speaks."""
     _speaks[0] = speaks
+
+
+def gathered(value, group=None) -> list:
+    """Every rank's ``value`` (any picklable object), in rank order, on every rank: for what each rank sees on its own
+    (a file on its node's disk). A collective when distributed; ``[value]`` otherwise.
+
+    Args:
+        value: this rank's value.
+        group: the process group (default: the default one).
+
+    Returns:
+        The values of all ranks.
+    """
+    if not distributed():
+        return [value]
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+def max_over_ranks(value: int, device=None, group=None) -> int:
+    """The largest of every rank's ``value``, on every rank: one all-reduce of one number, cheap enough for every
+    step boundary (a signal that reached only some ranks, a write that must be waited for). ``value`` otherwise.
+
+    Args:
+        value: this rank's number.
+        device: where the collective's tensor lives (the backend's device; CPU for gloo).
+        group: the process group (default: the default one).
+
+    Returns:
+        The maximum over ranks.
+    """
+    if not distributed():
+        return value
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
 
 
 def notice(message: str) -> None:

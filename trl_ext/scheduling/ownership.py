@@ -15,15 +15,14 @@ Nothing here imports torch or transformers: the batch script reads it between ru
 
 import json
 import os
-import re
 from pathlib import Path
 
+from trl_ext.files import checkpoints
 from trl_ext.scheduling import orchestrators
 
 RUN_MARKER = ".trl_ext-run"  # in an output directory: the run that trains into it, and its record
 RUN_ENV = "TRL_EXT_RUN_DIR"  # for the ranks: their machine's run directory (``run_dir``), set by the node launcher
 OUTPUT_DIR_NOTE = "output_dir"  # in the first node's run directory: where this run trains
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR; partial saves are hidden
 
 
 def record(output_dir: str | os.PathLike) -> dict:
@@ -101,13 +100,7 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> int:
     """The step of the newest committed ``checkpoint-N`` in ``output_dir`` (0 when there is none): what
     ``transformers.trainer_utils.get_last_checkpoint`` finds, without importing transformers (the batch script calls
     this between runs)."""
-    try:
-        names = os.listdir(output_dir)
-    except OSError:
-        return 0
-    steps = [int(m.group(1)) for name in names if (m := _CHECKPOINT.match(name))
-             and os.path.isdir(os.path.join(output_dir, name))]
-    return max(steps, default=0)
+    return checkpoints.newest_step(output_dir)
 
 
 def run_dir(job: orchestrators.Job) -> str:

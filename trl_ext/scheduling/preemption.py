@@ -20,10 +20,9 @@ import sys
 import threading
 import time
 
-import torch
 from transformers import TrainerCallback
 
-from trl_ext.process import distributed, end_together, notice
+from trl_ext.process import decided_on_rank0, end_together, max_over_ranks, notice
 from trl_ext.scheduling import deadline, outcome, ownership
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -94,11 +93,7 @@ class Preemption(TrainerCallback):
     def _agreed(self, args) -> int:
         """The strongest signal any rank received (0 if none), on every rank: a collective, at the same point on all
         ranks."""
-        if not distributed():
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int64, device=args.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag.item())
+        return max_over_ranks(self.received, args.device)
 
     def _decide(self, args, state) -> int:
         """The signal every rank stops on now, or 0 to go on: SIGTERM at once; the time-limit warning once rank 0 finds
@@ -108,12 +103,7 @@ class Preemption(TrainerCallback):
             return agreed
         if getattr(state, "max_steps", 0) and state.global_step >= state.max_steps:
             return 0  # the last step: training ends here anyway, and the warning changes nothing
-        due = [self._due(state)] if getattr(args, "process_index", 0) == 0 else [False]
-        if distributed():
-            flag = torch.tensor([int(due[0])], dtype=torch.int64, device=args.device)
-            torch.distributed.broadcast(flag, src=0)
-            due = [bool(flag.item())]
-        return agreed if due[0] else 0
+        return agreed if decided_on_rank0(lambda: self._due(state)) else 0
 
     def _due(self, state) -> bool:
         """Rank 0: whether the warned run must stop now."""
