@@ -130,10 +130,9 @@ def end_together() -> None:
     ``atexit`` callbacks run, streams flushed) but without tearing the interpreter down. Outside a launch it does
     nothing.
 
-    Two aborts at shutdown ("terminate called without an active exception", SIGABRT; pytorch#190489) failed launches
-    whose work was done: a rank that left while another still worked (rank 0 checking the saved model in a
-    subprocess), twice in one CI run of the recipes, hence the barrier; and, with the barrier and the group destroyed,
-    a rank aborting in the teardown itself (once in a CI run of the recipes), hence no teardown.
+    A gloo process can abort at shutdown ("terminate called without an active exception", SIGABRT; pytorch#190489)
+    and fail a launch whose work is done: when a rank leaves while another still works (rank 0 checking the saved
+    model in a subprocess), hence the barrier; and in the interpreter's teardown itself, hence none.
     """
     import torch.distributed as dist
 
@@ -159,8 +158,8 @@ def destroy_gloo_group_at_exit() -> None:
     every program that creates one.
 
     A process that exits with a live gloo group can abort at interpreter shutdown ("terminate called without an active
-    exception", SIGABRT; pytorch#190489; torch's own exit hook, pytorch PR#179291, was not merged). Destroying the group
-    first does not prevent it: it was still seen on 2 of about 25 launches with 40-130M-parameter models on CPU
-    (docs/limits.md). The hook runs while the interpreter is whole; a group already destroyed is left alone.
+    exception", SIGABRT; pytorch#190489; torch has no exit hook of its own, pytorch PR#179291). Destroying the group
+    first makes it rarer, not impossible (docs/limits.md). The hook runs while the interpreter is whole; a group
+    already destroyed is left alone.
     """
     atexit.register(_destroy_gloo_group)
