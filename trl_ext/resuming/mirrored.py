@@ -81,8 +81,7 @@ def requeued(trainer) -> str | None:
     def decide():
         if args_has_local_checkpoint(trainer.args):  # on rank 0 only, as in download_if_missing
             return None
-        marker = mirror.store.read_json(lease.RUN_MARKER) or {}
-        if marker.get("slurm_job") != job.job_id:
+        if not lease.held_by_this_job(mirror.store):
             notice(f"Slurm job {job.job_id}, restart {job.restart}: neither {trainer.args.output_dir} nor the mirror "
                    f"{mirror.store.shown} holds a checkpoint of this job; training from the start")
             return None
