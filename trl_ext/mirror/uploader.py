@@ -331,16 +331,17 @@ class Uploader:
                 self._current_bytes[0] += size
 
         with ThreadPoolExecutor(max_workers=FILES_IN_PARALLEL, thread_name_prefix="trl_ext-mirror-file") as pool:
+            # files of an earlier upload of this checkpoint that this one does not have: listed while these upload
+            found = pool.submit(self._call, lambda: self.store.files(job.rel)) if job.step is not None else None
             todo = sorted((n for n in files if n not in job.sent), key=lambda n: -sizes[n])  # sent before an outage
             for future in [pool.submit(one, name) for name in todo]:
                 future.result()
+            extra = set(found.result() if found is not None else []) - set(files) - {manifest.NAME}
+        for name in extra:
+            self._call(lambda n=name: self.store.delete(f"{job.rel}/{n}", recursive=False))
         done = manifest.Manifest(step=job.step, run=self.holder.run)
         for name in files:
             done.add(name, *job.sent[name])
-        if job.step is not None:  # files of an earlier upload of this checkpoint that this one does not have
-            extra = set(self._call(lambda: self.store.files(job.rel))) - set(files)
-            for name in extra - {manifest.NAME}:
-                self._call(lambda n=name: self.store.delete(f"{job.rel}/{n}", recursive=False))
         if not self._call(lambda: lease.holds(self.store, self.holder)):
             self._lose()
             return
