@@ -213,7 +213,7 @@ class Store:
         is asked to refuse a second create of a probe file (an S3-compatible server may ignore the condition).
 
         Raises:
-            Anything the store raises but a refusal of the condition.
+            Exception: what the store raises, but a refusal of the condition.
         """
         if self.protocol not in _ATOMIC_CREATE:
             return f"{self.protocol}:// has no atomic create-if-absent"
