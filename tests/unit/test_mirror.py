@@ -1,8 +1,9 @@
 """The checkpoint mirror's parts in one process, on fsspec's in-memory store: secrets kept out of configs, the manifest
-and the checksummed transfers, the run lease, the uploader (manifest last, retention after a newer checkpoint is
-complete, retries while the store does not answer, the lag it reports), the downloader refusing a mismatching file
-for the next older checkpoint, and ``trl-ext verify URL``. The real S3 server and 2-process runs are in
-tests/distributed/test_mirror.py."""
+and the checksummed transfers, the run lease's rules (on a local file system, where it is atomic), the uploader
+(manifest last, retention after a newer checkpoint is complete, a checkpoint sent again while the store does not
+answer, the lag it reports), the downloader refusing a mismatching file for the next older checkpoint, and ``trl-ext
+verify URL``. The lease's race and botocore's retries against real S3 servers are in tests/unit/test_mirror_s3.py;
+the 2-process runs in tests/distributed/test_mirror.py."""
 
 import json
 import os
