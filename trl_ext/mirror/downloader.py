@@ -14,21 +14,14 @@ from trl_ext.files.commit import PARTIAL_SUFFIX, replace_dir, sync_files
 from trl_ext.mirror.store import Store, first_line
 
 FILES_IN_PARALLEL = 4
-TRIES = 4  # per file, with backoff: a store that stops answering for good fails the download
 
 
 def _fetch(store: Store, rel: str, local: Path) -> tuple[int, str]:
-    delay = 1.0
-    for attempt in range(TRIES):
-        try:
-            return store.download(rel, local)
-        except Exception as exc:  # noqa: BLE001 - the store's own kinds
-            if attempt == TRIES - 1:
-                raise MirrorError(f"checkpoint_mirror {store.url_of(rel)}: the download failed "
-                                  f"({first_line(exc)})") from None
-            time.sleep(delay)
-            delay *= 2
-    raise MirrorError(f"checkpoint_mirror {store.url_of(rel)}: the download failed")  # not reached
+    """Download one file; the store's client has retried each request (S3: botocore's and s3fs's retries)."""
+    try:
+        return store.download(rel, local)
+    except Exception as exc:  # noqa: BLE001 - the store's own kinds
+        raise MirrorError(f"checkpoint_mirror {store.url_of(rel)}: the download failed ({first_line(exc)})") from None
 
 
 def download(store: Store, step: int, output_dir: str | Path) -> Path:

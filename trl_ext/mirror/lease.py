@@ -1,14 +1,22 @@
-"""Which run writes to a mirror: a run marker at its top (``trl_ext-mirror-run.json``), renewed while the run trains,
-so that two runs never write to the same prefix.
+"""Which run writes to a mirror: a lease that one run holds at a time, so that two runs never write to the same prefix.
 
-Object stores offer no lock that every one of them supports, so the marker is a lease: a run takes it when it is
-absent, released or expired (not renewed for ``LEASE_SECONDS``), or when its holder is certainly gone (a process of
-this host that no longer exists, or an earlier attempt of the same run: a requeued Slurm job, recreated pods); it
-then reads it back after a
-moment, and gives way if another run wrote it meanwhile. Only a resuming run may take over a mirror that holds
-another run's checkpoints; a new run is refused there, as it is in an output directory that holds another run.
+The lease is a folder of numbered markers at the mirror's top (``trl_ext-mirror-run/000000000001.json``, ...); the
+newest one names the run that holds it, renewed while it trains. A run takes the lease by creating the next number
+with the store's atomic create-if-absent (S3's conditional write ``If-None-Match: *``, GCS's ``ifGenerationMatch=0``,
+Azure's ``If-None-Match``, a hard link on a file system: ``Store.create``): of two runs that start together, exactly
+one creates it, and the other sees it taken. A run may take it when no marker exists, or when the newest one was
+released, expired (not renewed for ``LEASE_SECONDS``) or written by a run certainly gone (a process of this host that
+no longer exists, or an earlier attempt of the same run: a requeued Slurm job, recreated pods). Only a resuming run
+may take over a mirror that holds another run's checkpoints; a new run is refused there, as it is in an output
+directory that holds another run.
+
+A store without an atomic create (``memory://``, ``hf://``, an S3-compatible server that ignores the condition) is
+said at start: there the marker is written, then read back after ``SETTLE_SECONDS``, and two runs that start at the
+same moment could both believe they hold it.
 """
 
+import contextlib
+import json
 import os
 import socket
 import time
@@ -17,34 +25,84 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from trl_ext.errors import MirrorError
-from trl_ext.mirror.store import RUN_MARKER, Store
+from trl_ext.mirror.store import Store
 from trl_ext.scheduling import ownership
 
+MARKERS = "trl_ext-mirror-run"  # at the mirror's top: the lease's numbered markers
 LEASE_SECONDS = 120.0  # a marker not renewed for this long is free
 RENEW_SECONDS = 30.0  # how often a training run renews it
-SETTLE_SECONDS = 1.0  # between writing the marker and reading it back
+SETTLE_SECONDS = 1.0  # without an atomic create: between writing the marker and reading it back
+
+
+def this_job() -> str | None:
+    """What this run shares with its own restarts, recorded as the marker's ``job``: its orchestrator's run identity
+    (a Slurm job id, a SkyPilot task, a TrainJob, torchrun's --rdzv-id: ``scheduling.orchestrators``), or None."""
+    return ownership.current_run()
 
 
 @dataclass
 class Holder:
-    """A run as its marker describes it."""
+    """A run as its marker describes it; ``number`` is its marker's (0 until it holds the lease)."""
 
     run: str = field(default_factory=lambda: uuid.uuid4().hex)
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
-    job: str | None = field(default_factory=ownership.current_run)  # the orchestrator's run identity, if any
+    job: str | None = field(default_factory=this_job)
     output_dir: str = ""
     renewed: float = 0.0
     released: bool = False
+    number: int = 0
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Holder":
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         return cls(**known)
 
+    def same_job(self, job: str | None) -> bool:
+        """Whether this holder was an earlier attempt of the run ``job`` (``this_job()``)."""
+        return bool(self.job) and self.job == job
+
     def describe(self) -> str:
         job = f", {self.job}" if self.job else ""
         return f"run {self.run[:8]} (host {self.host}, pid {self.pid}{job}, output_dir {self.output_dir})"
+
+
+def _marker(number: int) -> str:
+    return f"{MARKERS}/{number:012d}.json"
+
+
+def _encode(holder: Holder) -> bytes:
+    return json.dumps(asdict(holder), indent=1).encode()
+
+
+def _numbers(store: Store) -> list[int]:
+    return sorted(int(name[:-5]) for name in store.names(MARKERS) if name.endswith(".json") and name[:-5].isdigit())
+
+
+def newest(store: Store) -> Holder | None:
+    """The holder of the mirror's newest marker (its ``number`` set), or None when there is none.
+
+    Raises:
+        MirrorError: the markers kept changing while they were read.
+    """
+    for _ in range(5):  # a marker deleted between the listing and the read: a newer one was taken meanwhile
+        numbers = _numbers(store)
+        if not numbers:
+            return None
+        raw = store.read_json(_marker(numbers[-1]))
+        if raw is not None:
+            holder = Holder.from_dict(raw)
+            holder.number = numbers[-1]
+            return holder
+    raise MirrorError(f"checkpoint_mirror {store.shown}: its lease ({MARKERS}) kept changing while it was read; "
+                      "another run is taking it: try again")
+
+
+def held_by_this_job(store: Store) -> bool:
+    """Whether the mirror's lease was last held by an earlier attempt of this run (a requeued Slurm job, recreated
+    pods, a recovered SkyPilot task)."""
+    holder = newest(store)
+    return holder is not None and holder.same_job(this_job())
 
 
 def _gone(other: Holder, me: Holder, now: float) -> str | None:
@@ -53,7 +111,7 @@ def _gone(other: Holder, me: Holder, now: float) -> str | None:
         return "it ended"
     if now - other.renewed > LEASE_SECONDS:
         return f"it was last renewed {now - other.renewed:.0f} s ago"
-    if other.job and other.job == me.job:
+    if other.same_job(me.job):
         return f"it was an earlier attempt of this run ({other.job})"
     if other.host == me.host:
         try:
@@ -70,21 +128,24 @@ def claim(store: Store, me: Holder, resuming: bool, say: Callable[[str], None]) 
 
     Args:
         store: the mirror.
-        me: this run.
+        me: this run (its ``number`` is set to its marker's).
         resuming: whether this run continues a run (``resume_from_checkpoint``, a requeued job): only then may it
             take over a mirror that holds another run's checkpoints.
-        say: prints one line (a wait for a lease to expire).
+        say: prints one line (a store without an atomic create, a wait for a lease to expire, a takeover).
 
     Raises:
         MirrorError: another run writes there, or it holds another run's checkpoints and this run does not resume.
     """
+    unsafe = store.atomic_create
+    if unsafe:
+        say(f"checkpoint_mirror {store.shown}: {unsafe}, so two runs that start at the same moment could both take "
+            "its lease (docs/cloud.md)")
     deadline = time.time() + LEASE_SECONDS + 5
     while True:
-        raw = store.read_json(RUN_MARKER)
-        other = Holder.from_dict(raw) if raw else None
+        other = newest(store)
+        why = None
         if other is not None and other.run != me.run:
-            same_job = bool(other.job) and other.job == me.job  # a restarted run is the same run
-            if not resuming and not same_job:
+            if not resuming and not other.same_job(me.job):  # a restarted run is the same run
                 raise MirrorError(f"checkpoint_mirror {store.shown} belongs to another {other.describe()}: resume "
                                   "that run (resume_from_checkpoint=True), or choose another checkpoint_mirror")
             why = _gone(other, me, time.time())
@@ -96,22 +157,34 @@ def claim(store: Store, me: Holder, resuming: bool, say: Callable[[str], None]) 
                     f"{time.time() - other.renewed:.0f} s ago; waiting up to {LEASE_SECONDS:.0f} s for it to expire")
                 time.sleep(min(10.0, max(1.0, LEASE_SECONDS - (time.time() - other.renewed))))
                 continue
-            say(f"checkpoint_mirror {store.shown}: taking it over from {other.describe()}: {why}")
         elif other is None and not resuming and store.complete():
             raise MirrorError(f"checkpoint_mirror {store.shown} already holds checkpoints of another run: resume "
                               "that run (resume_from_checkpoint=True), or choose another checkpoint_mirror")
         me.renewed, me.released = time.time(), False
-        store.write_json(RUN_MARKER, asdict(me))
-        time.sleep(SETTLE_SECONDS)
-        if holds(store, me):
+        if other is not None and other.run == me.run:  # taken already (a second claim)
+            me.number = other.number
+            store.write_json(_marker(me.number), asdict(me))
             return
-        # another run wrote its marker at the same moment: the one whose marker stayed goes on
+        me.number = (other.number if other is not None else 0) + 1
+        if not store.create(_marker(me.number), _encode(me)):
+            continue  # another run took this number first: it holds the lease now
+        if unsafe:
+            time.sleep(SETTLE_SECONDS)
+            if not holds(store, me):
+                continue  # another run wrote the same marker at the same moment: the one whose marker stayed goes on
+        if why is not None:
+            say(f"checkpoint_mirror {store.shown}: took it over from {other.describe()}: {why}")
+        with contextlib.suppress(Exception):  # the markers before this one: history nothing reads
+            for number in _numbers(store):
+                if number < me.number:
+                    store.delete(_marker(number), recursive=False)
+        return
 
 
 def holds(store: Store, me: Holder) -> bool:
-    """Whether the marker is still this run's."""
-    raw = store.read_json(RUN_MARKER)
-    return bool(raw) and raw.get("run") == me.run
+    """Whether this run holds the lease (the newest marker is its own)."""
+    holder = newest(store)
+    return holder is not None and holder.run == me.run
 
 
 def renew(store: Store, me: Holder) -> bool:
@@ -119,7 +192,7 @@ def renew(store: Store, me: Holder) -> bool:
     if not holds(store, me):
         return False
     me.renewed = time.time()
-    store.write_json(RUN_MARKER, asdict(me))
+    store.write_json(_marker(me.number), asdict(me))  # its own marker: a later one taken meanwhile stays the newest
     return True
 
 
@@ -127,4 +200,4 @@ def release(store: Store, me: Holder) -> None:
     """The run ended: its lease is free at once (a resuming run need not wait for it to expire)."""
     if holds(store, me):
         me.released = True
-        store.write_json(RUN_MARKER, asdict(me))
+        store.write_json(_marker(me.number), asdict(me))

@@ -2,9 +2,11 @@
 adlfs, ``hf://`` with huggingface_hub, ``file://`` and ``memory://`` with fsspec itself), and the refusals before
 training: the credentials, the bucket, the permission to write and delete, each said in one line.
 
-Paths below the mirror's URL are relative (``checkpoint-20/model.safetensors``). Transfers stream a file through the
-store's own file object (multipart uploads and ranged reads where the store has them, parts of ``PART_BYTES``),
-computing the file's checksum on the bytes as they pass.
+Paths below the mirror's URL are relative (``checkpoint-20/model.safetensors``). Uploads are the store's own
+``put_file`` (S3: s3fs's multipart upload, parts in parallel), each file hashed as it is read locally; downloads
+stream through the store's own file object (uncached ranged reads where the store has them), hashed as they arrive.
+Each request is retried by the store's client (S3: botocore's standard retry mode), which tells ``on_retry``'s
+callback of every failed attempt. ``create`` writes a file only if it is absent, atomically where the store can.
 """
 
 import contextlib
@@ -13,19 +15,30 @@ import os
 import re
 import uuid
 from collections.abc import Callable
+from functools import cached_property
 from pathlib import Path
 
-from trl_ext.errors import ABANDONED, LOCAL_FILE, MirrorError
-from trl_ext.mirror import manifest, multipart, options
+from fsspec.callbacks import Callback
 
-PART_BYTES = 32 * 2**20  # a multipart upload's part and a download's ranged read
+from trl_ext.errors import ABANDONED, LOCAL_FILE, MirrorError
+from trl_ext.mirror import manifest, options
+
+PART_BYTES = 32 * 2**20  # a download's ranged read
+UPLOAD_PART_BYTES = 16 * 2**20  # an S3 multipart upload's part (S3's minimum is 5 MiB; fewer requests cost less)
+PARTS_IN_FLIGHT = 4  # per file: with 4 files at once, 16 parts (256 MiB) in memory at most
 READ_BYTES = 8 * 2**20  # local reads and writes
-RUN_MARKER = "trl_ext-mirror-run.json"  # at the mirror's top: which run writes to it (``lease``)
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_CHUNKED = ("s3", "s3a", "gs", "gcs")  # stores whose files take a part size and uncached ranged reads
-# s3: fail fast on a store that stopped answering and leave the retrying to the uploader, which warns meanwhile
-# (and check what we read ourselves: botocore checks a ranged read against the whole object's checksum, and fails)
-_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"},
+_S3 = ("s3", "s3a")
+_CHUNKED = (*_S3, "gs", "gcs")  # stores whose files take a part size and uncached ranged reads
+# stores whose create-if-absent is atomic: S3's conditional writes (If-None-Match), GCS's generation preconditions
+# (ifGenerationMatch=0), Azure's (If-None-Match), a local file system's hard link (``create``)
+_ATOMIC_CREATE = (*_S3, "gs", "gcs", "az", "abfs", "abfss", "file", "local")
+# s3: botocore's standard retry mode, its exponential backoff with jitter (up to 1, 2, 4, 8 s: 15 s at most) between 5
+# attempts; a store still failing then is the uploader's to wait for (it sends the checkpoint again later). Check what
+# we read ourselves: botocore checks a ranged read against the whole object's checksum, and fails.
+S3_ATTEMPTS = 5
+_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"total_max_attempts": S3_ATTEMPTS,
+                                                                       "mode": "standard"},
               "response_checksum_validation": "when_required"}
 
 
@@ -50,17 +63,19 @@ class Store:
         kwargs = options.reveal(dict(storage_options or {}))
         protocol = fsspec.core.split_protocol(self.url)[0] or "file"
         self.protocol = protocol
-        if protocol in ("s3", "s3a"):
+        if protocol in _S3:
             kwargs["config_kwargs"] = {**_S3_CONFIG, **kwargs.get("config_kwargs", {})}
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **kwargs)
         except ImportError as exc:
-            extra = "pip install 'trl_ext[mirror]'" if protocol in ("s3", "s3a") else "install its fsspec package"
+            extra = "pip install 'trl_ext[mirror]'" if protocol in _S3 else "install its fsspec package"
             raise MirrorError(f"checkpoint_mirror {self.shown}: {first_line(exc)} ({extra})") from None
         except (ValueError, TypeError) as exc:
             raise MirrorError(f"checkpoint_mirror {self.shown}: {first_line(exc)}") from None
         self.root = self.root.rstrip("/")
         self.local = protocol in ("file", "local", "memory")
+        self._failed: Callable[[BaseException], None] | None = None
+        self._watched = None  # the S3 client whose retries call ``_failed``
 
     def path(self, rel: str = "") -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -112,6 +127,14 @@ class Store:
         """The steps of the complete mirrored checkpoints, newest first."""
         return sorted((s for s, done in self.checkpoints().items() if done), reverse=True)
 
+    def names(self, rel: str) -> list[str]:
+        """The names of the entries directly under the folder ``rel``, as the store lists them now (nothing cached)."""
+        self.refresh()
+        try:
+            return sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path(rel), detail=False))
+        except FileNotFoundError:
+            return []
+
     def exists(self, rel: str) -> bool:
         try:
             return bool(self.fs.exists(self.path(rel)))
@@ -139,7 +162,74 @@ class Store:
             return {}
 
     def write_json(self, rel: str, value: dict) -> None:
-        self.fs.pipe_file(self.path(rel), json.dumps(value, indent=1).encode())
+        """Write ``rel`` whole: a reader sees the old content or the new, never a part."""
+        content = json.dumps(value, indent=1).encode()
+        if self.protocol in ("file", "local"):  # own code: fsspec's local write truncates, then writes in place
+            temporary = f"{self.path(rel)}.{uuid.uuid4().hex}.tmp"
+            with open(temporary, "wb") as out:
+                out.write(content)
+            os.replace(temporary, self.path(rel))
+        else:
+            self.fs.pipe_file(self.path(rel), content)
+
+    def create(self, rel: str, content: bytes) -> bool:
+        """Write ``rel`` only if it does not exist: atomically where the store can (``atomic_create``), so that of two
+        writers that create the same file at once exactly one succeeds.
+
+        Returns:
+            True if this call created it, False if it existed.
+        """
+        path = self.path(rel)
+        if self.protocol in ("file", "local"):
+            # own code: fsspec's local create checks, then writes; a hard link of a complete file is atomic
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            temporary = f"{path}.{uuid.uuid4().hex}.tmp"
+            with open(temporary, "wb") as out:
+                out.write(content)
+            try:
+                os.link(temporary, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(temporary)
+            return True
+        if self.atomic_create is None:
+            return self._create_if_absent(path, content)
+        if self.exists(rel):  # check, then write: what fsspec's generic create does
+            return False
+        self.fs.pipe_file(path, content)
+        return True
+
+    def _create_if_absent(self, path: str, content: bytes) -> bool:
+        try:
+            self.fs.pipe_file(path, content, mode="create")  # s3fs: If-None-Match; gcsfs: ifGenerationMatch=0...
+        except FileExistsError:
+            return False
+        return True
+
+    @cached_property
+    def atomic_create(self) -> str | None:
+        """None where ``create`` is atomic here; else why not, in a few words. A store that knows conditional writes
+        is asked to refuse a second create of a probe file (an S3-compatible server may ignore the condition).
+
+        Raises:
+            Exception: what the store raises, but a refusal of the condition.
+        """
+        if self.protocol not in _ATOMIC_CREATE:
+            return f"{self.protocol}:// has no atomic create-if-absent"
+        if self.protocol in ("file", "local"):
+            return None
+        probe = self.path(f".trl_ext-probe-{uuid.uuid4().hex}")
+        try:
+            self._create_if_absent(probe, b"1")
+            if self._create_if_absent(probe, b"2"):
+                return "the store ignores conditional writes (it let one file be created twice)"
+            return None
+        except OSError as exc:  # refused the condition itself (S3: 501 NotImplemented, 400 InvalidArgument)
+            return f"the store refuses conditional writes ({first_line(exc)})"
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(probe)
 
     def files(self, rel: str) -> list[str]:
         """Every file under ``rel``, relative to it."""
@@ -161,7 +251,7 @@ class Store:
     def abort_uploads(self, rel: str) -> int:
         """Abort unfinished multipart uploads under ``rel`` (S3 keeps and bills their parts), where the store lists
         them; the number aborted (0 where it cannot tell)."""
-        if self.protocol not in ("s3", "s3a"):
+        if self.protocol not in _S3:
             return 0
         bucket, _, prefix = self.path(rel).partition("/")
         aborted = 0
@@ -176,47 +266,56 @@ class Store:
         return aborted
 
     # ------------------------------------------------------------------------------------------------ transfers
+    def on_retry(self, failed: Callable[[BaseException], None] | None) -> None:
+        """Call ``failed(error)`` at each failed attempt of a request while the store's client retries it (S3:
+        botocore's retries; other stores' clients retry without telling), so that the caller sees an outage at once
+        and may end the retries by raising."""
+        self._failed = failed
+        self._watch()
+
+    def _watch(self) -> None:
+        if self._failed is not None and self.protocol in _S3 and self._watched is not self.fs.s3:
+            self._watched = self.fs.s3  # s3fs makes a new client when its connection was closed: watch that one
+            self._watched.meta.events.register("needs-retry.s3", self._attempted)
+
+    def _attempted(self, caught_exception=None, response=None, **_) -> None:
+        """botocore's ``needs-retry`` event, after every attempt: a failed one is told to ``_failed``. Returns None:
+        whether and when to retry stays botocore's decision."""
+        failed = self._failed
+        if failed is None:
+            return None
+        if caught_exception is None:
+            parsed = response[1] if response else {}
+            status = parsed.get("ResponseMetadata", {}).get("HTTPStatusCode", 200)
+            if status < 500 and status != 429:
+                return None
+            error = parsed.get("Error", {})
+            caught_exception = ConnectionError(f"HTTP {status} {error.get('Code', '')}: {error.get('Message', '')}")
+        failed(caught_exception)
+        return None
+
     def upload(self, local: Path, rel: str, cancelled: Callable[[], bool] = lambda: False) -> tuple[int, str]:
-        """Stream ``local`` to ``rel``, computing its checksum on the bytes as they are read for the upload. An
-        interrupted upload is discarded (its multipart upload aborted) where the store can.
+        """Upload ``local`` to ``rel`` with the store's own ``put_file`` (S3: a multipart upload, ``PARTS_IN_FLIGHT``
+        parts at a time, aborted when it fails), after hashing it as it is read here. A stopped upload ends after the
+        part in flight.
 
         Returns:
             ``(size, checksum)`` of what was uploaded.
 
         Raises:
             MirrorError: ``local`` cannot be read (kind ``LOCAL_FILE``), or ``cancelled()`` became true (kind
-                ``ABANDONED``). Anything the store raises (the caller retries).
+                ``ABANDONED``). Anything the store raises once its client has retried.
         """
-        try:
-            source = open(local, "rb")  # noqa: SIM115 - closed below, with the remote file
-        except OSError as exc:
-            raise MirrorError(f"{local}: {first_line(exc)}", kind=LOCAL_FILE) from exc
-        digest, size = manifest.hasher(), 0
-        if self.protocol in ("s3", "s3a") and hasattr(self.fs, "_call_s3"):  # parts in parallel, as s3fs's put_file
-            with source:
-                size = multipart.upload(self.fs, self.path(rel), source, os.fstat(source.fileno()).st_size, digest,
-                                        cancelled)
-            return size, digest.hexdigest()
-        target = None
-        try:
-            kwargs = {"block_size": PART_BYTES} if self.protocol in _CHUNKED else {}
-            if self.local:
-                self.fs.makedirs(self.fs._parent(self.path(rel)), exist_ok=True)
-            target = self.fs.open(self.path(rel), "wb", **kwargs)
-            while True:
-                chunk = multipart.read_chunk(source, READ_BYTES, digest, cancelled, rel)
-                if not chunk:
-                    break
-                target.write(chunk)
-                size += len(chunk)
-            target.close()
-            target = None
-        finally:
-            source.close()
-            if target is not None:  # failed or abandoned: never complete the object
-                with contextlib.suppress(Exception):
-                    target.discard() if hasattr(target, "discard") else None
-        return size, digest.hexdigest()
+        size, digest = _hash(local, cancelled, rel)
+        path = self.path(rel)
+        kwargs = {}
+        if self.protocol in _S3:
+            kwargs = {"chunksize": UPLOAD_PART_BYTES, "max_concurrency": PARTS_IN_FLIGHT}
+            self._watch()
+        elif self.protocol in ("file", "local"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.fs.put_file(str(local), path, callback=_Stop(cancelled, rel), **kwargs)
+        return size, digest
 
     def download(self, rel: str, local: Path | None, cancelled: Callable[[], bool] = lambda: False
                  ) -> tuple[int, str]:
@@ -253,6 +352,37 @@ class Store:
 
     def size(self, rel: str) -> int:
         return int(self.fs.info(self.path(rel))["size"])
+
+
+def _hash(local: Path, cancelled: Callable[[], bool], rel: str) -> tuple[int, str]:
+    """The size and checksum of the local file ``local``, read through once.
+
+    Raises:
+        MirrorError: it cannot be read (kind ``LOCAL_FILE``), or ``cancelled()`` became true (``ABANDONED``).
+    """
+    digest, size = manifest.hasher(), 0
+    try:
+        with open(local, "rb") as source:
+            while chunk := source.read(READ_BYTES):
+                if cancelled():
+                    raise MirrorError(f"the upload of {rel} was stopped", kind=ABANDONED)
+                digest.update(chunk)
+                size += len(chunk)
+    except OSError as exc:
+        raise MirrorError(f"{local}: {first_line(exc)}", kind=LOCAL_FILE) from exc
+    return size, digest.hexdigest()
+
+
+class _Stop(Callback):
+    """An upload's progress callback that ends it once ``cancelled()`` (s3fs then aborts its multipart upload)."""
+
+    def __init__(self, cancelled: Callable[[], bool], rel: str):
+        super().__init__()
+        self.cancelled, self.rel = cancelled, rel
+
+    def call(self, *args, **kwargs):
+        if self.cancelled():
+            raise MirrorError(f"the upload of {self.rel} was stopped", kind=ABANDONED)
 
 
 def _fix(exc: BaseException, protocol: str) -> str:

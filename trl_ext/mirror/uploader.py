@@ -1,7 +1,11 @@
 """The uploads of a mirror, on a thread of their own: training only hard-links a committed checkpoint's files into a
 hidden folder (``.trl_ext-mirror/checkpoint-N``) and queues it; the thread uploads its files in parallel (multipart for
-large ones), retrying with backoff while the store does not answer, then writes the manifest, last, and applies the
-remote retention.
+large ones), then writes the manifest, last, and applies the remote retention.
+
+The store's client retries each request (S3: botocore's standard mode, ``store.S3_ATTEMPTS`` attempts with backoff)
+and tells the uploader of each failed attempt, so that the log says at once that the store does not answer. A
+checkpoint whose upload still fails stays first in the queue and is sent again ``RESEND_SECONDS`` later (the files it
+already sent are kept), for as long as training runs: an outage of any length is caught up.
 
 The hard links keep a queued checkpoint whole while local rotation (``save_total_limit``) removes its folder, and
 survive a crash: the next run on the machine finishes the upload (``pending``). The thread runs while there is work
@@ -19,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl_ext.errors import ABANDONED, STALLED, MirrorError, TrlExtError
@@ -28,7 +32,7 @@ from trl_ext.mirror.store import Store, first_line
 
 STAGING = ".trl_ext-mirror"  # in output_dir: the hard-linked files of uploads not done yet
 FILES_IN_PARALLEL = 4
-FIRST_BACKOFF_SECONDS, MAX_BACKOFF_SECONDS = 1.0, 30.0
+RESEND_SECONDS = 10.0  # a checkpoint the store failed, after its client's own retries, is sent again this much later
 STALL_SECONDS = 300.0  # once training has ended: give up after the store has not answered for this long
 WARN_EVERY_SECONDS = 60.0
 
@@ -46,6 +50,7 @@ class Job:
     rel: str
     step: int | None
     staged: str
+    sent: dict[str, tuple[int, str]] = field(default_factory=dict)  # file -> (size, checksum), in the store already
 
     @property
     def name(self) -> str:
@@ -75,7 +80,7 @@ def stage(source: Path, staging: Path, rel: str, step: int | None, top_files_onl
         except OSError:  # no hard links here (some network file systems): a copy, slower but as safe
             shutil.copy2(path, target)
     job = Job(rel, step, str(staging))
-    (staging / "job.json").write_text(json.dumps(asdict(job)))
+    (staging / "job.json").write_text(json.dumps({"rel": rel, "step": step, "staged": str(staging)}))
     return job
 
 
@@ -146,6 +151,7 @@ class Uploader:
         self.remote_step: int | None = None  # the newest checkpoint complete in the mirror
         self.completed: list[tuple[str, float]] = []  # (rel, seconds) of each finished upload, for tests and benches
         self.failed: list[str] = []  # what could not be uploaded (only local), one line each
+        store.on_retry(self._store_failed)
 
     # ------------------------------------------------------------------------------------------- training side
     def submit(self, job: Job) -> None:
@@ -239,11 +245,9 @@ class Uploader:
                     self.failed.append(f"{job.name}: {exc}")
                     self.say(f"mirror {self.store.url_of(job.rel)}: the upload failed ({exc}); it stays only local: "
                              f"{job.staged}")
-            except Exception as exc:  # noqa: BLE001 - said, never raised into training
+            except Exception:  # noqa: BLE001 - the store, after its client's own retries (said): never into training
                 if job is not None:
-                    self.failed.append(f"{job.name}: {first_line(exc)}")
-                    self.say(f"mirror {self.store.url_of(job.rel)}: the upload failed ({first_line(exc)}); it stays "
-                             f"only local: {job.staged}")
+                    self._resend(job)
             finally:
                 with self._lock:
                     self._current = None
@@ -251,14 +255,14 @@ class Uploader:
 
     def _renew(self) -> None:
         self._renew_due = time.monotonic() + lease.RENEW_SECONDS
-        if not self._retry("renew the lease", lambda: lease.renew(self.store, self.holder)):
+        if not self._call(lambda: lease.renew(self.store, self.holder)):
             self._lose()
 
     def _lose(self) -> None:
         self._lost = True
-        raw = self.store.read_json(lease.RUN_MARKER) or {}
-        self.say(f"mirror {self.store.shown}: another {lease.Holder.from_dict(raw).describe()} took it over; this run "
-                 "uploads nothing more (its checkpoints stay local)")
+        other = lease.newest(self.store) or lease.Holder()
+        self.say(f"mirror {self.store.shown}: another {other.describe()} took it over; this run uploads nothing more "
+                 "(its checkpoints stay local)")
 
     def _give_up(self, job: Job | None) -> None:
         with self._lock:
@@ -269,62 +273,79 @@ class Uploader:
                  f"training ended ({self.outage.error}); only local: {', '.join(left)} (staged in "
                  f"{self.staging_root}; the next run here finishes the upload)")
 
-    def _retry(self, what: str, call):
-        """``call()`` until it succeeds: the store's failures are retried with backoff (1, 2, 4 ... 30 s), said in one
-        line a minute."""
-        delay = FIRST_BACKOFF_SECONDS
-        while True:
-            if self._cancel.is_set():
-                raise MirrorError(f"stopped before it could {what}", kind=ABANDONED)
-            try:
-                result = call()
-            except TrlExtError:  # ours: a local file, a stop on purpose
-                raise
-            except Exception as exc:  # noqa: BLE001 - the store's own kinds: all are retried
-                self.outage.failed(exc)
-                if self.closing and self.outage.seconds() > STALL_SECONDS:
-                    raise MirrorError(f"the store did not answer ({what})", kind=STALLED) from exc
-                self._say_lag(force_outage=True)
-                if self._cancel.wait(delay):
-                    raise MirrorError(f"stopped before it could {what}", kind=ABANDONED) from exc
-                delay = min(delay * 2, MAX_BACKOFF_SECONDS)
-                continue
-            silent = self.outage.answered()
-            if silent is not None:
-                self.say(f"mirror {self.store.shown}: the store answers again after {silent:.0f} s; catching up "
-                         f"({self._lag_text()})")
-            return result
+    def _resend(self, job: Job) -> None:
+        """The store failed ``job`` after its client's own retries: it goes first in the queue again, sent
+        ``RESEND_SECONDS`` later (sooner when stopped), or, once training has ended and the store has been silent
+        for ``STALL_SECONDS``, is given up on."""
+        if self.closing and self.outage.seconds() > STALL_SECONDS:
+            self._give_up(job)
+            return
+        with self._lock:
+            self._queue.appendleft(job)
+            self._current = None
+        self._cancel.wait(RESEND_SECONDS)
+
+    def _store_failed(self, exc: BaseException) -> None:
+        """A request to the store failed (called between its client's retries, and after them): the outage is said,
+        once a minute. Ends the retries (by raising) of a stopped upload, and once training has ended and the store
+        has been silent for ``STALL_SECONDS``."""
+        self.outage.failed(exc)
+        if self._cancel.is_set():
+            raise MirrorError("the upload was stopped", kind=ABANDONED)
+        if self.closing and self.outage.seconds() > STALL_SECONDS:
+            raise MirrorError(f"the store did not answer for {STALL_SECONDS:.0f} s", kind=STALLED)
+        self._say_lag(force_outage=True)
+
+    def _call(self, call):
+        """``call()``, once (the store's client retries it); a failure is said, and raised."""
+        if self._cancel.is_set():
+            raise MirrorError("the upload was stopped", kind=ABANDONED)
+        try:
+            result = call()
+        except TrlExtError:  # ours: a local file, a stop on purpose
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store's own kinds
+            self._store_failed(exc)
+            raise
+        silent = self.outage.answered()
+        if silent is not None:
+            self.say(f"mirror {self.store.shown}: the store answers again after {silent:.0f} s; catching up "
+                     f"({self._lag_text()})")
+        return result
 
     def _upload(self, job: Job) -> None:
         started = time.monotonic()
         files = job.files()
         staged = Path(job.staged)
         sizes = {name: (staged / name).stat().st_size for name in files}
-        self._current_bytes = [0, sum(sizes.values())]
+        self._current_bytes = [sum(size for size, _ in job.sent.values()), sum(sizes.values())]
         # a manifest there describes an earlier upload of this name: it stops counting before any file changes
-        self._retry(f"prepare {job.name}", lambda: self.store.delete(
-            f"{job.rel}/{manifest.NAME}" if job.rel else manifest.NAME, recursive=False))
-        done = manifest.Manifest(step=job.step, run=self.holder.run)
+        self._call(lambda: self.store.delete(f"{job.rel}/{manifest.NAME}" if job.rel else manifest.NAME,
+                                             recursive=False))
 
         def one(name: str) -> None:
             rel = f"{job.rel}/{name}" if job.rel else name
-            size, digest = self._retry(f"upload {rel}", lambda: self.store.upload(staged / name, rel,
-                                                                                    self._cancel.is_set))
+            size, digest = self._call(lambda: self.store.upload(staged / name, rel, self._cancel.is_set))
             with self._lock:  # the files upload in parallel
-                done.add(name, size, digest)
+                job.sent[name] = (size, digest)
                 self._current_bytes[0] += size
 
         with ThreadPoolExecutor(max_workers=FILES_IN_PARALLEL, thread_name_prefix="trl_ext-mirror-file") as pool:
-            for future in [pool.submit(one, name) for name in sorted(files, key=lambda n: -sizes[n])]:
+            # files of an earlier upload of this checkpoint that this one does not have: listed while these upload
+            found = pool.submit(self._call, lambda: self.store.files(job.rel)) if job.step is not None else None
+            todo = sorted((n for n in files if n not in job.sent), key=lambda n: -sizes[n])  # sent before an outage
+            for future in [pool.submit(one, name) for name in todo]:
                 future.result()
-        if job.step is not None:  # files of an earlier upload of this checkpoint that this one does not have
-            extra = set(self._retry(f"list {job.rel}", lambda: self.store.files(job.rel))) - set(files)
-            for name in extra - {manifest.NAME}:
-                self._retry(f"clean {job.rel}", lambda n=name: self.store.delete(f"{job.rel}/{n}", recursive=False))
-        if not self._retry("check the lease", lambda: lease.holds(self.store, self.holder)):
+            extra = set(found.result() if found is not None else []) - set(files) - {manifest.NAME}
+        for name in extra:
+            self._call(lambda n=name: self.store.delete(f"{job.rel}/{n}", recursive=False))
+        done = manifest.Manifest(step=job.step, run=self.holder.run)
+        for name in files:
+            done.add(name, *job.sent[name])
+        if not self._call(lambda: lease.holds(self.store, self.holder)):
             self._lose()
             return
-        self._retry(f"complete {job.name}", lambda: self.store.write_manifest(job.rel, done))  # last: now it counts
+        self._call(lambda: self.store.write_manifest(job.rel, done))  # last: now it counts
         seconds = time.monotonic() - started
         self.completed.append((job.rel, seconds))
         if job.step is not None:
@@ -338,7 +359,7 @@ class Uploader:
     def _retention(self) -> None:
         """Keep the newest ``keep`` complete checkpoints (and the protected ones); delete the others, manifest first,
         and any incomplete folder older than the newest complete checkpoint (an abandoned upload)."""
-        found = self._retry("list the mirror", self.store.checkpoints)
+        found = self._call(self.store.checkpoints)
         complete = sorted((s for s, done in found.items() if done), reverse=True)
         if not complete:
             return
@@ -346,8 +367,8 @@ class Uploader:
         doomed += [s for s, done in found.items() if not done and s < complete[0]]
         for step in doomed:
             rel = f"checkpoint-{step}"
-            self._retry(f"delete {rel}", lambda r=rel: self.store.delete(f"{r}/{manifest.NAME}", recursive=False))
-            self._retry(f"delete {rel}", lambda r=rel: self.store.delete(r))
+            self._call(lambda r=rel: self.store.delete(f"{r}/{manifest.NAME}", recursive=False))
+            self._call(lambda r=rel: self.store.delete(r))
 
     def _lag_text(self) -> str:
         status = self.status()

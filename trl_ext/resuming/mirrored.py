@@ -82,8 +82,7 @@ def restarted(trainer) -> str | None:
     def decide():
         if args_has_local_checkpoint(trainer.args):  # on rank 0 only, as in download_if_missing
             return None
-        marker = mirror.store.read_json(lease.RUN_MARKER) or {}
-        if marker.get("job") != job.run:
+        if not lease.held_by_this_job(mirror.store):
             if job.restart:
                 notice(f"{job.label}, restart {job.restart}: neither {trainer.args.output_dir} nor the mirror "
                        f"{mirror.store.shown} holds a checkpoint of this run; training from the start")
