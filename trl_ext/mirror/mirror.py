@@ -16,7 +16,6 @@ checkpoint whole.
 """
 
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -24,19 +23,12 @@ from transformers import TrainerCallback
 
 from trl_ext import errors
 from trl_ext.errors import MirrorError, TrlExtError
+from trl_ext.files import checkpoints
 from trl_ext.mirror import lease, options, uploader
 from trl_ext.mirror.store import Store, first_line
-from trl_ext.process import distributed, notice
+from trl_ext.process import notice
 
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 DEFAULT_GRACE_SECONDS = 20.0
-
-
-def _agree(error: TrlExtError | None) -> None:
-    if distributed():
-        errors.agree(error)
-    elif error is not None:
-        raise error
 
 
 def _as_error(exc: BaseException) -> TrlExtError:
@@ -61,10 +53,7 @@ def check(args) -> None:
 
 def local_checkpoints(output_dir: str | Path) -> list[int]:
     """The steps of the committed ``checkpoint-N`` folders of ``output_dir``, oldest first."""
-    directory = Path(output_dir)
-    if not directory.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in directory.iterdir() if p.is_dir() and (m := CHECKPOINT.match(p.name)))
+    return list(checkpoints.committed(output_dir))
 
 
 class Mirror:
@@ -104,7 +93,7 @@ class Mirror:
                 store.check_access()
             except Exception as exc:  # noqa: BLE001 - every rank raises the same one line below
                 error = _as_error(exc)
-        _agree(error)
+        errors.agree(error)
         return cls(args, store)
 
     def attach(self, trainer) -> None:
@@ -147,7 +136,7 @@ class Mirror:
                 self._finish_or_abandon()
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = _as_error(exc)
-        _agree(error)
+        errors.agree(error)
         if self.writer:
             notice(f"checkpoint_mirror: every committed checkpoint and the final model are uploaded to {self.url} "
                    "in the background")
@@ -170,11 +159,11 @@ class Mirror:
         for step in local_checkpoints(self.args.output_dir):
             if step not in complete and step not in queued:
                 notice(f"checkpoint_mirror: checkpoint-{step} is committed locally but not in the mirror: uploading it")
-                self.committed(Path(self.args.output_dir) / f"checkpoint-{step}", step)
+                self.committed(Path(self.args.output_dir) / checkpoints.name(step), step)
                 queued.add(step)
         for step, done in remote.items():
             if not done and step not in queued:
-                rel = f"checkpoint-{step}"
+                rel = checkpoints.name(step)
                 self.store.abort_uploads(rel)
                 self.store.delete(rel)
                 notice(f"checkpoint_mirror: deleted the incomplete upload of {self.store.url_of(rel)} that an earlier "
@@ -191,7 +180,7 @@ class Mirror:
         """
         if self.uploader is None:
             return
-        name = f"checkpoint-{step}"
+        name = checkpoints.name(step)
         job = uploader.stage(Path(path), self.uploader.staging_root / name, name, step)
         self.uploader.submit(job)
 
@@ -217,8 +206,8 @@ class Mirror:
 
     def protect(self, best_model_checkpoint: str | None) -> None:
         """The best model's checkpoint is kept by the remote retention, as by the local one."""
-        match = CHECKPOINT.match(Path(best_model_checkpoint).name) if best_model_checkpoint else None
-        self._protected = {int(match.group(1))} if match else set()
+        step = checkpoints.step_of(best_model_checkpoint) if best_model_checkpoint else None
+        self._protected = {step} if step is not None else set()
 
     def status(self) -> dict[str, float]:
         """How far behind the mirror is: ``behind_checkpoints``, ``behind_steps``, ``store_silent_seconds``."""

@@ -12,7 +12,6 @@ callback of every failed attempt. ``create`` writes a file only if it is absent,
 import contextlib
 import json
 import os
-import re
 import uuid
 from collections.abc import Callable
 from functools import cached_property
@@ -21,13 +20,13 @@ from pathlib import Path
 from fsspec.callbacks import Callback
 
 from trl_ext.errors import ABANDONED, LOCAL_FILE, MirrorError
+from trl_ext.files import checkpoints
 from trl_ext.mirror import manifest, options
 
 PART_BYTES = 32 * 2**20  # a download's ranged read
 UPLOAD_PART_BYTES = 16 * 2**20  # an S3 multipart upload's part (S3's minimum is 5 MiB; fewer requests cost less)
 PARTS_IN_FLIGHT = 4  # per file: with 4 files at once, 16 parts (256 MiB) in memory at most
 READ_BYTES = 8 * 2**20  # local reads and writes
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _S3 = ("s3", "s3a")
 _CHUNKED = (*_S3, "gs", "gcs")  # stores whose files take a part size and uncached ranged reads
 # stores whose create-if-absent is atomic: S3's conditional writes (If-None-Match), GCS's generation preconditions
@@ -120,8 +119,8 @@ class Store:
             names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
             return {}
-        steps = sorted(int(m.group(1)) for n in names if (m := CHECKPOINT.match(n)))
-        return {step: self.exists(f"checkpoint-{step}/{manifest.NAME}") for step in steps}
+        steps = sorted(step for n in names if (step := checkpoints.step_of(n)) is not None)
+        return {step: self.exists(f"{checkpoints.name(step)}/{manifest.NAME}") for step in steps}
 
     def complete(self) -> list[int]:
         """The steps of the complete mirrored checkpoints, newest first."""
