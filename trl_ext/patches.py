@@ -280,6 +280,23 @@ PATCHES: dict[str, Patch] = {
                    _source_has("trl.cli.commands.training.TrainingCommand.run",
                                "from ..accelerate_launcher import launch_training_script")),
     ),
+    "zero3-universal-load": Patch(
+        target="deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+               ".load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+        why="loading a universal checkpoint under ZeRO-3 gives every sub-group of the optimizer one shared Adam step "
+            "tensor, which torch's AdamW then advances once per sub-group (a full fine-tuning has two: its norms are "
+            "not decayed), so Adam's bias correction runs ahead after a resume on another number of processes; and "
+            "every parameter group gets the first group's hyperparameters (the no-decay group's weight_decay)",
+        upstream="none filed; came with DeepSpeed PR #7585 (issue #7584, ZeRO-3 universal checkpoints with several "
+                 "sub-groups), 0.18.0; still in main on 2026-08-22",
+        remove_when="DeepSpeed's ZeRO-3 universal loader gives each sub-group its own step and each parameter group "
+                    "its own saved hyperparameters",
+        guard=_all(_source_has("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+                               ".load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+                               "self.optimizer.state[fp32_param]['step'] = state_step\n"),
+                   _source_has("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.__init__",
+                               "self.fp32_partitioned_groups_flat = []")),
+    ),
     "accelerate-launch-environment": Patch(
         target="accelerate.commands.launch.{deepspeed,multi_gpu,simple}_launcher",
         why="a rank that torchrun, a Kubeflow pod or Ray Train started applies the accelerate config named with "
@@ -532,4 +549,34 @@ def keep_recomputed_params_for_their_module(module, coordinator) -> bool:
     if coordinator_module.update_recompute_parameters is not _update_recompute_parameters:
         coordinator_module._deepspeed_update_recompute_parameters = coordinator_module.update_recompute_parameters
         coordinator_module.update_recompute_parameters = _update_recompute_parameters
+    return True
+
+
+def repair_zero3_universal_load(zero_optimizer, universal_zero_dir) -> bool:
+    """After DeepSpeed's ZeRO-3 optimizer loaded a universal checkpoint: each sub-group its own Adam step count, each
+    parameter group its own saved hyperparameters (patch ``zero3-universal-load``).
+
+    Args:
+        zero_optimizer: the engine's optimizer (``engine.optimizer``); only ZeRO-3's is repaired.
+        universal_zero_dir: the universal checkpoint's ``zero`` folder (its ``optimizer_state.pt``).
+
+    Returns:
+        Whether it was repaired.
+    """
+    import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if not isinstance(zero_optimizer, DeepSpeedZeroOptimizer_Stage3) or not applies("zero3-universal-load"):
+        return False
+    base = zero_optimizer.optimizer
+    for flat in zero_optimizer.fp32_partitioned_groups_flat:
+        state = base.state.get(flat, {})
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    # mmap: only the parameter groups are read, not the partition of the states the file also holds
+    saved = torch.load(f"{universal_zero_dir}/optimizer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    groups = saved["optimizer_state_dict"]["param_groups"]
+    if len(groups) == len(base.param_groups):  # the same trainer builds the same groups, in the same order
+        for group, saved_group in zip(base.param_groups, groups):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
     return True

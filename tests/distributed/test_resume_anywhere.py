@@ -1,12 +1,13 @@
 """Resume anywhere: at any point of any epoch, and on another number of processes.
 
 A resumed run must equal the uninterrupted one: the same samples in the same order (one id per trained row), the
-same per-step losses, final weights and Adam state. In one process: one uninterrupted run per data setting
-(``dataloader_drop_last`` off and on, packing), checkpointed mid-epoch 0, exactly at an epoch boundary and in later
-epochs, then resumed from each checkpoint. Under ZeRO-3 and under FSDP2 (LoRA): a 2-process run resumed from
-mid-epoch 0 on one process (2 -> 1, twice the gradient accumulation), and a 1-process run resumed from mid-epoch 1 on
-two (1 -> 2). FSDP2's one-process side is a plain process (FSDP2 shards across processes): its optimizer states are
-converted between the Trainer's whole file and DCP's shards.
+same per-step losses, final weights and Adam state (its step count and each parameter group's hyperparameters too).
+In one process: one uninterrupted run per data setting (``dataloader_drop_last`` off and on, packing), checkpointed
+mid-epoch 0, exactly at an epoch boundary and in later epochs, then resumed from each checkpoint. Under ZeRO-3 and
+under FSDP2: a 2-process run resumed from mid-epoch 0 on one process (2 -> 1, twice the gradient accumulation), and a
+1-process run resumed from mid-epoch 1 on two (1 -> 2); LoRA, except ZeRO-3's 1 -> 2, a full fine-tuning with weight
+decay (two parameter groups: the norms are not decayed). FSDP2's one-process side is a plain process (FSDP2 shards
+across processes): its optimizer states are converted between the Trainer's whole file and DCP's shards.
 Same-size ZeRO-3 resumes are in test_reliability.py and test_multinode.py.
 """
 
@@ -95,7 +96,11 @@ def test_resume_at_any_point_of_any_epoch_equals_the_uninterrupted_run(tmp_path,
 # ---- ZeRO-3 on another number of processes ----------------------------------------------------------------------
 # 12 rows, 2 per device, a global batch of 4 (2 processes, or 1 process with 2 accumulation steps): 3 steps an
 # epoch, 6 steps, checkpoints at 2 (mid-epoch 0) and 4 (mid-epoch 1).
-TRAIN = ["--trainer", "sft", "--lora", "--rows", "12", "--max_steps", "6", "--save_steps", "2"]
+TRAIN = ["--trainer", "sft", "--rows", "12", "--max_steps", "6", "--save_steps", "2"]
+LORA = ["--lora"]
+# All parameters, in two groups with their own hyperparameters: DeepSpeed's ZeRO-3 universal loader (patch
+# zero3-universal-load) shares one Adam step between them and gives both the first group's weight decay.
+FULL = ["--config_json", json.dumps({"weight_decay": 0.1})]
 # The same samples are summed in another order (one process accumulating two micro-batches vs two processes
 # averaging gradients through gloo), so results differ by fp32 rounding: a few ulps of values of order 1 (losses,
 # grad norms, Adam moments), amplified at most by 6 Adam steps of lr <= 1e-3. 1e-5 is ~100 ulps at 1.0 and far below
@@ -119,6 +124,8 @@ def compare(ref: Path, got: Path, resumed_at: int) -> dict:
     r, g = (json.loads((d / "report_rank0.json").read_text()) for d in (ref, got))
     assert g["global_step"] == r["global_step"] == 6 and g["steps_run_here"] == 6 - resumed_at
     assert g["scheduler"] == r["scheduler"]
+    assert g["optimizer_steps"] == r["optimizer_steps"] == [6.0], "Adam's step count did not continue"
+    assert g["optimizer_groups"] == r["optimizer_groups"], "another parameter group's hyperparameters"
     log_r, log_g = ([h for h in x["log_history"] if "loss" in h and h["step"] > resumed_at] for x in (r, g))
     assert [h["step"] for h in log_g] == [h["step"] for h in log_r] == list(range(resumed_at + 1, 7))
     assert [h["learning_rate"] for h in log_g] == [h["learning_rate"] for h in log_r]
@@ -160,13 +167,13 @@ def assert_continues(ref: Path, got: Path, processes: tuple[int, int], step: int
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3")
-    return tmp, run(tmp, "ref2", 2)
+    return tmp, run(tmp, "ref2", 2, *LORA)
 
 
 def test_zero3_resume_on_one_process_equals_the_two_process_run(two_process_run):
     """2 -> 1 from mid-epoch 0, through the epoch boundary: universal checkpoint, accumulation 1 -> 2."""
     tmp, ref = two_process_run
-    got = run(tmp, "two-to-one", 1, "--resume_from", str(ref / "checkpoint-2"))
+    got = run(tmp, "two-to-one", 1, *LORA, "--resume_from", str(ref / "checkpoint-2"))
     assert_continues(ref, got, (2, 1), 2, TWO_TO_ONE, "2 -> 1 at step 2")
     # Converted once, beside the original, which is untouched; an unconvertible world size is refused first
     assert (ref / "checkpoint-2" / "global_step2_universal" / "zero").is_dir()
@@ -174,34 +181,37 @@ def test_zero3_resume_on_one_process_equals_the_two_process_run(two_process_run)
 
 
 def test_zero3_resume_on_two_processes_equals_the_one_process_run(two_process_run):
-    """1 -> 2 from mid-epoch 1: a 1-process run with 2 accumulation steps, resumed on 2 processes with 1."""
+    """1 -> 2 from mid-epoch 1: a 1-process full fine-tuning with 2 accumulation steps, resumed on 2 processes
+    with 1."""
     tmp, _ = two_process_run
-    ref = run(tmp, "ref1", 1, "--grad_accum", "2")
+    ref = run(tmp, "ref1", 1, *FULL, "--grad_accum", "2")
+    assert len(json.loads((ref / "report_rank0.json").read_text())["optimizer_groups"]) == 2
     # the same command as the saved run's, on 2 processes
-    got = run(tmp, "one-to-two", 2, "--grad_accum", "2", "--resume_from", str(ref / "checkpoint-4"))
-    assert_continues(ref, got, (1, 2), 4, ONE_TO_TWO, "1 -> 2 at step 4 (epoch 1.33)")
+    got = run(tmp, "one-to-two", 2, *FULL, "--grad_accum", "2", "--resume_from", str(ref / "checkpoint-4"))
+    assert_continues(ref, got, (1, 2), 4, ONE_TO_TWO, "full fine-tuning 1 -> 2 at step 4 (epoch 1.33)")
 
 
 @pytest.fixture(scope="module")
 def fsdp2_two_process_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2")
-    return tmp, run(tmp, "ref2", 2, backend="fsdp2")
+    return tmp, run(tmp, "ref2", 2, *LORA, backend="fsdp2")
 
 
 def test_fsdp2_resume_on_one_process_equals_the_two_process_run(fsdp2_two_process_run):
     """2 -> 1 from mid-epoch 0: DCP's optimizer shards gathered into the one process, accumulation 1 -> 2."""
     tmp, ref = fsdp2_two_process_run
     assert (ref / "checkpoint-2" / "optimizer_0").is_dir() and not (ref / "checkpoint-2" / "optimizer.pt").exists()
-    got = run(tmp, "two-to-one", 1, "--resume_from", str(ref / "checkpoint-2"), backend="fsdp2")
+    got = run(tmp, "two-to-one", 1, *LORA, "--resume_from", str(ref / "checkpoint-2"), backend="fsdp2")
     assert_continues(ref, got, (2, 1), 2, TWO_TO_ONE, "FSDP2 2 -> 1 at step 2")
 
 
 def test_one_process_run_resumes_under_fsdp2_on_two_processes(fsdp2_two_process_run):
     """1 -> 2 from mid-epoch 1: the Trainer's whole optimizer file sharded into FSDP2's DTensors."""
     tmp, _ = fsdp2_two_process_run
-    ref = run(tmp, "ref1", 1, "--grad_accum", "2", backend="fsdp2")
+    ref = run(tmp, "ref1", 1, *LORA, "--grad_accum", "2", backend="fsdp2")
     assert (ref / "checkpoint-4" / "optimizer.pt").is_file()
-    got = run(tmp, "one-to-two", 2, "--grad_accum", "2", "--resume_from", str(ref / "checkpoint-4"), backend="fsdp2")
+    got = run(tmp, "one-to-two", 2, *LORA, "--grad_accum", "2", "--resume_from", str(ref / "checkpoint-4"),
+              backend="fsdp2")
     report = json.loads((got / "report_rank0.json").read_text())
     assert report["fsdp_sharded"][0] == report["fsdp_sharded"][2]  # every parameter a DTensor
     assert_continues(ref, got, (1, 2), 4, ONE_TO_TWO, "FSDP2 1 -> 2 at step 4 (epoch 1.33)")

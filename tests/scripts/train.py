@@ -583,6 +583,8 @@ def main(argv: list[str] | None = None):
         report["scheduler"] = {"last_epoch": scheduler.last_epoch, "last_lr": scheduler.get_last_lr()}
         optim = optimizer_state(trainer.optimizer)
         report["optimizer_steps"] = sorted({v.item() for k, v in optim.items() if k.endswith(".step")})
+        report["optimizer_groups"] = [{k: v for k, v in group.items() if k in ("weight_decay", "betas", "eps", "lr")}
+                                      for group in innermost_optimizer(trainer.optimizer).param_groups]
         rank = trainer.accelerator.process_index
         save_file(optim, os.path.join(cli.output_dir, f"optimizer_rank{rank}.safetensors"))
     report["checkpointing"] = recorder.seen

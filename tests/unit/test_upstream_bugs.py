@@ -62,6 +62,7 @@ SHOWN_HERE = {
     "accelerate-state-set-aside": "test_notebook_launcher_refuses_after_single_process_use",
     "bnb-cpu-packed-4bit": "test_bitsandbytes_repacks_4bit_weights_in_place_on_cpu",
     "recompute-owner": "test_deepspeed_gives_a_recomputed_weight_to_the_innermost_module",
+    "zero3-universal-load": "test_deepspeed_zero3_universal_load_shares_one_adam_step_and_the_first_groups_settings",
 }
 
 
@@ -378,3 +379,55 @@ def test_bitsandbytes_repacks_4bit_weights_in_place_on_cpu():
     repacked = bool(getattr(layer.weight.quant_state, "packing_format_for_cpu", False))
     still_needed("bnb-cpu-packed-4bit", repacked or not torch.equal(before, layer.weight.data),
                  "bitsandbytes' in-place repacking of a 4-bit weight on its first eval forward")
+
+
+def _zero3_universal_load(rank: int, folder: str) -> dict:
+    """Two parameter groups (weight decay 0.1 and 0.0) under ZeRO-3, one step, saved, converted to the universal
+    checkpoint and loaded into a fresh engine: what DeepSpeed's loader left, then what trl_ext's repair leaves."""
+    import deepspeed
+    from torch import nn
+
+    from trl_ext.resuming import universal
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    config = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+    def engine(load_universal: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.LayerNorm(4, bias=False))
+        groups = [{"params": [model[0].weight], "weight_decay": 0.1},
+                  {"params": [model[1].weight], "weight_decay": 0.0}]
+        built, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
+                                         config={**config, "checkpoint": {"load_universal": load_universal}})
+        return built
+
+    saved = engine(False)
+    saved.backward(saved(torch.ones(1, 4)).sum())
+    saved.step()
+    saved.save_checkpoint(folder, tag="global_step1")
+    universal.convert_to_universal(folder, "global_step1")
+    loaded = engine(True)
+    loaded.load_checkpoint(folder)
+    zero = loaded.optimizer
+
+    def seen() -> dict:
+        steps = [zero.optimizer.state[flat]["step"] for flat in zero.fp32_partitioned_groups_flat]
+        return {"shared_step": len({id(s) for s in steps}) < len(steps), "steps": [float(s) for s in steps],
+                "weight_decay": [group["weight_decay"] for group in zero.optimizer.param_groups]}
+
+    before = seen()
+    repaired = patches.repair_zero3_universal_load(zero, universal.folder(folder, "global_step1") / "zero")
+    return {"deepspeed": before, "repaired": repaired, "after": seen()}
+
+
+def test_deepspeed_zero3_universal_load_shares_one_adam_step_and_the_first_groups_settings(tmp_path):
+    """DeepSpeed's ZeRO-3 loader of a universal checkpoint gives every optimizer sub-group the same step tensor (torch's
+    AdamW advances it once per sub-group) and every parameter group the first one's hyperparameters."""
+    (got,) = in_processes(lambda rank: _zero3_universal_load(rank, str(tmp_path)), timeout=180)
+    assert isinstance(got, dict), got
+    # trl_ext's repair: a step each, at the saved count, and each group's own weight decay
+    assert got["repaired"] and got["after"] == {"shared_step": False, "steps": [1.0, 1.0], "weight_decay": [0.1, 0.0]}
+    still_needed("zero3-universal-load",
+                 got["deepspeed"]["shared_step"] or got["deepspeed"]["weight_decay"] != [0.1, 0.0],
+                 f"the optimizer DeepSpeed loaded from a ZeRO-3 universal checkpoint: {got['deepspeed']}")

@@ -6,7 +6,8 @@
       -> saved on another number of processes? keep the global batch                 -> world_size
          (DeepSpeed: convert to the universal checkpoint)                            -> universal
     Trainer then loads: weights (FSDP2: each rank its rows; Hub layout: converted)   -> fsdp2, Resume.load_weights
-                        optimizer states (across the FSDP2 / one-process layouts)    -> fsdp2, Resume.load_optimizer
+                        optimizer states (across the FSDP2 / one-process layouts;    -> fsdp2, Resume.load_optimizer
+                        DeepSpeed's ZeRO-3 universal load repaired)                  -> universal
                         RNG states (rank r takes rank r's)                           -> rng, Resume.load_rng
 """
 
@@ -67,11 +68,16 @@ class Resume:
 
     def load_optimizer(self, trainer, checkpoint: str) -> bool:
         """Load optimizer and scheduler states written in the other layout than this run reads (a one-process
-        checkpoint resumed under FSDP2, or the reverse). Returns False to let Trainer load them."""
+        checkpoint resumed under FSDP2, or the reverse). Returns False to let Trainer load them. Under DeepSpeed the
+        engine has loaded them already; from a universal checkpoint, ZeRO-3's are repaired (``universal``)."""
         from transformers.trainer import SCHEDULER_NAME
 
+        if trainer.is_deepspeed_enabled:
+            if self.plan is not None:
+                universal.repair_after_load(trainer.model_wrapped, checkpoint, self.plan)
+            return False
         sharded = fsdp.is_fsdp2(trainer.accelerator)
-        if trainer.is_deepspeed_enabled or not fsdp2.needs_conversion(checkpoint, sharded):
+        if not fsdp2.needs_conversion(checkpoint, sharded):
             return False
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper holds torch's
         fsdp2.load_optimizer_converted(trainer.model, optimizer, checkpoint, sharded)

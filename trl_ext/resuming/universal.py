@@ -3,7 +3,8 @@
 A ZeRO checkpoint holds one optimizer partition per data-parallel rank, so DeepSpeed can only load it on the world
 size that wrote it. When that changed, the checkpoint is converted once to DeepSpeed's universal checkpoint
 (``deepspeed.checkpoint.ds_to_universal``, written beside the original in the checkpoint directory) and loaded with
-``load_universal``.
+``load_universal``. DeepSpeed's ZeRO-3 loader of it needs a repair after it ran (patch ``zero3-universal-load``):
+``repair_after_load``.
 """
 
 import contextlib
@@ -13,9 +14,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from trl_ext import patches
 from trl_ext.resuming.world_size import Plan, keep_global_batch
 
 UNIVERSAL_SUFFIX = "_universal"
+
+
+def folder(checkpoint: str | os.PathLike, tag: str) -> Path:
+    """Where ``convert_to_universal`` writes the universal checkpoint of ``checkpoint/tag``."""
+    return Path(checkpoint) / f"{tag}{UNIVERSAL_SUFFIX}"
 
 
 def convert_to_universal(checkpoint: str | os.PathLike, tag: str) -> None:
@@ -30,7 +37,7 @@ def convert_to_universal(checkpoint: str | os.PathLike, tag: str) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
     checkpoint = Path(checkpoint)
-    final = checkpoint / f"{tag}{UNIVERSAL_SUFFIX}"
+    final = folder(checkpoint, tag)
     if not final.is_dir():
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=checkpoint))
         options = Namespace(input_folder=str(checkpoint / tag), output_folder=str(staging), num_extract_workers=1,
@@ -68,3 +75,22 @@ def apply(plan: Plan, args, deepspeed_config: dict) -> str | None:
     if plan.changed:
         deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     return notice
+
+
+def repair_after_load(engine, checkpoint: str | os.PathLike, plan: Plan) -> bool:
+    """After DeepSpeed's engine loaded the universal checkpoint of ``checkpoint`` under ZeRO-3: each sub-group of the
+    optimizer gets its own Adam step count and each parameter group its own saved hyperparameters (DeepSpeed's loader
+    shares one step tensor, so the step advances once per sub-group, and gives every group the first group's
+    hyperparameters; patch ``zero3-universal-load``).
+
+    Args:
+        engine: the DeepSpeed engine that loaded it (``Trainer.model_wrapped``).
+        checkpoint: the ``checkpoint-N`` directory.
+        plan: from ``world_size.read_plan``; nothing to repair unless the world size changed.
+
+    Returns:
+        Whether the optimizer was repaired (False: not a universal load, not ZeRO-3, or the release moved).
+    """
+    if not plan.changed or plan.tag is None:
+        return False
+    return patches.repair_zero3_universal_load(engine.optimizer, folder(checkpoint, plan.tag) / "zero")
