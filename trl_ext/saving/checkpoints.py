@@ -108,6 +108,14 @@ def _torch_optimizers(trainer) -> list[torch.optim.Optimizer]:
     return found
 
 
+def _file_stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
 def _directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -135,6 +143,8 @@ class Checkpoints:
         self._hooked: list = []  # the optimizers hooked (a later train() may bring a new one)
         self._unhooked = False  # no optimizer to hook: each checkpoint's copies end before it returns
         self._said_cpu_cost = False
+        self._taking = False  # inside save: Trainer's _save_checkpoint is running
+        self._card = None  # the model card this run last wrote: what it was made from, and the file's size and time
         trainer.add_callback(CheckpointCallback(self))
 
     # The lifecycle
@@ -157,12 +167,13 @@ class Checkpoints:
         try:
             staging.create()
             trainer.accelerator.wait_for_everyone()
+            self._taking = True
             with deferred.deferred_writes(save) if save is not None else contextlib.nullcontext():
                 save_checkpoint(str(staging.staging_run_dir))
             self._finish_trainer_files(staging, name, writer)
             trainer.accelerator.wait_for_everyone()  # every rank has written its files (RNG state, optimizer shards)
         finally:
-            self.collecting = None
+            self.collecting, self._taking = None, False
         if save is not None:
             save.costs = {"checkpoint/held_previous_s": previous}
             self.release(save, on_commit=lambda: self._committed(staging, save))
@@ -285,6 +296,23 @@ class Checkpoints:
             trainer.state.best_model_checkpoint = str(staging.final)
             if trainer.args.should_save:
                 trainer.state.save_to_json(str(staging.staging_run_dir / name / "trainer_state.json"))
+
+    def write_model_card(self, write: Callable[[], None], inputs) -> None:
+        """TRL's trainers write the run's model card (``output_dir/README.md``) at every checkpoint, the same each time:
+        inside a checkpoint it is written only when what it is made from (``inputs``, the arguments of TRL's
+        ``create_model_card``) or the file changed since this run last wrote it (on every checkpoint it held training
+        13-23 ms).
+
+        Args:
+            write: writes the card (TRL's ``create_model_card``).
+            inputs: what it is made from.
+        """
+        path = Path(self.trainer.args.output_dir) / "README.md"
+        made_from = (repr(inputs), str(path))
+        if self._taking and self._card == (made_from, _file_stamp(path)):
+            return
+        write()
+        self._card = (made_from, _file_stamp(path))
 
     def _committed(self, staging: Staging, save: Save | None = None) -> None:
         """The writer: the checkpoint renamed into place, the ``after_commit`` hooks (the mirror; a hook's failure is
@@ -423,6 +451,7 @@ class CheckpointCallback(TrainerCallback):
         self.checkpoints = checkpoints
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.checkpoints._card = None  # a new run writes its model card again
         self.checkpoints.hook_optimizer()
 
     def on_step_end(self, args, state, control, **kwargs):

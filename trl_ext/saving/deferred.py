@@ -55,6 +55,21 @@ def _write_dcp(save, state_dict, kwargs: dict) -> CheckpointError | None:
     return None
 
 
+def _plan_cached(planner):
+    """DCP's default save planner with its plan caching on (``enable_plan_caching``): the optimizer states' layout is
+    the same at every checkpoint, so the ranks send their plans once instead of at every checkpoint. Any other planner
+    is kept as it is."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    if planner is None:
+        return DefaultSavePlanner(enable_plan_caching=True)
+    if type(planner) is not DefaultSavePlanner:
+        return planner
+    return DefaultSavePlanner(flatten_state_dict=planner.flatten_state_dict,
+                              flatten_sharded_tensors=planner.flatten_sharded_tensors,
+                              dedup_save_to_lowest_rank=planner.dedup_save_to_lowest_rank, enable_plan_caching=True)
+
+
 @contextlib.contextmanager
 def deferred_writes(save):
     """Context: this thread's ``torch.save`` to a path and DCP's ``save`` give what they would write to ``save``
@@ -86,7 +101,8 @@ def deferred_writes(save):
             return dcp_save(state_dict, *args, **kwargs)
         name = os.path.basename(os.fspath(writer.path))
         copied = save.stage(state_dict, key=f"dcp:{name}")
-        save.add(name, functools.partial(_write_dcp, dcp_save, copied, {**kwargs, "process_group": save.group()}))
+        kwargs = {**kwargs, "planner": _plan_cached(kwargs.get("planner")), "process_group": save.group()}
+        save.add(name, functools.partial(_write_dcp, dcp_save, copied, kwargs))
         return None
 
     with patches.swapped("deferred-checkpoint-files", torch, "save", save_file), \

@@ -326,4 +326,6 @@ def supports(model) -> bool:
     """Models this save path writes: transformers models and PEFT models around them."""
     from transformers import PreTrainedModel
 
-    return is_peft_model(model) or isinstance(model, PreTrainedModel)
+    # The cheap test first: accelerate's asks importlib.metadata whether PEFT is installed at every call, and a trainer
+    # asks at every checkpoint.
+    return isinstance(model, PreTrainedModel) or is_peft_model(model)

@@ -255,6 +255,12 @@ class TrlExtMixin:
 
         self._checkpoints.save(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint)
 
+    def create_model_card(self, *args, **kwargs):
+        """TRL's; at a checkpoint, only when the card would change (``saving.checkpoints``)."""
+        write = functools.partial(super().create_model_card, *args, **kwargs)
+        checkpoints = getattr(self, "_checkpoints", None)  # None while TRL's constructor runs
+        return write() if checkpoints is None else checkpoints.write_model_card(write, (args, kwargs))
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         trl_base = cls.__mro__[cls.__mro__.index(TrlExtMixin) + 1]
