@@ -113,7 +113,7 @@ def save_once(trainer, saves, directory: str, max_shard_size: str) -> tuple[floa
 
 class Background:
     """The weights of a background checkpoint alone (``saving.checkpoints`` runs the same steps around Trainer's
-    save): staged, copied (waited for, as the next optimizer step would), then written on the saves' thread."""
+    save): staged, copied (waited for, as the next optimizer step would), then written on the executor's thread."""
 
     def __init__(self):
         from trl_ext.saving.executor import Executor
@@ -122,10 +122,10 @@ class Background:
         self.executor, self.snapshot, self.weight_bytes, self._save = Executor(), Snapshot(), 0, None
 
     def begin(self, directory: str):
-        from trl_ext.saving.executor import Save
+        from trl_ext.saving.executor import BackgroundCheckpoint
 
         self.snapshot.begin()
-        self._save = Save(directory, self.executor, self.snapshot)
+        self._save = BackgroundCheckpoint(directory, self.executor, self.snapshot)
         return self._save
 
     def release(self, save) -> None:

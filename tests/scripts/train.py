@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--gc", choices=GC_MODES, default="default")
     parser.add_argument("--tensor_peak", action="store_true",
-                        help="report each step's peak of live tensor bytes (bench/_tensor_peak.py)")
+                        help="report each step's peak of live tensor bytes (tests/probes/tensor_peak.py)")
     parser.add_argument("--grad_accum", type=int, default=1)
     parser.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: no checkpoints)")
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None):
                        "weight_bytes": last.weight_bytes if last is not None else 0,
                        "own_bytes": sum(t.nbytes for t in own), "allocated": checkpoints.snapshot.allocated,
                        "allocated_at_reserve": allocated_at_reserve, "measured": checkpoints.measured,
-                       "costs": checkpoints.history,
+                       "costs": [cost.metrics() for cost in checkpoints.history],
                        "copy_order": copy_order.events if copy_order is not None else []}, f)
     if cli.load_in_4bit:
         report["quantization"] = quantization_report(trainer.model)
