@@ -83,7 +83,7 @@ def checkpoints_main(cli) -> None:
     model_bytes, _ = build_model(work / "model", cli.layers, False, cli.hidden)
     print(f"model: {model_bytes / 1e6:.0f} MB ({model_bytes // 4 / 1e6:.0f}M params, fp32); AdamW; {cli.steps} "
           f"steps, a checkpoint every {cli.save_steps}", flush=True)
-    worker = Path(__file__).with_name("_checkpoint_worker.py")
+    worker = Path(__file__).with_name("_whole_checkpoints_worker.py")
     variants = {"none": ["--save_steps", "0"], "foreground": [], "background": ["--background"]}
     rows = []
     for processes in cli.processes_list:

@@ -7,8 +7,8 @@ parameters during the recompute ("CheckpointError: Recomputed values ... have di
 That fix hands each frozen parameter a recompute gathers to the backward submodule running at the time (a lora_B)
 and frees it when that one finishes, so every frozen weight was all-gathered a second time by its own module's
 backward (0.93x the model per step). ``patches.keep_recomputed_params_for_their_module`` hands it instead to the
-innermost running backward submodule that contains it, so non-reentrant gathers what reentrant gathers (bench/README.md,
-"Non-reentrant checkpointing without the extra all-gather").
+innermost running backward submodule that contains it, so non-reentrant gathers what reentrant gathers
+(bench/RESULTS.md, "Non-reentrant checkpointing without the extra all-gather").
 """
 
 import functools
