@@ -1,6 +1,7 @@
 """One save under ZeRO-3 or FSDP2: trl_ext's save path (every rank writes), the same in the background
-(``saving.save(..., background=...)``, what ``save_in_background`` does for checkpoints), the same with one writing
-rank (as before every rank wrote), or transformers' Trainer.save_model (plain TRL).
+(``saving.save(..., into=...)``, what ``save_in_background`` does for checkpoints), the same with one writing
+rank (what spreading the writes over every rank is measured against), or transformers' Trainer.save_model (plain
+TRL).
 
 Trains one step (so the engine exists, as in a real run), then saves while a thread samples rank 0's RSS every 2 ms.
 Saves twice, as a run saves its checkpoints: the first save of a run also plans the layout and (background) allocates

@@ -88,7 +88,8 @@ def main():
                                      "total_s": max(r["total"] for r in everyone),
                                      "peak_mb": everyone[0]["peak_mb"], "copies_mb": everyone[0]["copies_mb"],
                                      "params": params}), flush=True)
-    # as a recipe ends: without it, a rank aborted in gloo's teardown at exit (seen under FSDP2, pytorch#190489)
+    # as a recipe ends: the ranks leave together, without gloo's teardown, which can abort a rank at exit under FSDP2
+    # (pytorch#190489)
     trl_ext.process.end_together()
 
 

@@ -1,6 +1,6 @@
 """Saving a full model under ZeRO-3 (or FSDP2) on CPU: trl_ext's save path, where every rank writes, in the
-foreground and in the background, against the same path with one writing rank (as before) and transformers'
-Trainer.save_model.
+foreground and in the background, against the same path with one writing rank (what spreading the writes is measured
+against) and transformers' Trainer.save_model.
 
     python bench/save.py [--repeats 2] [--layers 12] [--hidden 768] [--moe] [--fsdp2] [--processes 4] [--impls ...]
     python bench/save.py --checkpoints [--engines zero2 zero3 fsdp2] [--processes_list 2 4] [--hidden 512 --layers 8]

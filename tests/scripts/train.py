@@ -88,8 +88,8 @@ def gathered_trainable(model) -> dict:
     """Full trainable weights, on every rank (call it on every rank). Under ZeRO-3 each parameter is rebuilt from
     every rank's partition (``ds_tensor``, which the optimizer step updates) with one all-gather, not with DeepSpeed's
     ``GatheredParameters``: that skips a parameter whose prefetch is still in flight and hands back its buffer before
-    the all-gather has filled it (seen on DeepSpeed 0.19.2, twice, even after ``empty_partition_cache``: a weight of
-    1.7e38 or 3e17 in a run whose losses and Adam states matched to the bit)."""
+    the all-gather has filled it (DeepSpeed 0.19.2, even after ``empty_partition_cache``: a weight of 1.7e38 or 3e17
+    in a run whose losses and Adam states matched to the bit)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):  # FSDP2: collective per tensor
         return {n: p.full_tensor().detach().cpu().clone().contiguous() for n, p in params.items()}
