@@ -258,8 +258,8 @@ def test_a_save_is_written_only_once_run_and_never_once_cancelled(tmp_path, tiny
     assert executor.close(timeout=10) and snapshot.close(timeout=10)
 
 
-def test_the_saves_threads_start_once_and_run_in_order_and_a_checkpoint_starts_none(tmp_path, tiny_model_path,
-                                                                                     monkeypatch):
+def test_the_copies_and_executor_threads_start_once_end_with_train_and_run_in_order(tmp_path, tiny_model_path,
+                                                                                   monkeypatch):
     """The copies' and the executor's threads start at the end of the first step, once: no checkpoint waits for a new
     thread to start (on a busy CPU that wait held training for most of a background checkpoint's hold); they end
     when train() ends, and a later train() starts them again."""
