@@ -121,7 +121,7 @@ def throughput(check, deadline: float) -> dict:
 # --- 2. whole checkpoints, foreground vs background ------------------------------------------------------------------
 def checkpoint(check, deadline: float) -> dict:
     report_path = check.work / "checkpoint.json"
-    cmd = [sys.executable, str(BENCH / "_device_checkpoint.py"), "--work", str(check.work / "checkpoint"),
+    cmd = [sys.executable, str(BENCH / "_device_whole_checkpoints.py"), "--work", str(check.work / "checkpoint"),
            "--report", str(report_path)] + (["--smoke"] if check.smoke else [])
     code, tail = check.run("checkpoint", cmd, left(deadline))
     report = json.loads(report_path.read_text()) if report_path.exists() else {"runs": {}, "checks": {}}

@@ -1,6 +1,7 @@
 """One save under ZeRO-3 or FSDP2: trl_ext's save path (every rank writes), the same in the background
-(``saving.save(..., background=...)``, what ``save_in_background`` does for checkpoints), the same with one writing
-rank (as before every rank wrote), or transformers' Trainer.save_model (plain TRL).
+(``saving.save(..., into=...)``, what ``save_in_background`` does for checkpoints), the same with one writing
+rank (what spreading the writes over every rank is measured against), or transformers' Trainer.save_model (plain
+TRL).
 
 Trains one step (so the engine exists, as in a real run), then saves while a thread samples rank 0's RSS every 2 ms.
 Saves twice, as a run saves its checkpoints: the first save of a run also plans the layout and (background) allocates
@@ -113,7 +114,7 @@ def save_once(trainer, saves, directory: str, max_shard_size: str) -> tuple[floa
 
 class Background:
     """The weights of a background checkpoint alone (``saving.checkpoints`` runs the same steps around Trainer's
-    save): staged, copied (waited for, as the next optimizer step would), then written on the saves' thread."""
+    save): staged, copied (waited for, as the next optimizer step would), then written on the executor's thread."""
 
     def __init__(self):
         from trl_ext.saving.executor import Executor
@@ -122,10 +123,10 @@ class Background:
         self.executor, self.snapshot, self.weight_bytes, self._save = Executor(), Snapshot(), 0, None
 
     def begin(self, directory: str):
-        from trl_ext.saving.executor import Save
+        from trl_ext.saving.executor import BackgroundCheckpoint
 
         self.snapshot.begin()
-        self._save = Save(directory, self.executor, self.snapshot)
+        self._save = BackgroundCheckpoint(directory, self.executor, self.snapshot)
         return self._save
 
     def release(self, save) -> None:

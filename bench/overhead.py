@@ -5,8 +5,8 @@
     python bench/overhead.py --control --setups 1proc    # A/A: TRL against TRL in the same pairing (its own bias)
 
 SFT, Reward and DPO, LoRA (all-linear, r=8) on a random Llama (hidden 256, 4 layers, sequence 128, batch 4 per
-rank), gradient checkpointing off (the checkpointing modes differ on purpose: see bench/checkpointing.py), one thread
-per process. A step is a whole loop iteration (forward, backward, optimizer, callbacks, next batch).
+rank), gradient checkpointing off (the checkpointing modes differ on purpose: see bench/gradient_checkpointing.py),
+one thread per process. A step is a whole loop iteration (forward, backward, optimizer, callbacks, next batch).
 - 1 process: each run holds a TRL trainer and a trl_ext trainer that take turns step by step (threads passing a
   baton; who starts alternates between repeats), so every trl_ext step has a TRL step beside it under the same
   machine load. Ratio: median over all steps of (trl_ext step / its paired TRL step), and the ratio of the medians.

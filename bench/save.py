@@ -1,6 +1,6 @@
 """Saving a full model under ZeRO-3 (or FSDP2) on CPU: trl_ext's save path, where every rank writes, in the
-foreground and in the background, against the same path with one writing rank (as before) and transformers'
-Trainer.save_model.
+foreground and in the background, against the same path with one writing rank (what spreading the writes is measured
+against) and transformers' Trainer.save_model.
 
     python bench/save.py [--repeats 2] [--layers 12] [--hidden 768] [--moe] [--fsdp2] [--processes 4] [--impls ...]
     python bench/save.py --checkpoints [--engines zero2 zero3 fsdp2] [--processes_list 2 4] [--hidden 512 --layers 8]
@@ -83,7 +83,7 @@ def checkpoints_main(cli) -> None:
     model_bytes, _ = build_model(work / "model", cli.layers, False, cli.hidden)
     print(f"model: {model_bytes / 1e6:.0f} MB ({model_bytes // 4 / 1e6:.0f}M params, fp32); AdamW; {cli.steps} "
           f"steps, a checkpoint every {cli.save_steps}", flush=True)
-    worker = Path(__file__).with_name("_checkpoint_worker.py")
+    worker = Path(__file__).with_name("_whole_checkpoints_worker.py")
     variants = {"none": ["--save_steps", "0"], "foreground": [], "background": ["--background"]}
     rows = []
     for processes in cli.processes_list:

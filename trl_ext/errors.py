@@ -1,8 +1,9 @@
 """Every exception trl_ext raises. Each carries a ``kind`` that code tests; the message is for people, and no code
 ever matches its text.
 
-Each error also subclasses the built-in exception it always was (``RuntimeError``, ``ValueError``,
-``FileNotFoundError``, ``SystemExit``), so ``except ValueError`` in a user's code still catches what it caught before.
+Each error also subclasses the built-in exception that fits its case (``RuntimeError``, ``ValueError``,
+``FileNotFoundError``, ``SystemExit``), so that a user's ``except ValueError`` catches a bad value whether TRL or
+trl_ext refuses it.
 An error keeps its class, kind and detail when it crosses ranks (``agree``: pickled, gathered, raised on every rank).
 """
 
@@ -49,8 +50,8 @@ class CheckpointError(TrlExtError, RuntimeError):
 
 class ResumeError(CheckpointError, ValueError):
     """A checkpoint that this run cannot resume from (damaged, missing on some node, or saved with a batch size that
-    cannot be kept); nothing was loaded or changed. A ``CheckpointError`` and a ``ValueError``, as these refusals
-    were before."""
+    cannot be kept); nothing was loaded or changed. A ``CheckpointError`` (the checkpoint is at fault) and a
+    ``ValueError`` (the ``resume_from_checkpoint`` given cannot be used), so that either ``except`` catches it."""
 
     kind = "resume"
 

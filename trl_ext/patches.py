@@ -231,7 +231,7 @@ PATCHES: dict[str, Patch] = {
             "submodule running (under LoRA a lora_B) and frees it when that one ends, before the backward of the "
             "module that uses it, which all-gathers it again: 0.93x the model per step more than reentrant",
         upstream="DeepSpeed PR #8148 (which introduced the attribution); follow-up not filed: the report's text is in "
-                 "bench/README.md, 'Non-reentrant checkpointing without the extra all-gather'",
+                 "bench/RESULTS.md, 'Non-reentrant checkpointing without the extra all-gather'",
         remove_when="DeepSpeed attributes a recomputed parameter to a backward submodule that contains its module",
         guard=_all(_source_has("deepspeed.runtime.zero.partitioned_param_coordinator",  # decorated: its module's source
                                "def update_recompute_parameters(sub_module: Module, param: Parameter)"),

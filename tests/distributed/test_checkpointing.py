@@ -24,7 +24,7 @@ def assert_partitioned(report: dict) -> None:
 @pytest.fixture(scope="module")
 def gc_runs(shared_runs):
     """``gc_runs(trainer)``: {mode: (report, trained weights)} for the explicit settings, 3 steps of 2 micro-batches,
-    each step's peak of live tensor bytes counted (bench/_tensor_peak.py)."""
+    each step's peak of live tensor bytes counted (tests/probes/tensor_peak.py)."""
 
     def args(trainer: str, gc: str) -> list[str]:
         return ["--trainer", trainer, "--lora", "--gc", gc, "--grad_accum", "2", "--max_steps", "3", "--tensor_peak"]

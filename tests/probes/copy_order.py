@@ -27,13 +27,13 @@ class CopyOrder(TrainerCallback):
         self.backward_began, self.stepped = threading.Event(), threading.Event()
         self._hooked = False
         checkpoints = trainer._checkpoints
-        release = checkpoints.release
+        release = checkpoints._release
 
-        def releasing(save, on_commit):
-            checkpoints.snapshot.on_copies = self._hold if save.name == f"checkpoint-{step}" else None
-            return release(save, on_commit)
+        def releasing(checkpoint, on_commit):
+            checkpoints.snapshot.on_copies = self._hold if checkpoint.name == f"checkpoint-{step}" else None
+            return release(checkpoint, on_commit)
 
-        checkpoints.release = releasing
+        checkpoints._release = releasing
         if not guarded:
             checkpoints.wait_for_copies = lambda: None  # what this probe shows is needed
         trainer.model.register_forward_pre_hook(lambda *args: self._record("forward"))
@@ -74,9 +74,9 @@ class CopyOrder(TrainerCallback):
         if self._hooked:
             return
         self._hooked = True  # after trl_ext's own pre-hook (registered when training began): it runs after the wait
-        from trl_ext.saving.checkpoints import _torch_optimizers
+        from trl_ext.saving.mode import torch_optimizers
 
-        for optimizer in _torch_optimizers(self.trainer):
+        for optimizer in torch_optimizers(self.trainer):
             optimizer.register_step_pre_hook(lambda *a: self._record("optimizer_step"))
             optimizer.register_step_post_hook(self._stepped)
 

@@ -1,6 +1,7 @@
 """Parameter elements all-gathered per optimizer step, counted where each engine gathers: ZeRO-3's parameter
 coordinator (the partitions it fetches) and FSDP2's unshard (each unit's all-gather). A count, not a timing: the same
-run gives the same numbers, so tests can compare them (tests/scripts/train.py and bench/_checkpointing_worker.py).
+run gives the same numbers, so tests can compare them (tests/scripts/train.py and
+bench/_gradient_checkpointing_worker.py).
 """
 
 import functools

@@ -10,7 +10,7 @@ _ROOT = "trl_ext"
 
 class ModulesCrossed:
     """Records the ``trl_ext`` modules whose functions run while ``active`` (the training thread) and on threads
-    started meanwhile (the saves' thread, the copies' thread)."""
+    started meanwhile (the executor's thread, the copies' thread)."""
 
     def __init__(self):
         self.modules: set[str] = set()

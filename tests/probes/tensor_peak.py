@@ -1,7 +1,7 @@
 """Peak bytes of live tensors, counted at the dispatcher: each tensor an op creates is added when it is made and
 subtracted when its storage is freed. A count, free of the allocator's retention, so two runs of the same code give
-the same number (bench/_checkpointing_worker.py ``--tensor_peak``). torch's MemTracker does this too, but registers a
-gradient hook on every parameter, which fails on the frozen ones LoRA leaves."""
+the same number (bench/_gradient_checkpointing_worker.py ``--tensor_peak``). torch's MemTracker does this too, but
+registers a gradient hook on every parameter, which fails on the frozen ones LoRA leaves."""
 
 import contextlib
 import weakref

@@ -25,7 +25,7 @@ from trl_ext.engines import sharded
 from trl_ext.files import shards
 from trl_ext.process import env_rank
 from trl_ext.saving import gather
-from trl_ext.saving.checkpoints import Staging
+from trl_ext.saving.trainer_files import PartialDir
 
 TRAINERS = {
     "sft": (trl_ext.SFTTrainer, trl_ext.SFTConfig, "sft"),
@@ -78,7 +78,7 @@ def head_stats(model) -> dict:
 def kill_during_save(save_number: int) -> None:
     """Simulate a crash: rank 0 SIGKILLs itself after writing the first tensor of the N-th checkpoint save."""
     saves = {"count": 0}
-    create, end = Staging.create, shards.ShardStreamWriter.end
+    create, end = PartialDir.create, shards.ShardStreamWriter.end
 
     def counting_create(self):
         saves["count"] += 1
@@ -89,7 +89,7 @@ def kill_during_save(save_number: int) -> None:
         if saves["count"] == save_number and env_rank() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    Staging.create = counting_create
+    PartialDir.create = counting_create
     shards.ShardStreamWriter.end = write_then_die
 
 

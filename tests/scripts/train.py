@@ -88,8 +88,8 @@ def gathered_trainable(model) -> dict:
     """Full trainable weights, on every rank (call it on every rank). Under ZeRO-3 each parameter is rebuilt from
     every rank's partition (``ds_tensor``, which the optimizer step updates) with one all-gather, not with DeepSpeed's
     ``GatheredParameters``: that skips a parameter whose prefetch is still in flight and hands back its buffer before
-    the all-gather has filled it (seen on DeepSpeed 0.19.2, twice, even after ``empty_partition_cache``: a weight of
-    1.7e38 or 3e17 in a run whose losses and Adam states matched to the bit)."""
+    the all-gather has filled it (DeepSpeed 0.19.2, even after ``empty_partition_cache``: a weight of 1.7e38 or 3e17
+    in a run whose losses and Adam states matched to the bit)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if any(isinstance(p, torch.distributed.tensor.DTensor) for p in params.values()):  # FSDP2: collective per tensor
         return {n: p.full_tensor().detach().cpu().clone().contiguous() for n, p in params.items()}
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--gc", choices=GC_MODES, default="default")
     parser.add_argument("--tensor_peak", action="store_true",
-                        help="report each step's peak of live tensor bytes (bench/_tensor_peak.py)")
+                        help="report each step's peak of live tensor bytes (tests/probes/tensor_peak.py)")
     parser.add_argument("--grad_accum", type=int, default=1)
     parser.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: no checkpoints)")
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None):
                        "weight_bytes": last.weight_bytes if last is not None else 0,
                        "own_bytes": sum(t.nbytes for t in own), "allocated": checkpoints.snapshot.allocated,
                        "allocated_at_reserve": allocated_at_reserve, "measured": checkpoints.measured,
-                       "costs": checkpoints.history,
+                       "costs": [cost.metrics() for cost in checkpoints.history],
                        "copy_order": copy_order.events if copy_order is not None else []}, f)
     if cli.load_in_4bit:
         report["quantization"] = quantization_report(trainer.model)

@@ -24,7 +24,7 @@ from trl_ext.errors import CheckpointError
 from trl_ext.files import shards
 from trl_ext.files.audit import audit
 from trl_ext.saving import deferred, pipeline
-from trl_ext.saving.executor import Executor, Save
+from trl_ext.saving.executor import BackgroundCheckpoint, Executor
 from trl_ext.saving.snapshot import Snapshot
 
 ROWS = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
@@ -70,7 +70,7 @@ def test_a_step_runs_while_a_checkpoint_is_written_and_the_checkpoints_equal_the
         tmp_path, monkeypatch, tiny_model_path, foreground):
     """checkpoint-1's optimizer states start being written during step 2 and finish only once it has ended: the run
     completes only if training went on meanwhile (events, not timings; step 2's end waits for the write to start, which
-    the saves' thread reaches after the weights, so that a loaded machine orders them as an idle one). Every file of
+    the executor's thread reaches after the weights, so that a loaded machine orders them as an idle one). Every file of
     every checkpoint is the foreground run's, byte for byte."""
     events, write_synced, writing = [], deferred.write_synced, threading.Event()
     steps = StepEnds(2, events, after=writing)
@@ -90,23 +90,26 @@ def test_a_step_runs_while_a_checkpoint_is_written_and_the_checkpoints_equal_the
     assert [(kind, name) for kind, name, _ in executor.events if kind in ("started", "finished")] == [
         (kind, f"checkpoint-{s}") for s in (1, 2, 3) for kind in ("started", "finished")]
     parts = [name for kind, name, _ in executor.events if kind == "wrote"]
-    assert parts[:4] == ["checkpoint-1", "optimizer.pt", "scheduler.pt", "rng_state.pth"], parts
+    # TRL's model card (output_dir/README.md) with checkpoint-1's files, and never again: it does not change
+    assert parts[:5] == ["README.md", "checkpoint-1", "optimizer.pt", "scheduler.pt", "rng_state.pth"], parts
+    assert parts.count("README.md") == 1 and (tmp_path / "run" / "README.md").is_file(), parts
     # checkpoint-4 is the run's last: written in the foreground (nothing would run meanwhile)
     for step in (1, 2, 3, 4):
         name = f"checkpoint-{step}"
         assert _files(tmp_path / "run" / name) == _files(foreground / name), name
         assert audit(str(tmp_path / "run" / name)).ok
-    assert not list((tmp_path / "run").glob(".*")), "a staging directory was left behind"
+    assert not list((tmp_path / "run").glob(".*")), "a partial directory was left behind"
     model = trainer.model
     assert trainer._checkpoints.last.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     costs = trainer._checkpoints.history
     assert len(costs) == 4 and not [h for h in trainer.state.log_history if "checkpoint/held_s" in h]
     for cost in costs:
-        assert cost["checkpoint/held_s"] == pytest.approx(cost["checkpoint/held_save_s"] + cost[
-            "checkpoint/held_copy_wait_s"] + cost["checkpoint/held_previous_s"], abs=1e-3)
-        assert cost["checkpoint/write_s"] > 0 and cost["checkpoint/bytes"] > 0
+        metrics = cost.metrics()  # what the loggers get
+        assert metrics["checkpoint/held_s"] == pytest.approx(metrics["checkpoint/held_save_s"] + metrics[
+            "checkpoint/held_copy_wait_s"] + metrics["checkpoint/held_previous_s"], abs=1e-3)
+        assert cost.write_s > 0 and metrics["checkpoint/bytes"] == cost.bytes > 0
     committed = sum(f.stat().st_size for f in (tmp_path / "run" / "checkpoint-4").iterdir())
-    assert costs[-1]["checkpoint/bytes"] == committed
+    assert costs[-1].bytes == committed
 
 
 @pytest.mark.parametrize("guarded", [True, False])
@@ -223,9 +226,9 @@ def test_a_save_is_written_only_once_run_and_never_once_cancelled(tmp_path, tiny
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     executor, snapshot, done = Executor(), Snapshot(), []
 
-    def save_to(name: str) -> Save:
+    def save_to(name: str) -> BackgroundCheckpoint:
         snapshot.begin()
-        save = Save(tmp_path / name, executor, snapshot)
+        save = BackgroundCheckpoint(tmp_path / name, executor, snapshot)
         pipeline.save(model, tmp_path / name, into=save)  # staged and queued, nothing written
         save.commits.append(lambda: done.append(name))
         return save
@@ -252,12 +255,14 @@ def test_a_save_is_written_only_once_run_and_never_once_cancelled(tmp_path, tiny
     executor.join()
     assert isinstance(save.error, CheckpointError) and "abandoned" in str(save.error) and done == ["held"]
     assert not (tmp_path / "cancelled" / "model.safetensors").exists()
+    assert executor.close(timeout=10) and snapshot.close(timeout=10)
 
 
-def test_the_saves_threads_start_once_and_run_in_order_and_a_checkpoint_starts_none(tmp_path, tiny_model_path,
-                                                                                     monkeypatch):
-    """The copies' and the saves' threads start at the end of the first step, once: no checkpoint waits for a new
-    thread to start (on a busy CPU that wait held training for most of a background checkpoint's hold)."""
+def test_the_copies_and_executor_threads_start_once_end_with_train_and_run_in_order(tmp_path, tiny_model_path,
+                                                                                   monkeypatch):
+    """The copies' and the executor's threads start at the end of the first step, once: no checkpoint waits for a new
+    thread to start (on a busy CPU that wait held training for most of a background checkpoint's hold); they end
+    when train() ends, and a later train() starts them again."""
     from trl_ext.saving.worker import Worker
 
     worker, seen = Worker("test-worker"), []
@@ -271,14 +276,24 @@ def test_the_saves_threads_start_once_and_run_in_order_and_a_checkpoint_starts_n
             failed.result(timeout=10)
         assert worker.submit(lambda: None).result(timeout=10) is None  # the thread goes on after an error
     assert [type(r.exc_value) for r in reported] == [ZeroDivisionError] and reported[0].thread.name == "test-worker"
-    assert worker.submit(lambda: threading.current_thread()).result(timeout=10).daemon  # never holds the exit
+    thread = worker.submit(lambda: threading.current_thread()).result(timeout=10)
+    assert thread.daemon  # a call stuck in a collective with a dead rank never holds the exit
+    assert worker.close(timeout=10) and not thread.is_alive()
+    assert worker.submit(lambda: threading.current_thread()).result(timeout=10) is not thread  # started again
+    assert worker.close(timeout=10)
 
     started = []
     original = threading.Thread.start
-    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), original(self))[1])
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self), original(self))[1])
     trainer = trl_ext.SFTTrainer(model=tiny_model_path, args=trl_ext.SFTConfig(
         output_dir=str(tmp_path), max_steps=6, save_steps=2, per_device_train_batch_size=2, report_to="none",
         save_in_background=True), train_dataset=Dataset.from_list([{"text": "1+1=2"}] * 16))
-    trainer.train()
-    assert sorted(n for n in started if n.startswith("trl_ext-")) == ["trl_ext-copies", "trl_ext-save"], started
+    for _ in range(2):  # a later train() starts them again
+        started.clear()
+        trainer.train()
+        ours = [t for t in started if t.name.startswith("trl_ext-")]
+        assert sorted(t.name for t in ours) == ["trl_ext-copies", "trl_ext-writes"], started
+        assert not [t for t in ours if t.is_alive()], "the threads outlived train()"
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    started_saves = [name for kind, name, _ in trainer._checkpoints.executor.events if kind == "started"]
+    assert started_saves == ["checkpoint-2", "checkpoint-4"] * 2, started_saves

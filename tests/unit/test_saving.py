@@ -263,3 +263,24 @@ def test_a_failed_write_on_a_nearly_full_disk_says_how_much_room_is_left(tmp_pat
     assert "No space left on device" in str(error) and "earlier saves are intact" in str(error)
     monkeypatch.setattr(write.shutil, "disk_usage", lambda path: SimpleNamespace(free=50 << 30))
     assert "MiB free" not in str(write.write_failed(str(where), RuntimeError("x")))  # plenty of room: not mentioned
+
+
+def test_the_model_card_is_written_again_only_when_it_would_change(tmp_path):
+    """TRL writes its model card at every checkpoint; trl_ext writes it once per run, and again when what it is made
+    from, or the file, changed."""
+    from trl_ext.saving.trainer_files import ModelCard
+
+    card, writes = ModelCard(), []
+
+    def write(text: str = "the card") -> None:
+        writes.append(text)
+        (tmp_path / "README.md").write_text(text)
+
+    assert not card.current(("run",), str(tmp_path))
+    card.write(write, ("run",), str(tmp_path))
+    assert card.current(("run",), str(tmp_path)) and not card.current(("another name",), str(tmp_path))
+    (tmp_path / "README.md").write_text("the card, edited by its user")
+    assert not card.current(("run",), str(tmp_path))
+    card.write(write, ("run",), str(tmp_path))
+    card.forget()  # a new train()
+    assert not card.current(("run",), str(tmp_path)) and writes == ["the card", "the card"]

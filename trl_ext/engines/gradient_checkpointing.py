@@ -5,10 +5,10 @@ Why: non-reentrant checkpointing is PyTorch's recommendation (no input-require-g
 parameters during the recompute ("CheckpointError: Recomputed values ... have different metadata"). DeepSpeed
 >= 0.19.3 (PR #8148) keeps them gathered, so we only fall back where that fix is missing.
 That fix hands each frozen parameter a recompute gathers to the backward submodule running at the time (a lora_B)
-and frees it when that one finishes, so every frozen weight was all-gathered a second time by its own module's
+and frees it when that one finishes, so every frozen weight is all-gathered a second time by its own module's
 backward (0.93x the model per step). ``patches.keep_recomputed_params_for_their_module`` hands it instead to the
-innermost running backward submodule that contains it, so non-reentrant gathers what reentrant gathers (bench/README.md,
-"Non-reentrant checkpointing without the extra all-gather").
+innermost running backward submodule that contains it, so non-reentrant gathers what reentrant gathers
+(bench/RESULTS.md, "Non-reentrant checkpointing without the extra all-gather").
 """
 
 import functools

@@ -12,6 +12,7 @@ Used by saving (which streams the parts to the ranks that write), by resuming an
 """
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,14 +98,20 @@ def dtensor_rows(tensor, world: int, rank: int) -> slice | None:
     in rank order (``torch.chunk``'s split, which FSDP2 shards by); None for any other placement."""
     from torch.distributed.tensor import Shard
 
-    mesh = tensor.device_mesh
-    if (mesh.ndim != 1 or mesh.mesh.tolist() != list(range(world)) or tensor.ndim == 0
-            or tuple(tensor.placements) != (Shard(0),)):
+    if tensor.ndim == 0 or tuple(tensor.placements) != (Shard(0),) or _mesh_ranks(tensor.device_mesh) != tuple(
+            range(world)):
         return None
     rows = tensor.shape[0]
     chunk = -(-rows // world)
     start = min(rows, rank * chunk)
     return slice(start, min(rows, start + chunk))
+
+
+@functools.lru_cache(maxsize=16)
+def _mesh_ranks(mesh) -> tuple[int, ...] | None:
+    """The ranks of a 1-D device mesh, in order (None for any other mesh); kept, since ``DeviceMesh.mesh`` rebuilds
+    its tensor at every call and a save asks for every parameter and every rank."""
+    return tuple(mesh.mesh.tolist()) if mesh.ndim == 1 else None
 
 
 def streamable(param, world: int) -> bool:

@@ -1,8 +1,35 @@
-"""Saving: plan -> gather (ZeRO-3 partitions, FSDP2 shards) -> write -> check -> agree -> commit, on the files layer
-(``trl_ext.files``); a trainer's checkpoints, in the foreground or in the background, from the save to retention
-(``checkpoints``).
+"""Saving: the one save path, ``save(model, dir)`` (``pipeline``), on the files layer (``trl_ext.files``); and a
+trainer's checkpoints, in the foreground or in the background, from ``take`` to retention (``checkpoints``). Nothing
+else writes checkpoints.
 
-``save(model, dir)`` is the one save path (``pipeline``); nothing else writes checkpoints.
+One word, one meaning, in this package:
+
+- **save**: one call of ``save()``: a model's weights and configuration files planned, written, checked, agreed on by
+  every rank and committed (``pipeline``; one ``plan.SaveJob``).
+- **checkpoint**: a trainer's ``checkpoint-N``: a save of its weights plus the files Trainer, DeepSpeed and accelerate
+  write (optimizer, scheduler, RNG and trainer states); ``Checkpoints.take`` takes one.
+- **partial directory**: where a save or a checkpoint is written, hidden beside its target (``.NAME.trl_ext-partial``),
+  until its commit (``trainer_files.PartialDir``, ``SaveJob.partial``).
+- **commit**: the complete, checked partial directory renamed into place.
+- **mode**: whether checkpoints are written in the foreground (before training goes on) or in the background (while
+  it goes on), and why (``mode.Mode``).
+- **background checkpoint**: one checkpoint written in the background (``executor.BackgroundCheckpoint``): collected
+  while Trainer's ``_save_checkpoint`` runs, then written by the executor.
+- **part**: one piece of a background checkpoint (its weights, or one file), written by one task of the executor.
+- **stage**: give what a part writes CPU copies in the snapshot (``Snapshot.stage``): small tensors copied at once,
+  the others queued.
+- **copies**: the queued copies, run beside the next forward and backward and complete before the next optimizer step
+  (``wait_for_copies``).
+- **snapshot**: the CPU buffers the copies go to, kept from one checkpoint to the next (the one buffer pool).
+- **reserve**: at the end of the first step, every copy a checkpoint needs measured, checked against the machine's
+  memory and allocated (``memory``).
+- **executor**: the one thread, with a gloo process group of its own, that writes background checkpoints one at a time
+  (``executor.Executor``).
+- **write**: files put on disk and synced; ``wait_for_writes`` waits for the background checkpoint in flight.
+- **outcome**: a background checkpoint's success or failure, known on every rank (a failure is raised on all of them).
+- **held**: how long a checkpoint held the training thread; with the write time and the bytes, its cost
+  (``cost.Cost``, logged as ``checkpoint/*``).
+- **layout**: who writes which file of which copy of a save (``plan.Layout``), planned once per model.
 """
 
 from trl_ext.saving.pipeline import DEFAULT_MAX_SHARD_SIZE, save, supports

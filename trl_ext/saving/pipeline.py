@@ -1,22 +1,23 @@
-"""The one save path: plan, stage, stream the weights, check, agree, commit.
+"""The one save path: plan, write the weights, check, agree, commit.
 
-Used by the trainers for the final save and for every intermediate checkpoint. ``save`` plans the layout once per
-model (``plan_layout``: the weight sets, which rank writes which file of which copy) and makes the save a ``SaveJob``;
+Used by the trainers for the final save and for every checkpoint's weights. ``save`` plans the layout once per model
+(``plan_layout``: the weight sets, which rank writes which file of which copy) and makes the save a ``SaveJob``;
 ``run`` then reads top to bottom, on every rank:
 
-1. ``_stage``: the copy's first rank creates the staging directory beside the target, with the configuration files;
+1. ``_create_partial``: the copy's first rank creates the partial directory beside the target, with the configuration
+   files;
 2. ``write.write_weights``: the weights streamed from ZeRO-3 partitions or FSDP2 shards to the rank that writes their
    file, which writes them as they arrive, then fsyncs them (``write.synced``);
 3. ``_check_own_files``: each rank re-reads its own files against what it wrote (``files.readback``);
 4. ``_check_directory``: the copy's first rank checks the directory as a whole (``files.audit``);
 5. ``errors.agree``: every rank learns every rank's outcome; a failure is raised on all of them, with its kind;
-6. the commit: the staging directory renamed into place (``files.commit``).
+6. the commit: the partial directory renamed into place (``files.commit``).
 
 Each step returns its error instead of raising, so that every rank reaches the agreement: a failure on one rank never
 hangs the others. Under ZeRO-3 and FSDP2 every rank writes: one copy of the checkpoint is shared by all ranks
 (storage every node sees), or each node's ranks write that node's copy (node-local storage, ``save_on_each_node``).
-In a background checkpoint (``into``, an ``executor.Save``), steps 1-6 run on the saves' thread, on each rank's CPU
-copy of its parts.
+In a background checkpoint (``into``, an ``executor.BackgroundCheckpoint``), steps 1-6 run on the executor's thread,
+on each rank's CPU copy of its parts.
 """
 
 import dataclasses
@@ -33,7 +34,7 @@ from trl_ext.errors import NONFINITE, VERIFICATION, CheckpointError
 from trl_ext.files import readback
 from trl_ext.process import distributed
 from trl_ext.saving import write
-from trl_ext.saving.executor import Save
+from trl_ext.saving.executor import BackgroundCheckpoint
 from trl_ext.saving.plan import (
     DEFAULT_MAX_SHARD_SIZE,
     Layout,
@@ -81,7 +82,7 @@ def plan_layout(model, max_shard_size, is_writer: bool, collective: bool) -> Lay
 
 def save(model, output_dir: str, *, processing_class=None, training_args=None,
          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool | None = None,
-         into: Save | None = None) -> None:
+         into: BackgroundCheckpoint | None = None) -> None:
     """Save ``model`` (a transformers model or a PEFT model, possibly ZeRO-3 or FSDP2 sharded) to ``output_dir``.
 
     PEFT models are written as the adapter only (``adapter_model.safetensors`` + ``adapter_config.json``); other
@@ -99,10 +100,10 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             writing rank when ``is_writer`` is None.
         max_shard_size: the largest safetensors file of a full model, as in ``save_pretrained``. Under ZeRO-3 and
             FSDP2 files may be smaller, so that every rank has some to write (``split_for_writers``).
-        is_writer: whether this rank leads a copy of the checkpoint: stages it, writes its configuration files and
-            commits it (default: ``training_args.should_save``, else rank 0).
-        into: a checkpoint being saved in the background (``executor.Save``, on every rank): this call returns once
-            each rank has staged the copy of its own part of the weights, which the checkpoint writes with its other
+        is_writer: whether this rank leads a copy of the checkpoint: creates its partial directory, writes its
+            configuration files and commits it (default: ``training_args.should_save``, else rank 0).
+        into: a checkpoint written in the background (``executor.BackgroundCheckpoint``, on every rank): this call
+            returns once each rank has staged its own part of the weights, which the checkpoint writes with its other
             parts. A model whose parts cannot be copied (NVMe offload, quantized partitions, 2-D meshes) is saved in
             the foreground, said once.
 
@@ -129,7 +130,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             job = job.on(copied, into.group() if collective else None)
             into.add(target.name, lambda: write_and_check(job), commit=job.commit if is_writer else None)
             return
-        into.foreground(CANNOT_COPY)
+        into.say_foreground(CANNOT_COPY)
     run(job)
 
 
@@ -137,7 +138,7 @@ CANNOT_COPY = ("some parameters are offloaded to NVMe, quantized or sharded over
                "copied")
 
 
-def stage_weights(weight_sets, into: Save):
+def stage_weights(weight_sets, into: BackgroundCheckpoint):
     """The weight sets with each source replaced by this rank's CPU copy of it (``engines.sharded.local_copy``: its
     own part of a partitioned tensor, or the whole tensor), staged in ``into``'s snapshot: copied while training goes
     on, or measured. None if some source cannot be copied (the same on every rank: it depends on the engine's
@@ -167,19 +168,19 @@ def stage_weights(weight_sets, into: Save):
     return copied
 
 
-def reserve(model, max_shard_size, is_writer: bool, into: Save) -> int | None:
-    """The CPU copy a background save of ``model`` takes on this rank, planned (the layout ``save`` reuses) and staged
-    in ``into`` (a reserve: allocated and filled once; or a measure). Call on every rank, at the same point (planning
-    is collective).
+def reserve(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint) -> int | None:
+    """The CPU copy a background checkpoint's weights take on this rank, planned (the layout ``save`` reuses) and
+    staged in ``into`` (a reserve: allocated and filled once; or a measure). Call on every rank, at the same point
+    (planning is collective).
 
     Args:
-        model: the model the background saves will write.
+        model: the model the background checkpoints will write.
         max_shard_size: as for ``save``.
         is_writer: as for ``save``.
-        into: a ``Save`` in ``Mode.RESERVE`` or ``Mode.MEASURE``.
+        into: a ``BackgroundCheckpoint`` for ``Purpose.RESERVE`` or ``Purpose.MEASURE``.
 
     Returns:
-        Bytes of this rank's copy of the weights, or None when some parts cannot be copied (the saves then run in the
+        Bytes of this rank's copy of the weights, or None when some parts cannot be copied (checkpoints then go to the
         foreground).
     """
     _, layout = _planned(model, max_shard_size, is_writer, into)
@@ -188,8 +189,8 @@ def reserve(model, max_shard_size, is_writer: bool, into: Save) -> int | None:
     return None if stage_weights(layout.weight_sets, into) is None else into.weight_bytes
 
 
-def _planned(model, max_shard_size, is_writer: bool, into: Save | None):
-    """Whether the save is collective, and its layout: planned once and kept by the saves' executor (``save`` and
+def _planned(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint | None):
+    """Whether the save is collective, and its layout: planned once and kept by the executor (``save`` and
     ``reserve`` find the same one), or planned now; None when this rank takes no part (whole parameters, not the
     writer)."""
     # Partitioned parameters need every rank at every transfer; whole ones are read by the writer alone.
@@ -224,20 +225,21 @@ def run(job: SaveJob) -> None:
 
 
 def write_and_check(job: SaveJob) -> CheckpointError | None:
-    """Stage the directory, stream and write the weights, sync and check the files, on every rank that takes part (in
-    the foreground, or on a background save's thread with a process group of its own). Collective when the save is.
+    """Create the partial directory, stream and write the weights, sync and check the files, on every rank that takes
+    part (in the foreground, or on the executor's thread with a process group of its own). Collective when the save
+    is.
 
     Returns:
         This rank's failure (the copy's first rank: its copy's), or None; the files of a failed save are removed,
         except those that failed verification (kept for inspection).
     """
-    error = _stage(job) if job.is_writer else None
-    if job.collective:  # the other writers open files in the staging directory: it must exist, or all stop here
+    error = _create_partial(job) if job.is_writer else None
+    if job.collective:  # the other writers open files in the partial directory: it must exist, or all stop here
         error = errors.across_ranks(error, job.group)
     writers = []
     if error is None:
         error, writers = write.write_weights(job)
-    error = error or write.synced(writers, job.staging)
+    error = error or write.synced(writers, job.partial)
     checked = {}
     if error is None:
         error, checked = _check_own_files(job, writers)
@@ -246,22 +248,22 @@ def write_and_check(job: SaveJob) -> CheckpointError | None:
     if job.is_writer and error is None:
         error = _check_directory(job, checked)
     if job.is_writer and error is not None and error.kind not in (VERIFICATION, NONFINITE):
-        shutil.rmtree(job.staging, ignore_errors=True)  # files that failed verification are kept for inspection
+        shutil.rmtree(job.partial, ignore_errors=True)  # files that failed verification are kept for inspection
     return error
 
 
-def _stage(job: SaveJob) -> CheckpointError | None:
-    """A copy's first rank: an empty staging directory beside the target, with the configuration files."""
+def _create_partial(job: SaveJob) -> CheckpointError | None:
+    """A copy's first rank: an empty partial directory beside the target, with the configuration files."""
     try:
-        shutil.rmtree(job.staging, ignore_errors=True)  # left by an interrupted save
+        shutil.rmtree(job.partial, ignore_errors=True)  # left by an interrupted save
         for ws in job.weight_sets:
-            (job.staging / ws.subdir).mkdir(parents=True, exist_ok=True)
+            (job.partial / ws.subdir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        return write.failed(f"cannot create {job.staging}: {exc}; {write.WRITE_FIX}")
+        return write.failed(f"cannot create {job.partial}: {exc}; {write.WRITE_FIX}")
     total = sum(s.nbytes for ws in job.weight_sets for specs in ws.plan.values() for s in specs)
     logger.info(f"[trl_ext] saving {total / 2**20:.1f} MiB to {job.target}")
     try:  # first, so that the checks run while the last weight file's fsync is still going on
-        write_metadata(job.model, job.staging, job.weight_sets, job.processing_class, job.training_args)
+        write_metadata(job.model, job.partial, job.weight_sets, job.processing_class, job.training_args)
     except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
         return write.failed(f"writing the configuration files: {type(exc).__name__}: {exc}")
     return None
@@ -277,7 +279,7 @@ def _check_own_files(job: SaveJob, writers) -> tuple[CheckpointError | None, dic
         except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
             found = ([f"the checks themselves failed: {type(exc).__name__}: {exc}"], {}, {})
         problems += found[0]
-        checked[str(writer.directory.relative_to(job.staging))] = found[1:]
+        checked[str(writer.directory.relative_to(job.partial))] = found[1:]
     return (_unverified(job, problems) if problems else None), checked
 
 
@@ -305,8 +307,8 @@ def _check_directory(job: SaveJob, checked: dict) -> CheckpointError | None:
     problems = []
     try:
         for ws in job.weight_sets:
-            directory = job.staging / ws.subdir
-            tensors, prefixes = checked.get(str(directory.relative_to(job.staging)), ({}, {}))
+            directory = job.partial / ws.subdir
+            tensors, prefixes = checked.get(str(directory.relative_to(job.partial)), ({}, {}))
             problems += readback.check_directory(str(directory), ws.plan, tensors, prefixes, ws.peft_config,
                                                  getattr(config, "num_labels", 1))
     except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
@@ -317,7 +319,7 @@ def _check_directory(job: SaveJob, checked: dict) -> CheckpointError | None:
 def _unverified(job: SaveJob, problems: list) -> CheckpointError:
     diverged = [p for p in problems if getattr(p, "kind", None) == NONFINITE]  # NaN or inf: training diverged
     return CheckpointError(f"saving failed: the checkpoint for {job.target} failed verification; nothing was "
-                           f"committed and the previous contents are untouched. The files are kept in {job.staging} "
+                           f"committed and the previous contents are untouched. The files are kept in {job.partial} "
                            "for inspection.\n  " + "\n  ".join(problems),
                            kind=NONFINITE if diverged else VERIFICATION, detail=diverged[0] if diverged else None)
 
@@ -326,4 +328,6 @@ def supports(model) -> bool:
     """Models this save path writes: transformers models and PEFT models around them."""
     from transformers import PreTrainedModel
 
-    return is_peft_model(model) or isinstance(model, PreTrainedModel)
+    # The cheap test first: accelerate's asks importlib.metadata whether PEFT is installed at every call, and a trainer
+    # asks at every checkpoint.
+    return isinstance(model, PreTrainedModel) or is_peft_model(model)

@@ -1,11 +1,10 @@
 """What a save writes, decided before anything is written and the same on every rank: the weight sets (the adapters
 of a PEFT model, or the full model in the Hub's layout), their tensors under the names they are saved with, the files
 they go to and which rank writes each (``Layout``); and one save as an object (``SaveJob``), carried through the
-pipeline's steps from the plan to the commit, in the foreground or on the saves' thread."""
+pipeline's steps from the plan to the commit, in the foreground or on the executor's thread."""
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -173,14 +172,13 @@ class SaveJob:
         target: the directory committed at the end.
         layout: who writes what (``Layout``).
         rank: this rank (0 when the save is not collective).
-        is_writer: this rank leads its copy: stages it, writes the configuration files, checks and commits it.
+        is_writer: this rank leads its copy: creates its partial directory, writes the configuration files, checks
+            and commits it.
         collective: partitioned parameters: every rank takes part in every transfer and agreement.
         processing_class: the tokenizer or processor saved beside the weights (or None).
         training_args: saved as ``training_args.bin`` (or None).
         weight_sets: what the ranks stream: the layout's, with live tensors, or a background save's CPU copies.
         group: the process group of the transfers and agreements (None: the default one).
-        commit_with: puts the checked staging directory in place instead of ``files.commit.commit`` (a background
-            save's, which can wait to be released).
         started: when the save started (``time.monotonic()``), for its log line.
     """
 
@@ -194,11 +192,10 @@ class SaveJob:
     training_args: object = None
     weight_sets: list = field(default_factory=list)
     group: object = None
-    commit_with: Callable[[Path, Path], None] | None = None
     started: float = field(default_factory=time.monotonic)
 
     @property
-    def staging(self) -> Path:
+    def partial(self) -> Path:
         """Where the files are written and checked before the commit: beside ``target``, hidden."""
         return self.target.with_name(f".{self.target.name}{PARTIAL_SUFFIX}")
 
@@ -212,12 +209,11 @@ class SaveJob:
         return self.layout.copies.index(self.mine)
 
     def commit(self) -> None:
-        """The checked staging directory renamed into place, on the copy's first rank (the others: nothing)."""
+        """The checked partial directory renamed into place, on the copy's first rank (the others: nothing)."""
         if self.is_writer:
-            (self.commit_with or commit)(self.staging, self.target)
+            commit(self.partial, self.target)
             logger.info(f"[trl_ext] saved and verified {self.target} in {time.monotonic() - self.started:.1f}s")
 
-    def on(self, weight_sets: list, group=None, commit_with: Callable[[Path, Path], None] | None = None) -> "SaveJob":
-        """The same save, streaming ``weight_sets`` (a background save's copies) over ``group``, committed by
-        ``commit_with``."""
-        return replace(self, weight_sets=weight_sets, group=group, commit_with=commit_with)
+    def on(self, weight_sets: list, group=None) -> "SaveJob":
+        """The same save, streaming ``weight_sets`` (a background checkpoint's copies) over ``group``."""
+        return replace(self, weight_sets=weight_sets, group=group)

@@ -1,13 +1,13 @@
-"""A checkpoint's state copied into CPU buffers kept from one checkpoint to the next (the saves' one buffer pool), so
-that its files can be written on another thread while training goes on, and copied while the next forward and
-backward run.
+"""A checkpoint's state copied into CPU buffers kept from one checkpoint to the next (the one buffer pool of
+background checkpoints), so that its files can be written on another thread while training goes on, and copied while
+the next forward and backward run.
 
-``stage`` walks what a save writes, on the training thread: it builds the CPU copy's structure around buffers of the
+``stage`` walks what a part writes, on the training thread: it builds the CPU copy's structure around buffers of the
 pool, copies small tensors at once and queues the others. ``start`` runs the queued copies beside training: on a CUDA
 stream of their own for GPU tensors (after an event recorded on the compute stream, so they copy the values of the
 checkpoint's step), on a thread for tensors in CPU memory (so the CPU-only tests exercise the same ordering).
-``wait_for_copies`` ends them before anything changes the originals; the saves' thread ends them (``copied``) before
-it writes.
+``wait_for_copies`` ends them before anything changes the originals; the executor's thread ends them (``copied``)
+before it writes.
 
 What changes the originals in place, and so waits for the copies (``wait_for_copies`` runs as a step pre-hook of the
 torch optimizer under every engine's wrappers, ``saving.checkpoints``):
@@ -93,7 +93,7 @@ class _Copies:
                 target.copy_(source)
             if on_copies is not None:
                 on_copies("end")
-        except BaseException as exc:  # noqa: BLE001 - reported by the saves' thread, on every rank
+        except BaseException as exc:  # noqa: BLE001 - reported by the executor's thread, on every rank
             self.error = exc
         self.ended = time.monotonic()
 
@@ -111,7 +111,7 @@ class _Copies:
             torch.cuda.current_stream().wait_event(self._event)
 
     def wait(self) -> None:
-        """Until every copy is complete (the saves' thread, before it reads them)."""
+        """Until every copy is complete (the executor's thread, before it reads them)."""
         if self._copying is not None:
             futures.wait([self._copying])
         if self._event is not None:
@@ -142,6 +142,12 @@ class Snapshot:
         self.copy_at_once: set[int] = set()  # storages (``_cdata``) that change outside the optimizer step
         self.worker = Worker("trl_ext-copies")
         self._stream = None
+        # The copies' tensors, kept from one checkpoint to the next: a copy is a view of a buffer with the source's
+        # geometry, so the same buffer and geometry give the same tensor, reused rather than built again at every
+        # checkpoint while training waits (FSDP2's DTensors cost most). Those the last checkpoint did not use are
+        # dropped, with the buffers they hold.
+        self._views: dict[tuple, torch.Tensor] = {}
+        self._views_before: dict[tuple, torch.Tensor] = {}
         self._begin()
 
     def _begin(self) -> None:
@@ -152,9 +158,11 @@ class Snapshot:
         self._copies: _Copies | None = None
         self._on_gpu = False  # some source is on the GPU: the copies end with an event of their stream
         self.nbytes = 0
+        if self._views:
+            self._views_before, self._views = self._views, {}
 
     def begin(self) -> None:
-        """A new checkpoint: the previous one's copies are complete (the saves' thread waited for them), its buffers
+        """A new checkpoint: the previous one's copies are complete (the executor's thread waited for them), its buffers
         are reused."""
         if self._copies is not None:
             self._copies.wait()
@@ -212,6 +220,16 @@ class Snapshot:
                 self._queued.append((target, source))
         return target
 
+    def _view(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The copy's tensor for ``key`` (its buffer and geometry): the one the last checkpoint used, or ``make()``."""
+        view = self._views.get(key)
+        if view is None:
+            view = self._views_before.pop(key, None)
+            if view is None:
+                view = make()
+            self._views[key] = view
+        return view
+
     @torch.no_grad()
     def stage(self, obj, key: str, at_once: bool = False):
         """A copy of ``obj`` with every tensor in this snapshot's CPU buffers (see the module docstring): the small
@@ -228,24 +246,35 @@ class Snapshot:
         dtensor = _dtensor_class()
         memo: dict[int, object] = {}
 
-        def tensor(x: torch.Tensor) -> torch.Tensor:
-            target = self._storage_copy(x.untyped_storage(), key, at_once)
+        def view(x: torch.Tensor, target: torch.UntypedStorage) -> torch.Tensor:
             y = torch.empty(0, dtype=x.dtype).set_(target, x.storage_offset(), x.size(), x.stride())
             if isinstance(x, torch.nn.Parameter):
                 y = torch.nn.Parameter(y, requires_grad=x.requires_grad)
             elif x.requires_grad:
                 y.requires_grad_(True)
-            memo[id(x)] = y
-            for name, value in getattr(x, "__dict__", {}).items():  # ZeRO-3's ds_id: torch.save pickles it
-                setattr(y, name, walk(value))
+            return y
+
+        def tensor(x: torch.Tensor) -> torch.Tensor:
+            target = self._storage_copy(x.untyped_storage(), key, at_once)
+            attributes = getattr(x, "__dict__", None)
+            if attributes:  # ZeRO-3's ds_id: torch.save pickles it; copied at every checkpoint
+                y = memo[id(x)] = view(x, target)
+                for name, value in attributes.items():
+                    setattr(y, name, walk(value))
+                return y
+            geometry = (id(target), x.storage_offset(), tuple(x.size()), tuple(x.stride()), x.dtype,
+                        isinstance(x, torch.nn.Parameter), x.requires_grad)
+            y = memo[id(x)] = self._view(geometry, lambda: view(x, target))
             return y
 
         def walk(o):
             if id(o) in memo:
                 return memo[id(o)]
             if dtensor is not None and isinstance(o, dtensor):  # FSDP2: this rank's shard, as placed
-                copied = dtensor.from_local(tensor(o._local_tensor), o.device_mesh, o.placements, run_check=False,
-                                            shape=o.shape, stride=o.stride())
+                local = tensor(o._local_tensor)
+                placed = ("dtensor", id(local), o.device_mesh, tuple(o.placements), tuple(o.shape), tuple(o.stride()))
+                copied = self._view(placed, lambda: dtensor.from_local(
+                    local, o.device_mesh, o.placements, run_check=False, shape=o.shape, stride=o.stride()))
             elif isinstance(o, torch.Tensor):
                 return tensor(o)
             elif type(o) in (dict, OrderedDict):
@@ -292,7 +321,7 @@ class Snapshot:
         return time.monotonic() - start
 
     def copied(self) -> BaseException | None:
-        """On the saves' thread, before it writes: waits until every copy is complete.
+        """On the executor's thread, before it writes: waits until every copy is complete.
 
         Returns:
             What a copy raised, or None.
@@ -309,3 +338,8 @@ class Snapshot:
     def gpu_stall(self) -> float:
         """Seconds the GPU's compute stream waited for this checkpoint's copies before the optimizer step."""
         return self._copies.gpu_stall() if self._copies is not None else 0.0
+
+    def close(self, timeout: float | None = None) -> bool:
+        """The copies' thread ended once the copies started are done (waiting at most ``timeout`` seconds); a later
+        ``start`` starts it again. Returns whether it has ended."""
+        return self.worker.close(timeout)

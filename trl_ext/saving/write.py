@@ -84,7 +84,7 @@ def write_metadata(model, directory: Path, weight_sets, processing_class=None, t
 
     Args:
         model: the model saved (a transformers model or a PEFT model around one, possibly sharded).
-        directory: the save's staging directory.
+        directory: the save's partial directory.
         weight_sets: the save's plan (``plan.WeightSet``s): an index for each set of several files, an adapter config
             for each adapter.
         processing_class: a tokenizer or processor to save beside the weights (optional).
@@ -222,7 +222,7 @@ def write_weights(job: SaveJob) -> tuple[CheckpointError | None, list[tuple[Shar
     error, writers = None, []
     for ws, ws_owners in zip(job.weight_sets, job.layout.owners):
         files = {f: specs for f, specs in ws.plan.items() if ws_owners[job.copy_index][f] == job.rank}
-        writer = ShardStreamWriter(job.staging / ws.subdir, files) if files else None
+        writer = ShardStreamWriter(job.partial / ws.subdir, files) if files else None
         sink = _Guarded(writer, error) if writer is not None else None
         for filename, units in _units_by_file(ws).items():
             writer_rank = ws_owners[0][filename] if len(ws_owners) == 1 else None
@@ -241,12 +241,12 @@ def write_weights(job: SaveJob) -> tuple[CheckpointError | None, list[tuple[Shar
     return error, writers
 
 
-def synced(writers, staging: Path) -> CheckpointError | None:
+def synced(writers, partial: Path) -> CheckpointError | None:
     """Every file on disk (or its fsync error) before anything is committed or removed."""
     error = None
     for writer, _ in writers:
         try:
             writer.wait()
         except OSError as exc:
-            error = error or failed(f"syncing {staging} to disk: {exc}; {WRITE_FIX}")
+            error = error or failed(f"syncing {partial} to disk: {exc}; {WRITE_FIX}")
     return error

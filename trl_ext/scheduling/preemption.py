@@ -159,7 +159,7 @@ class Preemption(TrainerCallback):
         now = self._clock()
         seconds, self._mark = now - self._mark, now
         last = self.checkpoints.last if self.checkpoints is not None else None  # the last background checkpoint
-        written = last.write_s if last is not None else None
+        written = last.cost.write_s if last is not None else None
         self.budget.save(seconds + 2 * written if written is not None else seconds)
         if getattr(args, "process_index", 0) == 0 and ownership.is_own(args.output_dir):
             ownership.update(args.output_dir, save_seconds=round(self.budget.save_seconds, 3),

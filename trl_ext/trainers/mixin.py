@@ -96,7 +96,7 @@ class TrlExtMixin:
             self.add_callback(gradient_checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
             guard_save_pretrained(self.model)
-        self._checkpoints = Checkpoints(self)  # staged checkpoint-N; with save_in_background, written meanwhile
+        self._checkpoints = Checkpoints(self)  # each checkpoint-N; with save_in_background, written meanwhile
         if self._mirror is not None:
             self._mirror.attach(self)
             self._checkpoints.after_commit.append(self._mirror.committed)  # each checkpoint-N, once committed
@@ -251,12 +251,18 @@ class TrlExtMixin:
         if trial is not None or self.hp_search_backend is not None or not patches.applies("staged-checkpoint-dir"):
             return super()._save_checkpoint(model, trial)
 
-        def save_checkpoint(staging_run_dir: str) -> None:
-            # Trainer builds the checkpoint path from _get_output_dir(): point it at the staging directory.
-            with patches.swapped("staged-checkpoint-dir", self, "_get_output_dir", lambda trial=None: staging_run_dir):
+        def save_checkpoint(run_dir: str) -> None:
+            # Trainer builds the checkpoint path from _get_output_dir(): point it at the hidden partial directory.
+            with patches.swapped("staged-checkpoint-dir", self, "_get_output_dir", lambda trial=None: run_dir):
                 super(TrlExtMixin, self)._save_checkpoint(model, trial)
 
-        self._checkpoints.save(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint)
+        self._checkpoints.take(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint)
+
+    def create_model_card(self, *args, **kwargs):
+        """TRL's; at a checkpoint, only when the card would change (``saving.trainer_files.ModelCard``)."""
+        write = functools.partial(super().create_model_card, *args, **kwargs)
+        checkpoints = getattr(self, "_checkpoints", None)  # None while TRL's constructor runs
+        return write() if checkpoints is None else checkpoints.write_model_card(write, (args, kwargs))
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

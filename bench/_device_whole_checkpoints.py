@@ -145,8 +145,8 @@ def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from
     found = {
         "name": name, "output_dir": str(out), "background": background, "total_s": total,
         "steps": clock.steps, "saves": saves, "reserve_s": sum(b - a for a, b in reserve),
-        "windows": windows(events), "logged": [{k: v for k, v in e.items() if k in LOGGED}
-                                              for e in getattr(checkpoints, "history", [])],
+        "windows": windows(events), "logged": [{k: v for k, v in cost.metrics().items() if k in LOGGED}
+                                              for cost in getattr(checkpoints, "history", [])],
         "losses": {str(e["step"]): e["loss"] for e in history if "loss" in e and "step" in e},
         "probes": clock.probes, "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,

@@ -1,8 +1,8 @@
-"""One benchmark run (launched by bench/checkpointing.py): SFT + LoRA on a random Llama, one GC mode.
+"""One benchmark run (launched by bench/gradient_checkpointing.py): SFT + LoRA on a random Llama, one GC mode.
 
 Prints a JSON line with rank 0's median step time, peak memory growth during training (RSS on CPU,
 ``torch.cuda.max_memory_allocated`` on a GPU) and parameter elements all-gathered per step (ZeRO-3 or FSDP2,
-bench/_gather_count.py). With ``--probe`` (CPU) it also reports rank 0's peak RSS per phase of a
+tests/probes/gather_count.py). With ``--probe`` (CPU) it also reports rank 0's peak RSS per phase of a
 step (forward, backward, optimizer step) and, under ZeRO-3, what is gathered while each decoder layer is recomputed
 in the backward: how many parameters are AVAILABLE in total and in the layers after it (already backpropagated).
 """
@@ -160,7 +160,7 @@ def main():
     parser.add_argument("--probe", action="store_true", help="phase peaks and ZeRO-3 gathering during recompute")
     parser.add_argument("--gpu_0p5b", action="store_true", help="a ~0.5B Qwen2.5-shaped Llama in bf16, on a GPU")
     parser.add_argument("--tensor_peak", action="store_true",
-                        help="also the peak bytes of live tensors (bench/_tensor_peak.py), a count")
+                        help="also the peak bytes of live tensors (tests/probes/tensor_peak.py), a count")
     cli = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())

@@ -82,12 +82,14 @@ def main():
                                                    "copies_mb": copies / 2**20})
     if trainer.accelerator.is_main_process:
         params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.model.parameters())
-        print("BENCH " + json.dumps({"checkpoints": checkpoints.history,  # already the slowest rank's
+        costs = [cost.metrics() for cost in checkpoints.history]  # the slowest rank's
+        print("BENCH " + json.dumps({"checkpoints": costs,
                                      "reserve_s": max(r["reserve"] for r in everyone), "steps": steps.times,
                                      "total_s": max(r["total"] for r in everyone),
                                      "peak_mb": everyone[0]["peak_mb"], "copies_mb": everyone[0]["copies_mb"],
                                      "params": params}), flush=True)
-    # as a recipe ends: without it, a rank aborted in gloo's teardown at exit (seen under FSDP2, pytorch#190489)
+    # as a recipe ends: the ranks leave together, without gloo's teardown, which can abort a rank at exit under FSDP2
+    # (pytorch#190489)
     trl_ext.process.end_together()
 
 

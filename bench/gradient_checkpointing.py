@@ -1,8 +1,8 @@
 """Gradient checkpointing on CPU, 2-process ZeRO-3 + LoRA: none vs reentrant vs non-reentrant, in one run.
 
-    python bench/checkpointing.py [--repeats 2] [--steps 8]
-    python bench/checkpointing.py --hidden 2048 --layers 4 --seq_len 32 --probe [--full] [--backend fsdp2]
-    python bench/checkpointing.py --gpu_0p5b        # one GPU, single process, ~0.5B model in bf16
+    python bench/gradient_checkpointing.py [--repeats 2] [--steps 8]
+    python bench/gradient_checkpointing.py --hidden 2048 --layers 4 --seq_len 32 --probe [--full] [--backend fsdp2]
+    python bench/gradient_checkpointing.py --gpu_0p5b        # one GPU, single process, ~0.5B model in bf16
 
 Runs are interleaved (none, reentrant, non-reentrant, none, ...) and the median of the repeats is reported.
 Memory is rank 0's peak RSS growth during training (activations and their recomputation dominate it here); the
@@ -46,12 +46,12 @@ def main():
     parser.add_argument("--backend", choices=["zero3", "fsdp2"], default="zero3")
     parser.add_argument("--gpu_0p5b", action="store_true", help="single-process GPU variant, ~0.5B parameters")
     parser.add_argument("--tensor_peak", action="store_true",
-                        help="peak bytes of live tensors (bench/_tensor_peak.py), a count free of allocator noise; "
-                             "slows the steps, so timings are then not comparable")
+                        help="peak bytes of live tensors (tests/probes/tensor_peak.py), a count free of allocator "
+                             "noise; slows the steps, so timings are then not comparable")
     cli = parser.parse_args()
 
     config = write_accelerate_config(Path(tempfile.mkdtemp(prefix="bench-gc-")), cli.backend)
-    worker = Path(__file__).with_name("_checkpointing_worker.py")
+    worker = Path(__file__).with_name("_gradient_checkpointing_worker.py")
     results = {mode: [] for mode in MODES}
     for repeat in range(cli.repeats):
         for mode in MODES:
