@@ -88,26 +88,29 @@ def gathered(value, group=None) -> list:
     return everyone
 
 
-def max_over_ranks(value: int, device=None, group=None) -> int:
-    """The largest of every rank's ``value``, on every rank: one all-reduce of one number, cheap enough for every
-    step boundary (a signal that reached only some ranks, a write that must be waited for). ``value`` otherwise.
+def max_over_ranks(values, device=None, group=None):
+    """The largest of every rank's number (or of each of a list of numbers), on every rank: one all-reduce, cheap
+    enough for every step boundary (a signal that reached only some ranks, the slowest rank's part of a checkpoint).
+    ``values`` themselves outside a distributed run.
 
     Args:
-        value: this rank's number.
+        values: this rank's number, or a list of numbers.
         device: where the collective's tensor lives (the backend's device; CPU for gloo).
         group: the process group (default: the default one).
 
     Returns:
-        The maximum over ranks.
+        The maximum over ranks, in the shape given (ints stay ints).
     """
     if not distributed():
-        return value
+        return values
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item())
+    numbers = list(values) if isinstance(values, (list, tuple)) else [values]
+    reduced = torch.tensor([float(v) for v in numbers], dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    out = [type(v)(r) for v, r in zip(numbers, reduced.tolist(), strict=True)]
+    return out if isinstance(values, (list, tuple)) else out[0]
 
 
 def notice(message: str) -> None:

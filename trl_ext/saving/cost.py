@@ -3,9 +3,8 @@
 from dataclasses import astuple, dataclass, fields
 
 import torch
-import torch.distributed as dist
 
-from trl_ext.process import distributed
+from trl_ext.process import max_over_ranks
 
 PREFIX = "checkpoint/"  # the metrics' names: checkpoint/held_s, checkpoint/held_save_s, ...
 
@@ -51,20 +50,3 @@ class Cost:
         """
         *times, nbytes = max_over_ranks([float(v) for v in astuple(self)], device)
         return Cost(*times, bytes=int(nbytes))
-
-
-def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Each value's largest over the ranks, in one all-reduce (the values themselves outside a distributed run).
-
-    Args:
-        values: this rank's values.
-        device: where the all-reduce's tensor lives.
-
-    Returns:
-        The largest of each, the same on every rank.
-    """
-    if not distributed():
-        return values
-    reduced = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-    return reduced.tolist()

@@ -9,9 +9,8 @@ import tempfile
 from pathlib import Path
 
 import psutil
-import torch.distributed as dist
 
-from trl_ext.process import distributed
+from trl_ext.process import gathered
 from trl_ext.saving import deferred, pipeline
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, Purpose
 from trl_ext.saving.snapshot import Snapshot
@@ -64,11 +63,7 @@ def _other_files(trainer, checkpoint: BackgroundCheckpoint) -> None:
 def _short(need: int) -> str:
     """Where the CPU copies do not fit in a machine's available memory (its ranks added up), the same on every rank:
     one line saying how much was needed where; empty if they fit everywhere."""
-    mine = (socket.gethostname(), need, psutil.virtual_memory().available)
-    everyone = [mine]
-    if distributed():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+    everyone = gathered((socket.gethostname(), need, psutil.virtual_memory().available))
     short = []
     for host in sorted({h for h, _, _ in everyone}):
         needed = sum(n for h, n, _ in everyone if h == host)

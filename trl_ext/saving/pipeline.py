@@ -32,7 +32,7 @@ from trl_ext import errors
 from trl_ext.engines.sharded import LocalCopy, is_partitioned, local_copy
 from trl_ext.errors import NONFINITE, VERIFICATION, CheckpointError
 from trl_ext.files import readback
-from trl_ext.process import distributed
+from trl_ext.process import distributed, gathered
 from trl_ext.saving import write
 from trl_ext.saving.executor import BackgroundCheckpoint
 from trl_ext.saving.plan import (
@@ -50,9 +50,7 @@ logger = logging.getLogger("trl_ext")
 
 
 def _ranks_where(flag: bool) -> list[int]:
-    flags = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(flags, flag)
-    return [rank for rank, f in enumerate(flags) if f]
+    return [rank for rank, f in enumerate(gathered(flag)) if f]
 
 
 def _copies(leaders: list[int], world: int) -> list[list[int]]:
@@ -286,8 +284,7 @@ def _check_own_files(job: SaveJob, writers) -> tuple[CheckpointError | None, dic
 def _collect_checks(job: SaveJob, error: CheckpointError | None, checked: dict) -> tuple[CheckpointError | None,
                                                                                         dict]:
     """Every rank's outcome and checks, gathered; the copy's first rank keeps its copy's (the others keep theirs)."""
-    everyone = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, (error, checked), group=job.group)
+    everyone = gathered((error, checked), group=job.group)
     if not job.is_writer or error is not None:
         return error, checked
     error = next((everyone[r][0] for r in job.mine if everyone[r][0] is not None), None)
