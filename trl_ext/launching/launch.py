@@ -32,6 +32,7 @@ from trl_ext.process import notice
 from trl_ext.scheduling import node, orchestrators
 
 RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
+ACCELERATE_RUN = "trl_ext.launching.accelerate_run"  # accelerate's launch, ending with the ranks' own exit code
 ACCELERATE_KEYS = ("distributed_type", "compute_environment")
 # The launcher's own variables: a new `accelerate launch` must start from a clean slate. torchrun reads PET_<OPTION> as
 # its options, so a Kubernetes pod's PET_NNODES would turn a launch on this machine into a wait for other machines.
@@ -122,8 +123,8 @@ def _processes(value: str | None) -> int | None:
 
 
 def relaunch_command(accelerate_config: str, script: str, script_args: list[str], num_processes: int) -> list[str]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config,
-           "--num_processes", str(num_processes)]
+    cmd = [sys.executable, "-m", ACCELERATE_RUN, "--config_file", accelerate_config, "--num_processes",
+           str(num_processes)]
     config = read_config(accelerate_config)
     if int(config.get("num_machines", 1)) <= 1 and "main_process_port" not in config:
         cmd += ["--main_process_port", str(free_port())]  # the default port may be held by another run here
@@ -167,6 +168,7 @@ def _exec(cmd: list[str], set_env: dict[str, str], strip_launcher: bool = True) 
         env = {k: v for k, v in env.items() if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIXES)}
     env.update(set_env)
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway, announcing it in a 4-line banner
+    env.setdefault(*node.AGENT_LOG_LEVEL)  # the ranks say how they ended; torchrun's agents' log says it again
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)
@@ -220,7 +222,7 @@ def start(script: str, argv: list[str]) -> list[str]:
             notice(f"no accelerate config on {job.orchestrator}: {os.path.relpath(config)} (data parallel)")
         machines, line = machine_args(job, asked)
         notice(line)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *machines, script, *rest]
+        cmd = [sys.executable, "-m", ACCELERATE_RUN, "--config_file", config, *machines, script, *rest]
         _exec(cmd, {RELAUNCHED: config, **dict([node.TORCHRUN_SIGNALS])})
     under_node_launcher([script, *argv], job)
     if accelerate_config:

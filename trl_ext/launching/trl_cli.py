@@ -83,13 +83,18 @@ def _launch_runner(script_name: str, launch_args: list[str], training_script_arg
             notice(f"{job.describe()}{applied}")
         _run_in_this_process(command, training_script_args)
         return
-    from accelerate.commands.launch import launch_command, launch_command_parser
+    from accelerate.commands.launch import launch_command_parser
+
+    from trl_ext.launching import accelerate_run
 
     if job is not None and os.environ.get(orchestrators.NODE_ENV):  # the orchestrator's machines
         machines, line = launch.machine_args(job, int(num_processes) if num_processes else None)
         launch_args = [*launch_args, *machines]  # later options win
         notice(line)
-    launch_command(launch_command_parser().parse_args([*launch_args, str(RUNNER), command, *training_script_args]))
+    code = accelerate_run.run(launch_command_parser().parse_args([*launch_args, str(RUNNER), command,
+                                                                  *training_script_args]))
+    if code:
+        sys.exit(code)
 
 
 def _run_in_this_process(command: str, training_script_args: list[str]) -> None:

@@ -183,7 +183,7 @@ def ending(run: str, code: int) -> tuple[int, str | None]:
     if failures:
         return restart.LOST, (f"rank {failures[0]['rank']} lost a peer or its node: {failures[0]['error']} "
                               f"(exit {restart.LOST})")
-    if code < 0 and -code == signal.SIGKILL:
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):  # itself, or a rank (trl_ext.launching.accelerate_run)
         return restart.KILLED, f"its processes were killed (SIGKILL) (exit {restart.KILLED})"
     return (code if code > 0 else 128 - code), f"its processes ended with exit code {code}"
 

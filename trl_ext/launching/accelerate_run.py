@@ -1,0 +1,48 @@
+"""``python -m trl_ext.launching.accelerate_run <accelerate launch arguments>``: accelerate's own launch, as a recipe's
+re-launch and the node launcher run it, ending with its ranks' exit code instead of torchrun's report of it.
+
+A rank that refuses its input says so in one line and exits with 1; a rank that fails prints its own traceback.
+torchrun then raises ``ChildFailedError`` in the launching process, whose traceback and summary add a screenful that
+says nothing more. Here that exception ends the process quietly with the failed rank's exit code, and a rank killed by
+a signal (the OOM killer's SIGKILL) is said in one line, since that rank could not say it itself.
+"""
+
+import signal
+import sys
+
+
+def run(args) -> int:
+    """Run ``accelerate launch`` in this process.
+
+    Args:
+        args: ``accelerate launch``'s parsed arguments (``launch_command_parser().parse_args(...)``).
+
+    Returns:
+        0, or the first failed rank's exit code (128 + the signal for a rank killed by one).
+    """
+    from accelerate.commands.launch import launch_command
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        launch_command(args)
+    except ChildFailedError as exc:
+        rank, failure = min(exc.failures.items()) if exc.failures else (0, None)
+        code = failure.exitcode if failure is not None else 1
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            print(f"[trl_ext] rank {rank} was killed by {name} (the OOM killer's SIGKILL, if nothing sent it)",
+                  file=sys.stderr, flush=True)
+            return 128 - code
+        return code or 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``run`` with ``argv`` (default: the command line) as ``accelerate launch`` parses it."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return run(launch_command_parser().parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
