@@ -59,7 +59,7 @@ def test_two_configs_of_one_kind_are_refused():
 
 def test_relaunch_command():
     cmd = launch.relaunch_command(ZERO3, "recipes/dpo.py", ["--config", DPO_CONFIG], num_processes=2)
-    assert cmd[:7] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3,
+    assert cmd[:7] == [sys.executable, "-m", "trl_ext.launching.accelerate_run", "--config_file", ZERO3,
                        "--num_processes", "2"]
     assert cmd[7] == "--main_process_port" and int(cmd[8]) > 0  # a free port: an outer launch may hold 29500
     assert cmd[9:] == ["recipes/dpo.py", "--config", DPO_CONFIG]

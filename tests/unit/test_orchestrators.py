@@ -199,7 +199,7 @@ def test_in_process_environment_is_accelerates_own(env):
 
 def test_one_machine_re_launches_under_accelerate(env, execs):
     argv, environment = _exec_of(lambda: launch.start("recipes/dpo.py", ["--config", ZERO3, "--max_steps", "3"]))
-    assert argv[:5] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3]
+    assert argv[:5] == [sys.executable, "-m", "trl_ext.launching.accelerate_run", "--config_file", ZERO3]
     assert argv[argv.index("--num_processes") + 1] == "2" and argv[-3:] == ["recipes/dpo.py", "--max_steps", "3"]
     assert environment[launch.RELAUNCHED] == ZERO3
 
