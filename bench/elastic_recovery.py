@@ -47,7 +47,8 @@ def _events(log: str) -> dict[tuple[str, int], float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--last-call", type=float, default=2.0, help="torchrun's last_call_timeout (its default: 30)")
+    parser.add_argument("--last-call", type=int, default=2, help="torchrun's last_call_timeout, s (its default: 30)")
+
     parser.add_argument("--processes", type=int, default=2, help="processes per machine")
     args = parser.parse_args()
     from trl_ext.launching.launch import free_port
