@@ -202,23 +202,27 @@ def test_bad_credentials_and_a_missing_bucket_are_refused_before_anything_loads_
     assert not any((tmp_path / case).exists() for case in said)  # nothing written
 
 
-def test_a_recipe_refuses_a_missing_bucket_in_one_line_before_it_launches(s3, monkeypatch, capsys):
+def test_a_recipe_refuses_a_missing_bucket_in_one_line_before_it_trains(s3, monkeypatch, tmp_path):
+    # Each rank checks the input where it runs (a re-launch's ranks included: the test above);
+    # here the recipe's own process, with nothing launched and nothing written.
     from trl_ext import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+    from trl_ext.launching import launch
     from trl_ext.launching.scripting import parse_recipe_args
 
     for name, value in s3.env.items():
         monkeypatch.setenv(name, value)
     launched = []
-    monkeypatch.setattr("trl_ext.launching.launch.relaunch", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(launch, "_exec", lambda *a, **k: launched.append(a))
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig))
+    out = tmp_path / "never"
     with pytest.raises(SystemExit) as exited:
-        parse_recipe_args(parser, "sft", "sft", ["--config", str(REPO / "recipes/configs/sft.yaml"), "--config",
-                                                  str(REPO / "accelerate_configs/zero3.yaml"), "--checkpoint_mirror",
-                                                  "s3://no-such-bucket/run", "--output_dir", "outputs/never"])
+        parse_recipe_args(parser, "sft", "sft", ["--config", str(REPO / "recipes/configs/sft.yaml"),
+                                                  "--checkpoint_mirror", "s3://no-such-bucket/run", "--output_dir",
+                                                  str(out)])
     message = str(exited.value.code)
     assert message.startswith("error: checkpoint_mirror s3://no-such-bucket/run: cannot write to it") and \
         "\n" not in message, message
-    assert not launched
+    assert not launched and not out.exists()
 
 
 def test_a_large_file_goes_up_in_parts_checksummed_and_a_stopped_upload_leaves_nothing(s3, tmp_path, monkeypatch):

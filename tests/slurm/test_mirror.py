@@ -52,7 +52,7 @@ def test_a_requeued_job_whose_output_dir_is_gone_resumes_from_the_mirror(slurm_c
     # within mirror_grace_period the stopping checkpoint reached the mirror, or the log says it is only local
     assert ("checkpoint_mirror: every committed checkpoint is in" in log or
             "the 5 s grace period (mirror_grace_period) ran out" in log), log[-6000:]
-    assert f"this job's mirror {url} is the place to resume from" in log, log[-6000:]
+    assert f"this run's mirror {url} is the place to resume from" in log, log[-6000:]
     resumed = re.search(rf"downloaded {url}/checkpoint-(\d+) into {out}/checkpoint-\1", log)
     assert resumed and int(resumed.group(1)) >= SAVE_STEPS, log[-6000:]
     assert f"mirror: the model complete at {url}" in log, log[-6000:]
