@@ -72,6 +72,10 @@ def _launch_runner(script_name: str, launch_args: list[str], training_script_arg
     _check_before_launch(command, training_script_args)
     num_processes, _ = launch.take_option(launch_args, "num_processes")
     job = orchestrators.current()
+    if job is not None and job.orchestrator == "Ray" and not job.per_rank:  # a Ray job's driver: a worker group
+        from trl_ext.ray import recipe
+
+        sys.exit(recipe.run_trl_command(command, launch_args, training_script_args, job))
     if job is not None and job.per_rank:
         config_file, _ = launch.take_option(launch_args, "config_file")
         applied = ""

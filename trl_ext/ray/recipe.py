@@ -1,0 +1,144 @@
+"""A recipe, or ``trl-ext <command>``, started as a Ray job's driver: ``ray job submit -- python recipes/dpo.py --config
+accelerate_configs/zero3.yaml``.
+
+The driver decides what only it can, before any worker starts, without importing torch or TRL: the number of workers
+(``--num_processes N`` or ``MIN-MAX``; default one per GPU of the cluster, 2 per node without GPUs), the accelerate
+config (``--config``; without one, data parallel), the run's identity (the job's submission id) and its output
+directory (``--output_dir``, the recipe config's, else ``outputs/<recipe>-<run>``, made absolute: it is Ray's storage
+for the run and must be one every node sees). Every worker then runs the same command with that output directory, as
+one rank (``worker``); the input's own checks run there, as under ``accelerate launch``.
+"""
+
+import os
+from pathlib import Path
+
+from trl_ext.errors import UsageError
+from trl_ext.ray import cluster, group
+from trl_ext.ray.worker import Task
+from trl_ext.scheduling import orchestrators, ownership
+
+# The launch's own variables, not the run's: the workers get theirs from Ray and trl_ext.ray
+_NOT_PASSED_ON = (orchestrators.NODE_ENV, ownership.RUN_ENV, "TRL_EXT_RELAUNCHED", "TRL_EXT_HOSTED_RANK")
+# accelerate launch's placement options: Ray places the workers
+_PLACEMENT = ("num_machines", "machine_rank", "main_process_ip", "main_process_port")
+
+
+def run(script: str, accelerate_config: str | None, num_processes: str | None, rest: list[str],
+        job: orchestrators.Job) -> int:
+    """Run the recipe ``script`` on a Ray Train worker group (``launching.launch.start`` calls it in a Ray job's
+    driver).
+
+    Args:
+        script: the recipe's path.
+        accelerate_config: the ``--config`` that is an accelerate config, or None (data parallel).
+        num_processes: ``--num_processes`` as given (``N`` or ``MIN-MAX``), or None.
+        rest: the recipe's other arguments (its recipe config as ``--config``).
+        job: the Ray job (its run identity).
+
+    Returns:
+        The driver's exit code.
+    """
+    from trl_ext.launching.launch import DATA_PARALLEL, take_option
+
+    asked = cluster.parse_workers(num_processes)
+    run_name = job.run or group.new_run_name()
+    output_dir, rest = take_option(rest, "output_dir")
+    output_dir = os.path.abspath(output_dir or _configured(rest, "output_dir")
+                                 or os.path.join("outputs", f"{Path(script).stem}-{run_name}"))
+    claim(output_dir, run_name, rest)
+    if accelerate_config is None:
+        group.printer(f"no accelerate config under Ray: {os.path.relpath(DATA_PARALLEL)} (data parallel)")
+    config = accelerate_config or str(DATA_PARALLEL)
+    task = Task(run=run_name, output_dir=output_dir, cwd=os.getcwd(), env=passed_on(), script=os.path.abspath(script),
+                argv=["--config", config, *rest, "--output_dir", output_dir])
+    return main(task, asked)
+
+
+def run_trl_command(command: str, launch_args: list[str], training_script_args: list[str],
+                    job: orchestrators.Job) -> int:
+    """``trl-ext <command>`` on a Ray Train worker group (``launching.trl_cli`` calls it in a Ray job's driver, after
+    the input's checks): every worker runs the same command as one rank, with the accelerate config
+    (``--accelerate_config``, ``--config_file``) applied in its process.
+
+    Args:
+        command: ``sft``, ``dpo``, ...
+        launch_args: the accelerate launch options TRL's command line gathered.
+        training_script_args: the script's options.
+        job: the Ray job.
+
+    Returns:
+        The driver's exit code.
+    """
+    from trl_ext.launching.launch import take_option
+
+    placement = [name for name in _PLACEMENT if any(a == f"--{name}" or a.startswith(f"--{name}=")
+                                                    for a in launch_args)]
+    if placement:
+        raise UsageError(f"--{placement[0]}: on Ray, Ray places the workers; drop it (--num_processes N or MIN-MAX "
+                         "sets how many).")
+    num_processes, launch_args = take_option(launch_args, "num_processes")
+    config_file, _ = take_option(launch_args, "config_file")
+    asked = cluster.parse_workers(num_processes)
+    run_name = job.run or group.new_run_name()
+    output_dir, rest = take_option(training_script_args, "output_dir")
+    output_dir = os.path.abspath(output_dir or _configured(rest, "output_dir")
+                                 or os.path.join("outputs", f"{command}-{run_name}"))
+    claim(output_dir, run_name, rest)
+    task = Task(run=run_name, output_dir=output_dir, cwd=os.getcwd(), env=passed_on(), module="trl_ext",
+                argv=[command, *rest, *(["--config_file", config_file] if config_file else []),
+                      "--output_dir", output_dir])
+    return main(task, asked)
+
+
+def main(task: Task, asked: tuple[int, int] | None) -> int:
+    """Connect, run the group, and end in one line.
+
+    Returns:
+        0; ``scheduling.restart.ERROR`` (201) for an error of the run's own; ``LOST`` (200) for more lost workers
+        than allowed; 1 for a group that could not start.
+    """
+    from trl_ext.scheduling import restart
+
+    group.connect(None)
+    try:
+        result = group.run(task, asked, group.printer)
+    except group.RunFailed as exc:
+        group.printer(str(exc))
+        return {"error": restart.ERROR, "peer": restart.LOST}.get(exc.kind, 1)
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    group.printer(f"Ray run {task.run} finished: {task.output_dir}"
+                  + (f"; its newest checkpoint, registered with Ray: {checkpoint}" if checkpoint else ""))
+    return 0
+
+
+def claim(output_dir: str, run: str, rest: list[str]) -> None:
+    """Make ``output_dir`` the run's before Ray writes its files there; refuse another run's directory (as the recipes
+    do) unless the command resumes or overwrites it, which the ranks then decide, as everywhere.
+
+    Raises:
+        UsageError: the directory holds another run's files.
+    """
+    if ownership.run_of(output_dir) == run:
+        return
+    if "--overwrite_output_dir" in rest or any(a == "--resume_from_checkpoint" or
+                                               a.startswith("--resume_from_checkpoint=") for a in rest):
+        return
+    if os.path.isdir(output_dir) and os.listdir(output_dir):
+        raise UsageError(f"output_dir '{output_dir}' already holds files from another run; nothing was changed. "
+                         "Choose a new --output_dir, pass --resume_from_checkpoint true to continue that run, or "
+                         "--overwrite_output_dir.")
+    ownership.claim(output_dir, run)
+
+
+def passed_on() -> dict[str, str]:
+    """trl_ext's variables of the driver, for the workers (Ray gives them the job's runtime environment only)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("TRL_EXT_") and k not in _NOT_PASSED_ON}
+
+
+def _configured(rest: list[str], key: str) -> str | None:
+    """``key`` in the recipe config given with ``--config`` (if any)."""
+    from trl_ext.launching.launch import read_config, take_option
+
+    config, _ = take_option(rest, "config")
+    value = read_config(config).get(key) if config else None
+    return str(value) if value else None
