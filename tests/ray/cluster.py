@@ -22,6 +22,17 @@ import psutil
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
+def _adopt_orphans() -> None:
+    """Make this process the parent of every process it starts that loses its own (Linux's child subreaper): ``ray
+    start`` leaves its daemons behind; reaped here, their CPU time counts in this process's children's (``time``)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -48,8 +59,9 @@ class RayCluster:
         system_config: Ray's internal settings for the head (faster failure detection in tests).
     """
 
-    def __init__(self, cpus_per_node: int = 2, env: dict | None = None, system_config: dict | None = None):
-        self.cpus = cpus_per_node
+    def __init__(self, cpus_per_node: int = 2, env: dict | None = None, system_config: dict | None = None,
+                 cwd: str | None = None):
+        self.cpus, self.cwd = cpus_per_node, cwd  # cwd: where the head starts, and so where jobs run
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
         self.env.pop("RAY_ADDRESS", None)
         self.system_config = system_config or {}
@@ -58,6 +70,7 @@ class RayCluster:
         self.ip = None
         self.head_raylet = self.node_raylet = None
         self.node_dir, self.starts = None, 2
+        self.reaped = 0.0  # CPU seconds of the cluster's processes this process reaped
 
     @property
     def address(self) -> str:
@@ -68,6 +81,7 @@ class RayCluster:
         return f"http://127.0.0.1:{self.dashboard}"
 
     def __enter__(self):
+        _adopt_orphans()
         try:
             self.start()
         except BaseException:
@@ -81,7 +95,7 @@ class RayCluster:
     def _ray_start(self, args: list[str]) -> None:
         subprocess.run([RAY, "start", "--disable-usage-stats", "--num-gpus", "0", "--num-cpus", str(self.cpus),
                         "--dashboard-agent-listen-port", str(free_port()), *args], env=self.env, check=True,
-                       capture_output=True, text=True, timeout=180)
+                       capture_output=True, text=True, timeout=180, cwd=self.cwd)
 
     def start(self) -> None:
         head = ["--head", "--port", str(self.port), "--temp-dir", self.temp, "--include-dashboard=true",
@@ -113,69 +127,111 @@ class RayCluster:
     def kill_node(self) -> float:
         """The second node as a power loss would end it: its raylet, its log monitor and everything under them (its
         workers, agents), SIGKILL; returns when."""
-        family = {}
-        for process in psutil.process_iter(["cmdline"]):
-            if any(a.endswith(self.node_dir) or f"{self.node_dir}/" in a for a in (process.info["cmdline"] or [])):
-                for member in [process, *process.children(recursive=True)]:
-                    family[member.pid] = member
-        family = list(family.values())
+        family = self._family(self.node_dir)
         when = time.time()
         for process in family:
             try:
                 process.send_signal(signal.SIGKILL)
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(family, timeout=10)
+        self._end(family)
         return when
 
-    def nodes_alive(self) -> int:
-        import ray
-
-        return sum(1 for node in ray.nodes() if node.get("Alive"))
-
-    def submit(self, args: list[str], submission_id: str, env: dict | None = None, cwd: str | None = None,
-               wait: bool = False) -> subprocess.CompletedProcess:
-        """``ray job submit --submission-id ID [--no-wait] -- python ARGS`` with ``env`` in the job's runtime
-        environment."""
+    def submit(self, args: list[str], submission_id: str, env: dict | None = None) -> None:
+        """``ray job submit --no-wait --submission-id ID --runtime-env-json {"env_vars": env} -- python ARGS``, as a
+        user submits a job (the job runs where the head started)."""
         runtime = json.dumps({"env_vars": env or {}})
-        return subprocess.run([RAY, "job", "submit", "--address", self.job_address, "--submission-id", submission_id,
-                               "--runtime-env-json", runtime, *([] if wait else ["--no-wait"]), "--", sys.executable,
-                               *args], env=self.env, cwd=cwd, capture_output=True, text=True, timeout=1800)
+        subprocess.run([RAY, "job", "submit", "--address", self.job_address, "--submission-id", submission_id,
+                        "--runtime-env-json", runtime, "--no-wait", "--", "python", *args], env=self.env, check=True,
+                       capture_output=True, text=True, timeout=300)
 
-    def job(self, submission_id: str) -> dict:
-        out = subprocess.run([RAY, "job", "status", "--address", self.job_address, submission_id, "--log-style",
-                              "record"], env=self.env, capture_output=True, text=True, timeout=60).stdout
-        return {"status": next((s for s in ("SUCCEEDED", "FAILED", "STOPPED", "RUNNING", "PENDING")
-                                if f"status: {s}" in out or f"'{s}'" in out or s in out.split()), "UNKNOWN"),
-                "text": out}
+    def _jobs(self):
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.job_address)
 
     def logs(self, submission_id: str) -> str:
-        return subprocess.run([RAY, "job", "logs", "--address", self.job_address, submission_id], env=self.env,
-                              capture_output=True, text=True, timeout=60).stdout
+        """What ``ray job logs ID`` prints."""
+        return self._jobs().get_job_logs(submission_id)
+
+    def status(self, submission_id: str) -> str:
+        return str(self._jobs().get_job_status(submission_id)).split(".")[-1]
 
     def wait_job(self, submission_id: str, timeout: float) -> str:
         """The job's final status (SUCCEEDED, FAILED, STOPPED), waited for at most ``timeout`` seconds."""
-        from ray.job_submission import JobSubmissionClient
-
-        client = JobSubmissionClient(self.job_address)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            status = str(client.get_job_status(submission_id)).split(".")[-1]
+            status = self.status(submission_id)
             if status in ("SUCCEEDED", "FAILED", "STOPPED"):
                 return status
             time.sleep(1)
-        raise TimeoutError(f"Ray job {submission_id} still running after {timeout} s")
+        log = self.logs(submission_id)[-4000:]
+        raise TimeoutError(f"Ray job {submission_id} still running after {timeout} s:\n{log}")
+
+    def wait_for_line(self, submission_id: str, text: str, timeout: float, after: int = 0) -> int:
+        """Waits until the job's log holds ``text`` past character ``after``; returns where it ends."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            log = self.logs(submission_id)
+            at = log.find(text, after)
+            if at >= 0:
+                return at + len(text)
+            if self.status(submission_id) in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"{text!r} not in the log of Ray job {submission_id}:\n{self.logs(submission_id)[-4000:]}")
+
+    def _family(self, directory: str) -> list[psutil.Process]:
+        """The processes whose command line names ``directory``, and all under them."""
+        family = {}
+        for process in psutil.process_iter(["cmdline"]):
+            if any(a.endswith(directory) or f"{directory}/" in a for a in (process.info["cmdline"] or [])):
+                try:
+                    for member in [process, *process.children(recursive=True)]:
+                        family[member.pid] = member
+                except psutil.NoSuchProcess:
+                    continue
+        return list(family.values())
+
+    def _end(self, family: list[psutil.Process], timeout: float = 10) -> None:
+        """Wait until the processes of ``family`` (sent SIGKILL) are gone; reap those that are this process's
+        children (``__enter__`` made it the parent of those whose parent ended), counting their CPU time."""
+        left, end = list(family), time.monotonic() + timeout
+        while left and time.monotonic() < end:
+            for process in list(left):
+                try:
+                    pid, _, usage = os.wait4(process.pid, os.WNOHANG)
+                except ChildProcessError:  # another's child: gone once it no longer runs
+                    try:
+                        gone = process.status() == psutil.STATUS_ZOMBIE
+                    except psutil.NoSuchProcess:
+                        gone = True
+                    if gone:
+                        left.remove(process)
+                    continue
+                if pid:
+                    self.reaped += usage.ru_utime + usage.ru_stime
+                    left.remove(process)
+            time.sleep(0.05)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the cluster's processes have used so far: the live ones with their ended children, and those this
+        process reaped (a node killed, ``ray start``'s daemons)."""
+        total = self.reaped
+        for process in self._family(self.temp):
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system + times.children_user + times.children_system
+        return total
 
     def stop(self) -> None:
         """Every process of the cluster (those whose command line names its directory, and all under them), by id."""
-        family = {}
-        for process in psutil.process_iter(["cmdline"]):
-            if any(self.temp in a for a in (process.info["cmdline"] or [])):
-                for member in [process, *process.children(recursive=True)]:
-                    family[member.pid] = member
-        for process in family.values():
+        family = self._family(self.temp)
+        for process in family:
             try:
                 process.send_signal(signal.SIGKILL)
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(list(family.values()), timeout=10)
+        self._end(family)

@@ -1,7 +1,8 @@
 """A recipe run with what a test needs to happen at a known point, in the runs it names, whatever this machine's speed:
 slowed steps, a checkpoint write that stalls, a load or a save held until the test releases it, a bug.
 
-``TRL_EXT_TEST_RECIPE`` names the recipe to run. ``TRL_EXT_TEST_RUNS``: the runs (``SLURM_RESTART_COUNT`` values,
+``TRL_EXT_TEST_RECIPE`` names the recipe to run. ``TRL_EXT_TEST_RUNS``: the runs (``SLURM_RESTART_COUNT`` values, or
+elsewhere the restart number the orchestrator gives, as ``scheduling.orchestrators`` reads it: a Ray worker group's;
 comma-separated; default ``0``, the first) that the rest applies to:
 
 - ``TRL_EXT_TEST_STEP_SECONDS``: every training step sleeps that long first, so training outlasts the moment a
@@ -39,7 +40,16 @@ def _hold(what: str) -> None:
         time.sleep(0.1)
 
 
-if (os.environ.get("SLURM_RESTART_COUNT") or "0") in RUNS:
+def _restart() -> str:
+    if os.environ.get("SLURM_RESTART_COUNT"):
+        return os.environ["SLURM_RESTART_COUNT"]
+    from trl_ext.scheduling import orchestrators
+
+    job = orchestrators.current()
+    return str(job.restart if job is not None else 0)
+
+
+if _restart() in RUNS:
     finish = shards.ShardStreamWriter.finish
     slow = os.environ.get("TRL_EXT_TEST_SLOW_CHECKPOINT")
 
