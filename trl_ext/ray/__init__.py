@@ -72,11 +72,11 @@ def fit(train, output_dir: str, *args, accelerate_config: str | None = None,
     job = orchestrators.current()
     run = run or (job.run if job is not None and job.run else group.new_run_name())
     output_dir = os.path.abspath(output_dir)
-    recipe.claim(output_dir, run, [])
     from trl_ext.launching.launch import DATA_PARALLEL
 
     task = Task(run=run, output_dir=output_dir, cwd=os.getcwd(), env=recipe.passed_on(), function=train, args=args,
-                accelerate_config=os.path.abspath(accelerate_config or DATA_PARALLEL))
+                accelerate_config=os.path.abspath(accelerate_config or DATA_PARALLEL),
+                claim=recipe.claims(output_dir, run, []))
     return group.run(task, asked, group.printer, max_failures=max_failures, wait=wait)
 
 

@@ -30,6 +30,7 @@ import time
 from trl_ext.errors import TrlExtError
 from trl_ext.ray import cluster, failures
 from trl_ext.ray.worker import GROW, Task
+from trl_ext.scheduling import ownership
 from trl_ext.scheduling.outcome import ERROR
 
 WAIT_ENV, WAIT_SECONDS = "TRL_EXT_RAY_WAIT_S", 300.0  # for room, and for a group that cannot start
@@ -123,6 +124,8 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
     max_failures = int(seconds_from_env(MAX_FAILURES_ENV, MAX_FAILURES)) if max_failures is None else max_failures
     group = cluster.plan(cluster.alive(ray.nodes()), asked)
     cluster.wait_for_room(ray.nodes, group, wait, say)
+    if task.claim:  # before Ray writes its own files there
+        ownership.claim(task.output_dir, task.run)
     task.most = group.workers[1] if group.elastic else 0
     task.per_worker = dict(group.per_worker)
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(START_SECONDS))  # passed on to Ray Train

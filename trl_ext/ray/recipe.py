@@ -45,12 +45,12 @@ def run(script: str, accelerate_config: str | None, num_processes: str | None, r
     output_dir, rest = take_option(rest, "output_dir")
     output_dir = os.path.abspath(output_dir or _configured(rest, "output_dir")
                                  or os.path.join("outputs", f"{Path(script).stem}-{run_name}"))
-    claim(output_dir, run_name, rest)
+    claim = claims(output_dir, run_name, rest)
     if accelerate_config is None:
         group.printer(f"no accelerate config under Ray: {os.path.relpath(DATA_PARALLEL)} (data parallel)")
     config = accelerate_config or str(DATA_PARALLEL)
     task = Task(run=run_name, output_dir=output_dir, cwd=os.getcwd(), env=passed_on(), script=os.path.abspath(script),
-                argv=["--config", config, *rest, "--output_dir", output_dir])
+                argv=["--config", config, *rest, "--output_dir", output_dir], claim=claim)
     return main(task, asked)
 
 
@@ -83,10 +83,10 @@ def run_trl_command(command: str, launch_args: list[str], training_script_args: 
     output_dir, rest = take_option(training_script_args, "output_dir")
     output_dir = os.path.abspath(output_dir or _configured(rest, "output_dir")
                                  or os.path.join("outputs", f"{command}-{run_name}"))
-    claim(output_dir, run_name, rest)
+    claim = claims(output_dir, run_name, rest)
     task = Task(run=run_name, output_dir=output_dir, cwd=os.getcwd(), env=passed_on(), module="trl_ext",
                 argv=[command, *rest, *(["--config_file", config_file] if config_file else []),
-                      "--output_dir", output_dir])
+                      "--output_dir", output_dir], claim=claim)
     return main(task, asked)
 
 
@@ -111,23 +111,24 @@ def main(task: Task, asked: tuple[int, int] | None) -> int:
     return 0
 
 
-def claim(output_dir: str, run: str, rest: list[str]) -> None:
-    """Make ``output_dir`` the run's before Ray writes its files there; refuse another run's directory (as the recipes
-    do) unless the command resumes or overwrites it, which the ranks then decide, as everywhere.
+def claims(output_dir: str, run: str, rest: list[str]) -> bool:
+    """Whether the driver makes ``output_dir`` the run's before Ray writes its own files there (``group.run``): yes
+    for a new directory (or the run's own); another run's directory is refused, as the recipes refuse it, unless the
+    command resumes or overwrites it, which the ranks then decide, as everywhere.
 
     Raises:
         UsageError: the directory holds another run's files.
     """
     if ownership.run_of(output_dir) == run:
-        return
+        return True
     if "--overwrite_output_dir" in rest or any(a == "--resume_from_checkpoint" or
                                                a.startswith("--resume_from_checkpoint=") for a in rest):
-        return
+        return False
     if os.path.isdir(output_dir) and os.listdir(output_dir):
         raise UsageError(f"output_dir '{output_dir}' already holds files from another run; nothing was changed. "
                          "Choose a new --output_dir, pass --resume_from_checkpoint true to continue that run, or "
                          "--overwrite_output_dir.")
-    ownership.claim(output_dir, run)
+    return True
 
 
 def passed_on() -> dict[str, str]:

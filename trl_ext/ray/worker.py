@@ -49,6 +49,7 @@ class Task:
         accelerate_config: applied in this process before ``function`` (a recipe applies its own ``--config``).
         most: the elastic range's maximum (0: a fixed size): below it, the group watches for nodes that join.
         per_worker: each worker's resources, to tell whether a joining node has room for more.
+        claim: the driver marks ``output_dir`` as the run's before the first group starts (``recipe.claims``).
     """
 
     run: str
@@ -63,6 +64,7 @@ class Task:
     accelerate_config: str | None = None
     most: int = 0
     per_worker: dict = field(default_factory=dict)
+    claim: bool = True
 
 
 def train(config: dict):
