@@ -1,4 +1,4 @@
-"""A recipe run that prints when each part of its start happens, and when each training step ends, for bench/ray.py:
+"""A recipe run that prints when each part of its start happens, and when each training step ends, for bench/on_ray.py:
 ``[timing] <event> <unix time> restart <n>`` from rank 0 (and from the driver, before the ranks exist), with the events
 ``launch`` (the driver's Python is up), ``start`` (a rank's Python is up, before the recipe's imports), ``trainer`` and
 ``trainer_built`` (the trainer's construction, which loads the model), ``train`` (``train()`` called), ``resumed``

@@ -64,34 +64,46 @@ def test_a_ray_train_worker_is_the_rank_of_the_run_it_was_handed(env):
     assert job.describe() == "Ray: rank 3 of 4 on 2 machine(s), run ray-r1, restart 2"
 
 
-def test_a_recipe_in_a_ray_jobs_driver_runs_on_a_worker_group(env, monkeypatch, tmp_path):
+class _Exec(Exception):
+    pass
+
+
+def test_a_recipe_in_a_ray_jobs_driver_hands_itself_to_trl_ext_ray_before_importing_anything(env, monkeypatch):
+    env(**SUBMITTED)
+
+    def execve(path, argv, environment):
+        raise _Exec(argv)
+
+    monkeypatch.setattr(launch.os, "execve", execve)
+    argv = ["--config", "accelerate_configs/zero3.yaml", "--num_processes", "2-4", "--max_steps", "3"]
+    with pytest.raises(_Exec) as replaced:
+        launch.start("recipes/dpo.py", argv)
+    assert replaced.value.args[0] == [sys.executable, "-m", "trl_ext.ray", "recipes/dpo.py", *argv]
+
+
+def test_the_driver_decides_the_workers_the_output_directory_and_every_workers_command(env, monkeypatch, tmp_path):
     env(**SUBMITTED)
     seen = {}
-    monkeypatch.setattr(recipe, "main", lambda task, asked: seen.update(task=task, asked=asked) or 0)
-    with pytest.raises(SystemExit) as ended:
-        launch.start("recipes/dpo.py", ["--config", "accelerate_configs/zero3.yaml", "--num_processes", "2-4",
-                                        "--max_steps", "3"])
-    assert ended.value.code == 0 and seen["asked"] == (2, 4)
+    monkeypatch.setattr(recipe, "_launch", lambda task, asked: seen.update(task=task, asked=asked) or 0)
+    assert recipe.main(["recipes/dpo.py", "--config", "accelerate_configs/zero3.yaml", "--num_processes", "2-4",
+                        "--max_steps", "3"]) == 0
     task = seen["task"]
     out = str(REPO / "outputs" / "dpo-ray-raysubmit_7Tx")  # the recipes' default, by the run, made absolute
+    assert seen["asked"] == (2, 4)
     assert (task.run, task.output_dir, task.script) == ("ray-raysubmit_7Tx", out, str(REPO / "recipes" / "dpo.py"))
     assert task.argv == ["--config", "accelerate_configs/zero3.yaml", "--max_steps", "3", "--output_dir", out]
-    seen.clear()
-    with pytest.raises(SystemExit):
-        launch.start("recipes/sft.py", ["--output_dir", str(tmp_path / "mine")])
+    assert recipe.main(["recipes/sft.py", "--output_dir", str(tmp_path / "mine")]) == 0
     assert seen["asked"] is None and seen["task"].argv == [
         "--config", str(launch.DATA_PARALLEL), "--output_dir", str(tmp_path / "mine")]  # no config: data parallel
-
-
-def test_the_output_directory_a_recipe_config_names(env, monkeypatch, tmp_path):
-    env(**SUBMITTED)
     config = tmp_path / "run.yaml"
     config.write_text(f"output_dir: {tmp_path / 'configured'}\nmax_steps: 3\n")
-    seen = {}
-    monkeypatch.setattr(recipe, "main", lambda task, asked: seen.update(task=task) or 0)
-    with pytest.raises(SystemExit):
-        launch.start("recipes/dpo.py", ["--config", str(config)])
-    assert seen["task"].output_dir == str(tmp_path / "configured")
+    assert recipe.main(["recipes/dpo.py", "--config", str(config)]) == 0
+    assert seen["task"].output_dir == str(tmp_path / "configured")  # the recipe config's
+    assert recipe.main(["trl-ext", "sft", "--config_file", "accelerate_configs/fsdp2.yaml", "--num_processes", "4",
+                        "--", "--model_name_or_path", "m", "--output_dir", str(tmp_path / "cli")]) == 0
+    assert (seen["asked"], seen["task"].module, seen["task"].argv) == ((4, 4), "trl_ext", [
+        "sft", "--model_name_or_path", "m", "--config_file", "accelerate_configs/fsdp2.yaml", "--output_dir",
+        str(tmp_path / "cli")])
 
 
 def test_another_runs_directory_is_refused_before_anything_starts(tmp_path):

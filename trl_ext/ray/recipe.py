@@ -1,5 +1,6 @@
 """A recipe, or ``trl-ext <command>``, started as a Ray job's driver: ``ray job submit -- python recipes/dpo.py --config
-accelerate_configs/zero3.yaml``.
+accelerate_configs/zero3.yaml`` (the recipe replaces itself by ``python -m trl_ext.ray recipes/dpo.py ...``, which runs
+``main``).
 
 The driver decides what only it can, before any worker starts, without importing torch or TRL: the number of workers
 (``--num_processes N`` or ``MIN-MAX``; default one per GPU of the cluster, 2 per node without GPUs), the accelerate
@@ -10,6 +11,7 @@ one rank (``worker``); the input's own checks run there, as under ``accelerate l
 """
 
 import os
+import sys
 from pathlib import Path
 
 from trl_ext.errors import UsageError
@@ -23,25 +25,54 @@ _NOT_PASSED_ON = (orchestrators.NODE_ENV, ownership.RUN_ENV, "TRL_EXT_RELAUNCHED
 _PLACEMENT = ("num_machines", "machine_rank", "main_process_ip", "main_process_port")
 
 
-def run(script: str, accelerate_config: str | None, num_processes: str | None, rest: list[str],
-        job: orchestrators.Job) -> int:
-    """Run the recipe ``script`` on a Ray Train worker group (``launching.launch.start`` calls it in a Ray job's
-    driver).
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trl_ext.ray RECIPE [options]``, or ``python -m trl_ext.ray trl-ext COMMAND [launch options] --
+    [options]``: a recipe (as ``launching.launch.start`` hands it over in a Ray job's driver) or ``trl-ext <command>``
+    (as ``launching.trl_cli`` does, its options already split) on a Ray Train worker group.
 
     Args:
-        script: the recipe's path.
-        accelerate_config: the ``--config`` that is an accelerate config, or None (data parallel).
-        num_processes: ``--num_processes`` as given (``N`` or ``MIN-MAX``), or None.
-        rest: the recipe's other arguments (its recipe config as ``--config``).
-        job: the Ray job (its run identity).
+        argv: the recipe's path and options, or ``trl-ext``, the command, its launch options, ``--``, its options.
 
     Returns:
         The driver's exit code.
     """
-    from trl_ext.launching.launch import DATA_PARALLEL, take_option
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        raise UsageError("usage: python -m trl_ext.ray RECIPE [options] (in a Ray job's driver: ray job submit -- "
+                         "python RECIPE [options] does it)")
+    job = orchestrators.current()
+    if job is not None and (job.orchestrator != "Ray" or job.per_rank):
+        job = None  # not a Ray job's driver: a run of its own, on the cluster at RAY_ADDRESS or on this machine
+    if argv[0] == "trl-ext":
+        launch_args, training_script_args = _split(argv[2:])
+        return run_trl_command(argv[1], launch_args, training_script_args, job)
+    return run(argv[0], argv[1:], job)
 
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return argv[:cut], argv[cut + 1:]
+
+
+def run(script: str, argv: list[str], job: orchestrators.Job | None) -> int:
+    """Run the recipe ``script`` on a Ray Train worker group.
+
+    Args:
+        script: the recipe's path.
+        argv: its options: ``--config`` (an accelerate config, a recipe config, or both), ``--num_processes N`` or
+            ``MIN-MAX``, the recipe's own.
+        job: the Ray job (its run identity), or None.
+
+    Returns:
+        The driver's exit code.
+    """
+    from trl_ext.launching.launch import DATA_PARALLEL, split_configs, take_option
+
+    accelerate_config, recipe_config, rest = split_configs(argv)
+    num_processes, rest = take_option(rest, "num_processes")
+    rest = [*rest, "--config", recipe_config] if recipe_config else rest
     asked = cluster.parse_workers(num_processes)
-    run_name = job.run or group.new_run_name()
+    run_name = _run_name(job)
     output_dir, rest = take_option(rest, "output_dir")
     output_dir = os.path.abspath(output_dir or _configured(rest, "output_dir")
                                  or os.path.join("outputs", f"{Path(script).stem}-{run_name}"))
@@ -51,11 +82,11 @@ def run(script: str, accelerate_config: str | None, num_processes: str | None, r
     config = accelerate_config or str(DATA_PARALLEL)
     task = Task(run=run_name, output_dir=output_dir, cwd=os.getcwd(), env=passed_on(), script=os.path.abspath(script),
                 argv=["--config", config, *rest, "--output_dir", output_dir], claim=claim)
-    return main(task, asked)
+    return _launch(task, asked)
 
 
 def run_trl_command(command: str, launch_args: list[str], training_script_args: list[str],
-                    job: orchestrators.Job) -> int:
+                    job: orchestrators.Job | None) -> int:
     """``trl-ext <command>`` on a Ray Train worker group (``launching.trl_cli`` calls it in a Ray job's driver, after
     the input's checks): every worker runs the same command as one rank, with the accelerate config
     (``--accelerate_config``, ``--config_file``) applied in its process.
@@ -64,7 +95,7 @@ def run_trl_command(command: str, launch_args: list[str], training_script_args: 
         command: ``sft``, ``dpo``, ...
         launch_args: the accelerate launch options TRL's command line gathered.
         training_script_args: the script's options.
-        job: the Ray job.
+        job: the Ray job, or None.
 
     Returns:
         The driver's exit code.
@@ -79,7 +110,7 @@ def run_trl_command(command: str, launch_args: list[str], training_script_args: 
     num_processes, launch_args = take_option(launch_args, "num_processes")
     config_file, _ = take_option(launch_args, "config_file")
     asked = cluster.parse_workers(num_processes)
-    run_name = job.run or group.new_run_name()
+    run_name = _run_name(job)
     output_dir, rest = take_option(training_script_args, "output_dir")
     output_dir = os.path.abspath(output_dir or _configured(rest, "output_dir")
                                  or os.path.join("outputs", f"{command}-{run_name}"))
@@ -87,10 +118,14 @@ def run_trl_command(command: str, launch_args: list[str], training_script_args: 
     task = Task(run=run_name, output_dir=output_dir, cwd=os.getcwd(), env=passed_on(), module="trl_ext",
                 argv=[command, *rest, *(["--config_file", config_file] if config_file else []),
                       "--output_dir", output_dir], claim=claim)
-    return main(task, asked)
+    return _launch(task, asked)
 
 
-def main(task: Task, asked: tuple[int, int] | None) -> int:
+def _run_name(job: orchestrators.Job | None) -> str:
+    return job.run if job is not None and job.run else group.new_run_name()
+
+
+def _launch(task: Task, asked: tuple[int, int] | None) -> int:
     """Connect, run the group, and end in one line.
 
     Returns:

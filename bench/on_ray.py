@@ -1,6 +1,6 @@
 """Ray's cost to a run, and a lost node's cost, on a private 2-node Ray cluster on this host (tests/ray/cluster.py).
 
-    python bench/ray.py [--repeats 2] [--steps 40] [--skip overhead|recovery]
+    python bench/on_ray.py [--repeats 2] [--steps 40] [--skip overhead|recovery]
 
 1. Without failures: the same DPO job (ZeRO-3, the embedded tiny model, 4 processes, no checkpoints) under
    ``accelerate launch`` (``python recipes/dpo.py --num_processes 4``, the recipe launching itself) and as a Ray job
