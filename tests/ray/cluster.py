@@ -24,7 +24,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 def _adopt_orphans() -> None:
     """Make this process the parent of every process it starts that loses its own (Linux's child subreaper): ``ray
-    start`` leaves its daemons behind; reaped here, their CPU time counts in this process's children's (``time``)."""
+    start`` leaves its daemons behind, and they are reaped here once ended, not left as zombies."""
     try:
         import ctypes
 
@@ -70,7 +70,8 @@ class RayCluster:
         self.ip = None
         self.head_raylet = self.node_raylet = None
         self.node_dir, self.starts = None, 2
-        self.reaped = 0.0  # CPU seconds of the cluster's processes this process reaped
+        self.used = {}  # (pid, start time) -> CPU seconds the cluster's process had used when last seen
+        self.sampling = None
 
     @property
     def address(self) -> str:
@@ -82,6 +83,10 @@ class RayCluster:
 
     def __enter__(self):
         _adopt_orphans()
+        import threading
+
+        self.sampling = threading.Event()
+        threading.Thread(target=self._sample_every, args=(1.0,), name="ray-cluster-cpu", daemon=True).start()
         try:
             self.start()
         except BaseException:
@@ -195,12 +200,12 @@ class RayCluster:
 
     def _end(self, family: list[psutil.Process], timeout: float = 10) -> None:
         """Wait until the processes of ``family`` (sent SIGKILL) are gone; reap those that are this process's
-        children (``__enter__`` made it the parent of those whose parent ended), counting their CPU time."""
+        children (``__enter__`` made it the parent of those whose parent ended)."""
         left, end = list(family), time.monotonic() + timeout
         while left and time.monotonic() < end:
             for process in list(left):
                 try:
-                    pid, _, usage = os.wait4(process.pid, os.WNOHANG)
+                    pid, _, _ = os.wait4(process.pid, os.WNOHANG)
                 except ChildProcessError:  # another's child: gone once it no longer runs
                     try:
                         gone = process.status() == psutil.STATUS_ZOMBIE
@@ -210,24 +215,31 @@ class RayCluster:
                         left.remove(process)
                     continue
                 if pid:
-                    self.reaped += usage.ru_utime + usage.ru_stime
                     left.remove(process)
             time.sleep(0.05)
 
-    def cpu_seconds(self) -> float:
-        """CPU time the cluster's processes have used so far: the live ones with their ended children, and those this
-        process reaped (a node killed, ``ray start``'s daemons)."""
-        total = self.reaped
+    def _sample(self) -> None:
         for process in self._family(self.temp):
             try:
                 times = process.cpu_times()
+                self.used[(process.pid, process.create_time())] = times.user + times.system
             except psutil.NoSuchProcess:
                 continue
-            total += times.user + times.system + times.children_user + times.children_system
-        return total
+
+    def _sample_every(self, seconds: float) -> None:
+        while not self.sampling.wait(seconds):
+            self._sample()
+
+    def cpu_seconds(self) -> float:
+        """CPU time the cluster's processes have used so far, as sampled every second (the raylet ignores its ended
+        workers, so no parent counts their time): what a process used in its last second is missed."""
+        self._sample()
+        return sum(self.used.values())
 
     def stop(self) -> None:
         """Every process of the cluster (those whose command line names its directory, and all under them), by id."""
+        if self.sampling is not None:
+            self.sampling.set()
         family = self._family(self.temp)
         for process in family:
             try:

@@ -10,8 +10,9 @@ comma-separated; default ``0``, the first) that the rest applies to:
 - ``TRL_EXT_TEST_SLOW_CHECKPOINT=N``: the writer of ``checkpoint-N`` sleeps before finishing its file, so that a
   requeue's SIGTERM, and then its SIGKILL, find that checkpoint being written.
 - ``TRL_EXT_TEST_HOLD=what,...`` with ``TRL_EXT_TEST_HOLD_DIR``: ``load`` (DeepSpeed's checkpoint load when resuming),
-  ``checkpoint-N`` (that checkpoint's weights file) and ``final`` (the final model's) wait, after printing
-  ``[test] holding <what>``, until the file ``release-<what>`` appears in the hold directory.
+  ``checkpoint-N`` (that checkpoint's weights file), ``final`` (the final model's) and ``step-N`` (training step N,
+  before it runs) wait, after printing ``[test] holding <what>``, until the file ``release-<what>`` appears in the
+  hold directory.
 - ``TRL_EXT_TEST_RAISE_AT_STEP=N``: rank 0 raises ``ValueError`` in step N, a bug.
 
 The recipe re-launches this file in every rank (it stays ``sys.argv[0]``), so the ranks run it too.
@@ -63,7 +64,8 @@ if _restart() in RUNS:
 
     shards.ShardStreamWriter.finish = held_finish
 
-    if "TRL_EXT_TEST_STEP_SECONDS" in os.environ or "TRL_EXT_TEST_RAISE_AT_STEP" in os.environ:
+    steps_held = "step-" in os.environ.get("TRL_EXT_TEST_HOLD", "")
+    if "TRL_EXT_TEST_STEP_SECONDS" in os.environ or "TRL_EXT_TEST_RAISE_AT_STEP" in os.environ or steps_held:
         seconds = float(os.environ.get("TRL_EXT_TEST_STEP_SECONDS", 0))
         training_step = transformers.Trainer.training_step
         bug_at = int(os.environ.get("TRL_EXT_TEST_RAISE_AT_STEP", 0))
@@ -71,6 +73,8 @@ if _restart() in RUNS:
         def slow_step(self, *args, **kwargs):
             if bug_at and self.state.global_step + 1 == bug_at and self.args.process_index == 0:
                 raise ValueError(f"a bug at step {bug_at}")
+            if steps_held:
+                _hold(f"step-{self.state.global_step + 1}")
             time.sleep(seconds)
             return training_step(self, *args, **kwargs)
 

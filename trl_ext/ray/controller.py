@@ -39,8 +39,11 @@ class Verdict(UserCallback):
         lost = failures.lost_nodes(worker_exceptions)
         if not lost:
             return
-        if not _marked_dead(lost, NODE_DEATH_WAIT_S):
-            _say(f"Ray still counts node(s) {', '.join(sorted(lost))} as alive after {NODE_DEATH_WAIT_S:.0f} s")
+        nodes, started = ", ".join(sorted(node[:8] for node in lost)), time.monotonic()
+        if _marked_dead(lost, NODE_DEATH_WAIT_S):
+            _say(f"Ray marked node(s) {nodes} dead {time.monotonic() - started:.1f} s later")
+        else:
+            _say(f"Ray still counts node(s) {nodes} as alive after {NODE_DEATH_WAIT_S:.0f} s")
         try:
             patches.refresh_ray_cluster_view()
         except Exception as exc:  # noqa: BLE001 - Ray's own, slower, view then sizes the group

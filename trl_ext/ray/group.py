@@ -71,6 +71,10 @@ def connect(address: str | None, seconds: float = CONNECT_SECONDS) -> None:
     Raises:
         UsageError: no Ray cluster answers at the address.
     """
+    # Ray folds lines from different workers that differ only in words with digits into one "[repeated Nx across
+    # cluster]", seconds later: "Ray: rank 0 of 4 ..., restart 2" would be folded into restart 1's. Read when Ray is
+    # first imported.
+    os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[trl_ext\]")
     import ray
 
     from trl_ext.errors import UsageError

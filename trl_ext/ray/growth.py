@@ -13,6 +13,7 @@ import threading
 
 from transformers import TrainerCallback
 
+from trl_ext.process import notice
 from trl_ext.ray import cluster
 
 CHECK_SECONDS = 10.0
@@ -34,8 +35,6 @@ class Growth(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if getattr(self.trainer, "_preemption", None) is None:
-            from trl_ext.process import notice
-
             notice("save_on_preemption is off: the Ray worker group cannot save before it grows, so it stays at "
                    f"{self.workers} worker(s)")
             return
@@ -54,7 +53,7 @@ class Growth(TrainerCallback):
                 continue
             if free > 0:
                 more = min(free, self.most - self.workers)
-                self.trainer._preemption.request_stop(
-                    f"Ray: room for {more} more worker(s) (the range's maximum is {self.most}); the worker group "
-                    "restarts larger from this checkpoint")
+                notice(f"Ray: room for {more} more worker(s) (the range's maximum is {self.most}): the worker group "
+                       "stops at the next step with a checkpoint, and starts again larger")
+                self.trainer._preemption.request_stop("Ray: growing the worker group")
                 return

@@ -15,12 +15,14 @@ import sys
 from pathlib import Path
 
 from trl_ext.errors import UsageError
+from trl_ext.launching.launch import RELAUNCHED
+from trl_ext.process import HOSTED
 from trl_ext.ray import cluster, group
 from trl_ext.ray.worker import Task
 from trl_ext.scheduling import orchestrators, ownership
 
 # The launch's own variables, not the run's: the workers get theirs from Ray and trl_ext.ray
-_NOT_PASSED_ON = (orchestrators.NODE_ENV, ownership.RUN_ENV, "TRL_EXT_RELAUNCHED", "TRL_EXT_HOSTED_RANK")
+_NOT_PASSED_ON = (orchestrators.NODE_ENV, ownership.RUN_ENV, RELAUNCHED, HOSTED)
 # accelerate launch's placement options: Ray places the workers
 _PLACEMENT = ("num_machines", "machine_rank", "main_process_ip", "main_process_port")
 
