@@ -125,8 +125,8 @@ def test_a_bug_ends_the_run_with_its_error_after_one_attempt(cluster, tmp_path):
     import ray
 
     from tests.ray.functions import raise_after_a_collective
+    from trl_ext.errors import RunFailed
     from trl_ext.ray import fit
-    from trl_ext.ray.group import RunFailed
     from trl_ext.scheduling import ownership
 
     out = tmp_path / "bug"

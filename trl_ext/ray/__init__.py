@@ -53,7 +53,7 @@ def fit(train, output_dir: str, *args, accelerate_config: str | None = None,
         ``output_dir``), ``metrics``, ``metrics_dataframe``.
 
     Raises:
-        trl_ext.ray.group.RunFailed: an error of the run's own, more lost workers than ``max_failures``, or a group
+        trl_ext.errors.RunFailed: an error of the run's own, more lost workers than ``max_failures``, or a group
             that could not start.
         UsageError: no cluster at the address, or too few resources for the minimum after ``wait``.
     """

@@ -27,7 +27,7 @@ import socket
 import sys
 import time
 
-from trl_ext.errors import TrlExtError
+from trl_ext.errors import RunFailed
 from trl_ext.ray import cluster, failures
 from trl_ext.ray.worker import GROW, Task
 from trl_ext.scheduling import ownership
@@ -38,13 +38,6 @@ MAX_FAILURES_ENV, MAX_FAILURES = "TRL_EXT_RAY_MAX_FAILURES", 3
 CONNECT_SECONDS = 30.0  # for an address where nothing answers
 START_SECONDS = 30.0  # Ray Train's wait for a group's workers to start, before it tries again (its default: 60 s)
 NEVER = 1e9  # Ray Train's own resize of a running elastic group: off (it would not save first; ``growth`` does)
-
-
-class RunFailed(TrlExtError, RuntimeError):
-    """A run on a Ray cluster that failed: an error of its own (``kind`` "error"), workers lost more often than
-    ``max_failures`` allows ("peer"), or a group that could not start ("setup")."""
-
-    kind = ERROR
 
 
 def seconds_from_env(name: str, default: float) -> float:

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from trl_ext.errors import UsageError
+from trl_ext.errors import RunFailed, UsageError
 from trl_ext.launching.launch import RELAUNCHED
 from trl_ext.process import HOSTED
 from trl_ext.ray import cluster, group
@@ -139,7 +139,7 @@ def _launch(task: Task, asked: tuple[int, int] | None) -> int:
     group.connect(None)
     try:
         result = group.run(task, asked, group.printer)
-    except group.RunFailed as exc:
+    except RunFailed as exc:
         group.printer(str(exc))
         return {"error": restart.ERROR, "peer": restart.LOST}.get(exc.kind, 1)
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None

@@ -15,7 +15,7 @@ created the process group. Here the worker then:
 5. runs the recipe (as ``python recipe.py ...`` would, ``__main__``), ``trl-ext <command>``, or the function given to
    ``trl_ext.ray.fit``;
 6. ends: with the function's value; after a planned stop for growth, with ``{GROW: step}``; or by raising what ended
-   the rank as a ``failures.RankError`` that says whether a restart can help.
+   the rank as an ``errors.RankError`` that says whether a restart can help.
 """
 
 import os
