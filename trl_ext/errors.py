@@ -126,6 +126,22 @@ class MirrorError(TrlExtError, RuntimeError):
     kind = "mirror"
 
 
+class RankError(TrlExtError, RuntimeError):
+    """What ended one rank of a Ray Train worker group (``trl_ext.ray``), as the rank told it: ``kind`` "error" (an
+    error of the run's own: a bug, bad data, a full disk) or "peer" (a collective lost its other end: a lost peer or
+    node); the message is "rank R: <exception class>: <its first line>"."""
+
+    kind = "error"
+
+
+class RunFailed(TrlExtError, RuntimeError):
+    """A run on a Ray cluster that failed (``trl_ext.ray.fit``, a submitted job's driver): ``kind`` "error" (an error
+    of its own, not retried), "peer" (more lost workers than ``max_failures`` allows) or "setup" (a worker group that
+    could not start)."""
+
+    kind = "error"
+
+
 class UsageError(SystemExit):
     """Bad input on the command line or in a config: one line on stderr, exit code 1, nothing started or written.
 

@@ -2,15 +2,18 @@
 slowed steps, a checkpoint write that stalls, a load or a save held until the test releases it, a bug.
 
 ``TRL_EXT_TEST_RECIPE`` names the recipe to run. ``TRL_EXT_TEST_RUNS``: the runs (``SLURM_RESTART_COUNT`` values, or
-``TORCHELASTIC_RESTART_COUNT`` under torchrun; comma-separated; default ``0``, the first) that the rest applies to:
+elsewhere the restart number the orchestrator gives, as ``scheduling.orchestrators`` reads it: torchrun's
+``TORCHELASTIC_RESTART_COUNT``, a Ray worker group's;
+comma-separated; default ``0``, the first) that the rest applies to:
 
 - ``TRL_EXT_TEST_STEP_SECONDS``: every training step sleeps that long first, so training outlasts the moment a
   signal comes.
 - ``TRL_EXT_TEST_SLOW_CHECKPOINT=N``: the writer of ``checkpoint-N`` sleeps before finishing its file, so that a
   requeue's SIGTERM, and then its SIGKILL, find that checkpoint being written.
 - ``TRL_EXT_TEST_HOLD=what,...`` with ``TRL_EXT_TEST_HOLD_DIR``: ``load`` (DeepSpeed's checkpoint load when resuming),
-  ``checkpoint-N`` (that checkpoint's weights file) and ``final`` (the final model's) wait, after printing
-  ``[test] holding <what>``, until the file ``release-<what>`` appears in the hold directory.
+  ``checkpoint-N`` (that checkpoint's weights file), ``final`` (the final model's) and ``step-N`` (training step N,
+  before it runs) wait, after printing ``[test] holding <what>``, until the file ``release-<what>`` appears in the
+  hold directory.
 - ``TRL_EXT_TEST_RAISE_AT_STEP=N``: rank 0 raises ``ValueError`` in step N, a bug.
 
 The recipe re-launches this file in every rank (it stays ``sys.argv[0]``), so the ranks run it too.
@@ -39,8 +42,16 @@ def _hold(what: str) -> None:
         time.sleep(0.1)
 
 
-RESTART = os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
-if RESTART in RUNS:
+def _restart() -> str:
+    if os.environ.get("SLURM_RESTART_COUNT"):
+        return os.environ["SLURM_RESTART_COUNT"]
+    from trl_ext.scheduling import orchestrators
+
+    job = orchestrators.current()
+    return str(job.restart if job is not None else 0)
+
+
+if _restart() in RUNS:
     finish = shards.ShardStreamWriter.finish
     slow = os.environ.get("TRL_EXT_TEST_SLOW_CHECKPOINT")
 
@@ -54,7 +65,8 @@ if RESTART in RUNS:
 
     shards.ShardStreamWriter.finish = held_finish
 
-    if "TRL_EXT_TEST_STEP_SECONDS" in os.environ or "TRL_EXT_TEST_RAISE_AT_STEP" in os.environ:
+    steps_held = "step-" in os.environ.get("TRL_EXT_TEST_HOLD", "")
+    if "TRL_EXT_TEST_STEP_SECONDS" in os.environ or "TRL_EXT_TEST_RAISE_AT_STEP" in os.environ or steps_held:
         seconds = float(os.environ.get("TRL_EXT_TEST_STEP_SECONDS", 0))
         training_step = transformers.Trainer.training_step
         bug_at = int(os.environ.get("TRL_EXT_TEST_RAISE_AT_STEP", 0))
@@ -62,6 +74,8 @@ if RESTART in RUNS:
         def slow_step(self, *args, **kwargs):
             if bug_at and self.state.global_step + 1 == bug_at and self.args.process_index == 0:
                 raise ValueError(f"a bug at step {bug_at}")
+            if steps_held:
+                _hold(f"step-{self.state.global_step + 1}")
             time.sleep(seconds)
             return training_step(self, *args, **kwargs)
 

@@ -11,6 +11,9 @@ depends on who started this process (``scheduling.orchestrators``):
   variables, LeaderWorkerSet): the node launcher (``scheduling.node``) starts this machine's ranks with
   ``accelerate launch --num_machines N --machine_rank R ...``, the orchestrator's machines, address and port in place
   of the config's;
+- a Ray job's driver (``ray job submit -- python recipe.py ...``): it replaces itself by ``python -m trl_ext.ray
+  recipe.py ...``, which runs the ranks as a Ray Train worker group on the cluster's nodes, each one of the ranks above;
+  ``--num_processes`` takes a range ``MIN-MAX`` there;
 - neither (``python recipe.py``): under an accelerate config the recipe replaces itself by
   ``accelerate launch --config_file CONFIG --num_processes N recipe.py <the other arguments>`` on this machine;
   without one it trains in this process.
@@ -194,9 +197,11 @@ def start(script: str, argv: list[str]) -> list[str]:
         return list(_started[key])
     accelerate_config, recipe_config, rest = split_configs(argv)
     num_processes, rest = take_option(rest, "num_processes")
-    asked = _processes(num_processes)
     rest = [*rest, "--config", recipe_config] if recipe_config else rest
     job = orchestrators.current()
+    if job is not None and job.orchestrator == "Ray" and not job.per_rank:  # a Ray job's driver: a worker group
+        _exec([sys.executable, "-m", "trl_ext.ray", script, *argv], {}, strip_launcher=False)
+    asked = _processes(num_processes)
     process.speaks_here(job is None or job.per_rank or job.node_rank == 0)  # one machine says what all would say
     relaunched = os.environ.get(RELAUNCHED)
     if accelerate_config and relaunched:

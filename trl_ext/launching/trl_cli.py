@@ -72,6 +72,9 @@ def _launch_runner(script_name: str, launch_args: list[str], training_script_arg
     _check_before_launch(command, training_script_args)
     num_processes, _ = launch.take_option(launch_args, "num_processes")
     job = orchestrators.current()
+    if job is not None and job.orchestrator == "Ray" and not job.per_rank:  # a Ray job's driver: a worker group
+        launch._exec([sys.executable, "-m", "trl_ext.ray", "trl-ext", command, *launch_args, "--",
+                      *training_script_args], {}, strip_launcher=False)
     if job is not None and job.per_rank:
         config_file, _ = launch.take_option(launch_args, "config_file")
         applied = ""

@@ -11,6 +11,9 @@ import sys
 import threading
 
 logger = logging.getLogger("trl_ext")
+# Set where a rank runs inside a process that outlives the run and that its host ends (a Ray Train worker): the run
+# ends by returning, never by exiting the process.
+HOSTED = "TRL_EXT_HOSTED_RANK"
 
 
 def env_rank() -> int:
@@ -131,7 +134,7 @@ def end_together() -> None:
     """The last step of a launched script, on every rank: every process waits for the others and the process group is
     destroyed; on gloo (CPU) the process then exits with code 0 as the interpreter would (non-daemon threads joined,
     ``atexit`` callbacks run, streams flushed) but without tearing the interpreter down. Outside a launch it does
-    nothing.
+    nothing; in a rank whose process another framework hosts (``HOSTED``: a Ray Train worker) it only waits.
 
     A gloo process can abort at shutdown ("terminate called without an active exception", SIGABRT; pytorch#190489)
     and fail a launch whose work is done: when a rank leaves while another still works (rank 0 checking the saved
@@ -142,6 +145,8 @@ def end_together() -> None:
     if not distributed():
         return
     dist.barrier()
+    if os.environ.get(HOSTED):  # the host (Ray Train) destroys the group and ends the process
+        return
     if dist.get_backend() != "gloo":
         dist.destroy_process_group()
         return

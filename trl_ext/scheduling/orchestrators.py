@@ -8,9 +8,12 @@ Two kinds of launchers start training processes:
 - one process per machine: Slurm (through ``recipes/slurm.sbatch``), SkyPilot, Kubernetes pods with torchrun's
   ``PET_*`` variables whose command is the recipe (Kubeflow Trainer, PyTorchJob, a JobSet or plain Job that sets
   them), LeaderWorkerSet. That process starts its machine's ranks (``scheduling.node``).
+- one process for the whole cluster: a Ray job's driver (``ray job submit``, KubeRay's RayJob). It starts the ranks as
+  a Ray Train worker group (``trl_ext.ray``), each started with the job in ``TRL_EXT_NODE``.
 
 The run's identity is what the orchestrator keeps across its own restarts: a Slurm job id, a SkyPilot task id, a
-TrainJob or JobSet name, a LeaderWorkerSet group, torchrun's ``--rdzv-id``; ``TRL_EXT_RUN_ID`` names it anywhere.
+TrainJob or JobSet name, a LeaderWorkerSet group, torchrun's ``--rdzv-id``, a Ray job's submission id;
+``TRL_EXT_RUN_ID`` names it anywhere.
 Nothing here imports torch or starts anything: it is read before any heavy import.
 """
 
@@ -38,7 +41,7 @@ class Job:
 
     Args:
         orchestrator: who decided the machines: "torchrun", "Slurm", "SkyPilot", "Kubeflow" (torchrun's ``PET_*``
-            variables in a pod), "LeaderWorkerSet".
+            variables in a pod), "LeaderWorkerSet", "Ray".
         per_rank: whether this process was started as one rank (by torchrun or ``accelerate launch``); else it is its
             machine's one process, which starts the machine's ranks.
         nodes: which machines: how many take part (torchrun: in this round of an elastic job).
@@ -222,6 +225,21 @@ def _skypilot() -> Job | None:
                per_node=gpus or None, run=run, source="SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES")
 
 
+def _ray() -> Job | None:
+    """The driver of a Ray job (``ray job submit -- python recipes/dpo.py ...``; KubeRay's RayJob submits the same way):
+    Ray's job supervisor gives it the job's config, whose submission id names the run. One process for the cluster: it
+    starts the ranks as a Ray Train worker group (``trl_ext.ray``)."""
+    text = _env("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if text is None:
+        return None
+    try:
+        submission = (json.loads(text).get("metadata") or {}).get("job_submission_id")
+    except (ValueError, AttributeError):
+        submission = None
+    return Job("Ray", per_rank=False, run=f"ray-{submission}" if submission else None,
+               source="RAY_JOB_CONFIG_JSON_ENV_VAR")
+
+
 def _torchrun(outer: Job | None) -> Job | None:
     """A rank started by torchrun (also inside ``accelerate launch``): ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
     A PyTorchJob pod's own ``RANK`` and ``WORLD_SIZE`` (its index and the pod count, without ``LOCAL_RANK``) are not
@@ -259,7 +277,7 @@ def current() -> Job | None:
     launched = _env(NODE_ENV)
     outer = Job.from_env(launched) if launched else None  # the node launcher's view, passed down to its ranks
     if outer is None:
-        for read in (_slurm, _kubeflow, _leader_worker_set, _skypilot):
+        for read in (_ray, _slurm, _kubeflow, _leader_worker_set, _skypilot):  # Ray first: a cluster Slurm started
             outer = read()
             if outer is not None:
                 break

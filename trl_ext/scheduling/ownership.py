@@ -65,19 +65,23 @@ def is_own(output_dir: str | os.PathLike) -> bool:
     return run is not None and run_of(output_dir) == run
 
 
-def claim(output_dir: str | os.PathLike) -> None:
+def claim(output_dir: str | os.PathLike, run: str | None = None) -> None:
     """For a run with an identity, make ``output_dir`` the run's (created if missing; an existing mark is left as it
     is, once per run) and tell the node launcher where this run trains; otherwise nothing.
 
     Args:
         output_dir: the run's output directory.
+        run: the run's identity, where no orchestrator's variables give it (``trl_ext.ray.fit`` in a notebook).
     """
     job = orchestrators.current()
-    if job is None or job.run is None:
+    run = run or (job.run if job is not None else None)
+    if run is None:
         return
     if run_of(output_dir) is None:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        _write(output_dir, {"run": job.run})
+        _write(output_dir, {"run": run})
+    if job is None:
+        return
     run = os.environ.get(RUN_ENV)
     if run and job.node_rank == 0 and os.path.isdir(run):
         _replace(Path(run) / OUTPUT_DIR_NOTE, os.path.abspath(output_dir))

@@ -15,6 +15,7 @@ quietly: each rank leaves what it saved for its node's launcher (``outcome``) an
 prints no traceback for it; the launcher reports the node's stop, with 138 or 143, in one line.
 """
 
+import os
 import signal
 import sys
 import threading
@@ -22,7 +23,7 @@ import time
 
 from transformers import TrainerCallback
 
-from trl_ext.process import decided_on_rank0, end_together, max_over_ranks, notice
+from trl_ext.process import HOSTED, decided_on_rank0, end_together, max_over_ranks, notice
 from trl_ext.scheduling import deadline, outcome, ownership
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -64,6 +65,7 @@ class Preemption(TrainerCallback):
 
     def __init__(self, checkpoints=None):
         self.received = 0  # the strongest signal this rank got (SIGTERM over SIGUSR1)
+        self.reason = None  # a stop asked for by the orchestrator's side of trl_ext, said in the stop's line
         self.stopping = 0  # the signal all ranks agreed to stop on
         self.previous = {}
         self.before_exit = None  # called on every rank before the exit: a background save in flight is committed
@@ -76,10 +78,21 @@ class Preemption(TrainerCallback):
         self._clock = time.monotonic
         outcome.watch()  # on a Slurm node: an error that ends this rank is told apart from a lost peer
 
+    def request_stop(self, reason: str) -> None:
+        """Stop every rank at the next step boundary with a checkpoint, as SIGTERM would, for ``reason`` (said in the
+        stop's line instead of the signal): a planned restart (``trl_ext.ray``: a node joined, the group grows).
+
+        Args:
+            reason: why, in a few words.
+        """
+        self.reason = reason
+        self.received = max(self.received, signal.SIGTERM)
+
     def on_train_begin(self, args, state, control, **kwargs):
         if threading.current_thread() is not threading.main_thread():
-            notice("Training runs outside the main thread: SIGTERM and SIGUSR1 cannot be caught, so a preempted job "
-                   "stops without a checkpoint.")
+            if not os.environ.get(HOSTED):  # a Ray Train worker's thread: Ray signals nothing, it ends the worker
+                notice("Training runs outside the main thread: SIGTERM and SIGUSR1 cannot be caught, so a preempted "
+                       "job stops without a checkpoint.")
             return
         for signum in SIGNALS:
             self.previous[signum] = signal.signal(signum, self._record)
@@ -170,6 +183,9 @@ class Preemption(TrainerCallback):
             self.before_exit()
         name = signal.Signals(self.stopping).name
         checkpoint = f"{args.output_dir.rstrip('/')}/checkpoint-{state.global_step}"
+        if self.reason is not None:
+            notice(f"{self.reason}: saved {checkpoint} (step {state.global_step}) and stopped")
+            sys.exit(exit_code(self.stopping))
         if outcome.stopped(name, state.global_step, checkpoint):  # a Slurm node: its launcher says it, with the code
             end_together()  # every rank has stopped at this step; without a gloo teardown at exit (see process)
             sys.exit(0)

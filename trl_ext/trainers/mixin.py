@@ -38,6 +38,9 @@ class TrlExtMixin:
     _config_class: type  # the trl_ext config used when the caller passes no ``args``
     _default_run_suffix: str
     _fused_lm_head = True  # TRL computes this trainer's loss through its fused LM head (trl >= 1.15)
+    # An orchestrator's own callbacks, made for every trainer of this process (trl_ext.ray: what Ray sees, a node that
+    # joins): functions of the trainer that return a TrainerCallback.
+    callback_factories: list = []
 
     def __init__(self, *args, **kwargs):
         warning_filter.quiet_known_noise()  # third-party warnings raised every step about calls the user did not make
@@ -106,6 +109,8 @@ class TrlExtMixin:
             self._preemption = preemption.Preemption(self._checkpoints)  # its writes count in a stop's time
             self._preemption.before_exit = self._before_preempted_exit
             self.add_callback(self._preemption)
+        for make in TrlExtMixin.callback_factories:
+            self.add_callback(make(self))
 
     def _before_preempted_exit(self) -> None:
         """On every rank, before a preempted run exits: the checkpoint in flight committed, then the stopping

@@ -1,0 +1,195 @@
+"""Ray's cost to a run, and a lost node's cost, on a private 2-node Ray cluster on this host (tests/ray/cluster.py).
+
+    python bench/on_ray.py [--repeats 2] [--steps 40] [--skip overhead|recovery]
+
+1. Without failures: the same DPO job (ZeRO-3, the embedded tiny model, 4 processes, no checkpoints) under
+   ``accelerate launch`` (``python recipes/dpo.py --num_processes 4``, the recipe launching itself) and as a Ray job
+   (``ray job submit -- python recipes/dpo.py ...``: 4 workers, 2 on each node), alternated, ``--repeats`` each: from
+   the command to the first training step, in parts; the median step; the whole job. Both run the recipe through
+   bench/_ray_timing.py, which prints when each part happens.
+2. Recovery: the same job with ``--num_processes 2-4`` and a checkpoint every 10 steps; once checkpoint-20 is
+   committed, the second node is killed (its raylet, log monitor and workers, SIGKILL). The parts, from the kill to
+   the first step after the resume: Ray Train's controller reports the lost workers (its health check of them, then
+   trl_ext's verdict); it decides on the workers left (the lost node marked dead, Ray's view of the cluster refreshed);
+   it starts them (placement, actors, process group); each rank's recipe starts (trl_ext's worker imports the
+   trainers: transformers, TRL); the trainer is built (the model); ``train()`` loads the checkpoint (DeepSpeed's
+   universal checkpoint for the other number of processes); the first step.
+
+Events the job prints (``[timing]``) carry their own time; Ray's own events (the controller's lines) are timed when
+the bench first sees them in the job's log, polled every 0.25 s. Times are wall clock on this machine: run it on an
+idle machine.
+"""
+
+import argparse
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests import deepspeed_op  # noqa: E402
+from tests.ray.cluster import RayCluster  # noqa: E402
+
+DPO = ["bench/_ray_timing.py", "--config", "accelerate_configs/zero3.yaml", "--config", "recipes/configs/dpo.yaml",
+       "--eval_strategy", "no", "--report_to", "none", "--per_device_train_batch_size", "4", "--logging_steps", "1000"]
+TIMING = re.compile(r"\[timing\] (\w+) ([\d.]+) restart (\d+)")
+# Ray folds lines that differ only in their numbers (its log deduplication): not the timings
+ENV = {"TRL_EXT_BENCH_RECIPE": "recipes/dpo.py", "RAY_DEDUP_LOGS_ALLOW_REGEX": r"\[trl_ext\]|\[timing\]"}
+
+
+def _events(log: str) -> dict[tuple[str, int], list[float]]:
+    found: dict[tuple[str, int], list[float]] = {}
+    for name, when, restart in TIMING.findall(log):
+        found.setdefault((name, int(restart)), []).append(float(when))
+    return found
+
+
+def _median_step(events, restart: int = 0) -> float:
+    steps = events[("step", restart)]
+    return statistics.median(b - a for a, b in zip(steps[2:], steps[3:]))
+
+
+def _accelerate(out: Path, steps: int) -> tuple[dict, dict]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.time()
+    done = subprocess.run([sys.executable, *DPO, "--max_steps", str(steps), "--save_strategy", "no",
+                           "--num_processes", "4", "--output_dir", str(out)], cwd=REPO, env={**os.environ, **ENV},
+                          capture_output=True, text=True, timeout=1800)
+    ended = time.time()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    events = _events(done.stdout + done.stderr)
+    parts = {"the command -> the launcher's Python up": events[("launch", 0)][0] - started,
+             "-> accelerate launch started the ranks' Python": events[("start", 0)][0] - events[("launch", 0)][0],
+             "-> the trainer built (imports: transformers, TRL; the model)":
+                 events[("trainer_built", 0)][0] - events[("start", 0)][0],
+             "-> the first step done": events[("first_step", 0)][0] - events[("trainer_built", 0)][0]}
+    totals = {"command -> first step (s)": events[("first_step", 0)][0] - started,
+              "median step (s)": _median_step(events), "whole job (s)": ended - started,
+              "CPU (s)": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
+    return parts, totals
+
+
+class _Log:
+    """A Ray job's log, polled: when each text was first seen."""
+
+    def __init__(self, cluster: RayCluster, job: str):
+        self.cluster, self.job, self.seen, self.text = cluster, job, {}, ""
+
+    def poll(self, *texts: str) -> None:
+        self.text = self.cluster.logs(self.job)
+        now = time.time()
+        for text in texts:
+            if text not in self.seen and text in self.text:
+                self.seen[text] = now
+
+    def wait(self, text: str, timeout: float = 900) -> float:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.poll(text)
+            if text in self.seen:
+                return self.seen[text]
+            time.sleep(0.25)
+        raise TimeoutError(f"{text!r} not in job {self.job}'s log:\n{self.text[-3000:]}")
+
+
+def _ray(cluster: RayCluster, out: Path, steps: int, name: str) -> tuple[dict, dict]:
+    cpu = cluster.cpu_seconds()
+    started = time.time()
+    cluster.submit([*DPO, "--max_steps", str(steps), "--save_strategy", "no", "--output_dir", str(out)], name, ENV)
+    log = _Log(cluster, name)
+    group = log.wait("Started training worker group of size 4")
+    assert cluster.wait_job(name, timeout=1800) == "SUCCEEDED", cluster.logs(name)[-4000:]
+    ended = time.time()
+    events = _events(cluster.logs(name))
+    parts = {"the command -> the driver's Python up (ray job submit)": events[("launch", 0)][0] - started,
+             "-> Ray Train started the group (placement, 4 actors, process group)": group - events[("launch", 0)][0],
+             "-> the ranks' recipe starts (trl_ext's worker: transformers, TRL)": events[("start", 0)][0] - group,
+             "-> the trainer built (the model)": events[("trainer_built", 0)][0] - events[("start", 0)][0],
+             "-> the first step done": events[("first_step", 0)][0] - events[("trainer_built", 0)][0]}
+    totals = {"command -> first step (s)": events[("first_step", 0)][0] - started,
+              "median step (s)": _median_step(events), "whole job (s)": ended - started,
+              "CPU (s)": cluster.cpu_seconds() - cpu}
+    return parts, totals
+
+
+def overhead(cluster: RayCluster, work: Path, repeats: int, steps: int) -> None:
+    runs = {"accelerate launch": [], "ray job submit": []}
+    for i in range(repeats):
+        runs["accelerate launch"].append(_accelerate(work / f"acc{i}", steps))
+        runs["ray job submit"].append(_ray(cluster, work / f"ray{i}", steps, f"overhead-{i}"))
+    print(f"\nwithout failures: DPO, ZeRO-3, 4 processes, {steps} steps, no checkpoints; medians of {repeats}")
+    for variant, results in runs.items():
+        print(f"  {variant}: the start, in parts")
+        for key in results[0][0]:
+            print(f"    {key:<72} {statistics.median(r[0][key] for r in results):7.2f} s")
+    print(f"  {'':<30} {'accelerate launch':>18} {'ray job submit':>16} {'ratio':>7}")
+    for key in runs["accelerate launch"][0][1]:
+        a = statistics.median(r[1][key] for r in runs["accelerate launch"])
+        r = statistics.median(x[1][key] for x in runs["ray job submit"])
+        print(f"  {key:<30} {a:>18.2f} {r:>16.2f} {r / a:>6.2f}x")
+
+
+def recovery(cluster: RayCluster, work: Path, steps: int) -> None:
+    name, out = "recovery", work / "recovery"
+    env = {**ENV, "TRL_EXT_BENCH_STEP_SECONDS": "0.5"}
+    cluster.submit([*DPO, "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", "10",
+                    "--num_processes", "2-4", "--output_dir", str(out)], name, env)
+    log = _Log(cluster, name)
+    log.wait("Started training worker group of size 4")
+    while not (out / "checkpoint-20").is_dir():
+        time.sleep(0.05)
+    killed = cluster.kill_node()
+    noticed = log.wait("Ray lost rank")
+    dead = log.wait("Ray marked node(s)")  # trl_ext's line, once Ray marked the lost node dead
+    attempting = log.wait("Attempting to start training worker group of size 2")
+    restarted = log.wait("Started training worker group of size 2")
+    assert cluster.wait_job(name, timeout=1800) == "SUCCEEDED", cluster.logs(name)[-4000:]
+    events = _events(cluster.logs(name))
+    first = events[("first_step", 1)][0]
+    parts = [
+        ("failure noticed: the kill -> Ray Train's controller reports the lost workers", noticed - killed),
+        ("-> Ray marks the lost node dead (its health checks)", dead - noticed),
+        ("-> Ray Train decides on 2 workers (Ray's view of the cluster refreshed)", attempting - dead),
+        ("-> Ray Train started them (placement, actors, process group)", restarted - attempting),
+        ("-> the ranks' recipe starts (trl_ext's worker: transformers, TRL)", events[("start", 1)][0] - restarted),
+        ("-> the trainer built (the model)", events[("trainer_built", 1)][0] - events[("start", 1)][0]),
+        ("train() -> the checkpoint loaded (universal checkpoint, 4 -> 2)",
+         events[("resumed", 1)][0] - events[("train", 1)][0]),
+        ("-> the first step done", first - events[("resumed", 1)][0]),
+    ]
+    print(f"\nrecovery: DPO, ZeRO-3, --num_processes 2-4, the second node killed at checkpoint-20 of {steps} steps")
+    for text, seconds in parts:
+        print(f"  {text:<80} {seconds:7.1f} s")
+    print(f"  {'between the parts (trainer built -> train())':<80} "
+          f"{events[('train', 1)][0] - events[('trainer_built', 1)][0]:7.1f} s")
+    print(f"from the kill to the first step after the resume: {first - killed:.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--skip", choices=["overhead", "recovery"], default=None)
+    args = parser.parse_args()
+    env = {"PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": deepspeed_op.build(), "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    work = Path(tempfile.mkdtemp(prefix="trl-ext-ray-bench-"))
+    started = time.monotonic()
+    with RayCluster(cpus_per_node=2, env=env, cwd=str(REPO)) as cluster:
+        print(f"the cluster started in {time.monotonic() - started:.1f} s (ray start --head, then the second node)")
+        if args.skip != "overhead":
+            overhead(cluster, work, args.repeats, args.steps)
+        if args.skip != "recovery":
+            recovery(cluster, work, max(args.steps, 40))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""On the Ray Train controller: a worker group's failure told apart (``failures``) before Ray's ``FailureConfig`` acts.
+
+- An error of the run's own ends the run at once: raised here, it becomes a controller error, which Ray's failure
+  policy never retries; the driver then says it in one line (``group``).
+- A lost worker or node: Ray restarts the group (``max_failures`` times). First, the nodes whose workers Ray could
+  no longer reach are given a bounded time to be marked dead, and Ray's view of the cluster is refreshed (patch
+  ``ray-fresh-cluster-view``): an elastic group restarted on a stale view is sized for the dead node too and waits out
+  a whole start timeout for workers that cannot start.
+"""
+
+import time
+
+import ray
+from ray.train import UserCallback
+
+from trl_ext import patches
+from trl_ext.ray import failures
+from trl_ext.scheduling.outcome import ERROR
+
+NODE_DEATH_WAIT_S = 60.0  # at most this long for Ray to mark a lost node dead before the group restarts
+
+
+class Verdict(UserCallback):
+    """The controller's callback (``RunConfig(callbacks=[Verdict(run)])``).
+
+    Args:
+        run: the run's name, for its lines.
+    """
+
+    def __init__(self, run: str):
+        self.run = run
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        kind, line = failures.verdict(worker_exceptions)
+        if kind == ERROR:
+            raise failures.RankError(f"{line} (an error of the run's own: not retried)", kind=ERROR)
+        _say(f"Ray run {self.run}: {line}; the worker group restarts on the nodes left and resumes from the newest "
+             "committed checkpoint")
+        lost = failures.lost_nodes(worker_exceptions)
+        if not lost:
+            return
+        nodes, started = ", ".join(sorted(node[:8] for node in lost)), time.monotonic()
+        if _marked_dead(lost, NODE_DEATH_WAIT_S):
+            _say(f"Ray marked node(s) {nodes} dead {time.monotonic() - started:.1f} s later")
+        else:
+            _say(f"Ray still counts node(s) {nodes} as alive after {NODE_DEATH_WAIT_S:.0f} s")
+        try:
+            patches.refresh_ray_cluster_view()
+        except Exception as exc:  # noqa: BLE001 - Ray's own, slower, view then sizes the group
+            _say(f"could not refresh Ray's view of the cluster ({failures.first_line(exc)})")
+
+
+def _marked_dead(node_ids: set[str], seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        live = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        if not node_ids & live:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _say(line: str) -> None:
+    print(f"[trl_ext] {line}", flush=True)

@@ -1,0 +1,188 @@
+"""The driver's side: a run's ranks as one Ray Train worker group, from the connection to the run's outcome.
+
+1. Connect to the cluster within a stated time (``ray.init`` itself waits minutes for an address where nothing
+   answers).
+2. Size the group (``cluster.plan``) and wait, for a stated time, until the cluster's nodes have room for its
+   minimum (``TRL_EXT_RAY_WAIT_S``, default 300 s; 0 refuses at once); else say what is missing and stop.
+3. Run it: ``TorchTrainer`` with
+   - ``ScalingConfig``: the group's size (a range is elastic: Ray starts it with what the cluster has, at least the
+     minimum, and after a loss goes on with fewer); CPU workers spread across the nodes, GPU workers packed;
+   - ``RunConfig``: the run's output directory as Ray's storage for the run (``storage_path`` its parent, ``name``
+     its name), so that each committed checkpoint is registered with Ray where it is (``reporting``); Ray keeps its
+     own small files there (``checkpoint_manager_snapshot.json``);
+   - ``FailureConfig(max_failures=K)``: a lost worker or node costs a restart of the group, at most K times
+     (``TRL_EXT_RAY_MAX_FAILURES``, default 3); an error of the run's own is never retried (``controller.Verdict``);
+     a group that cannot start waits at most the stated time too.
+4. A group that stopped to grow (``growth``) is started again, larger; any other ending is the run's: its ``Result``,
+   or one line that says why it failed.
+
+Each restarted group resumes from the run's newest committed checkpoint by itself, at the number of workers it got,
+with the same global batch (``resuming``): the run's output directory is marked as the run's (``scheduling.ownership``)
+before the first group starts.
+"""
+
+import math
+import os
+import socket
+import sys
+import time
+
+from trl_ext.errors import RunFailed
+from trl_ext.ray import cluster, failures
+from trl_ext.ray.worker import GROW, Task
+from trl_ext.scheduling import ownership
+from trl_ext.scheduling.outcome import ERROR
+
+WAIT_ENV, WAIT_SECONDS = "TRL_EXT_RAY_WAIT_S", 300.0  # for room, and for a group that cannot start
+MAX_FAILURES_ENV, MAX_FAILURES = "TRL_EXT_RAY_MAX_FAILURES", 3
+CONNECT_SECONDS = 30.0  # for an address where nothing answers
+START_SECONDS = 30.0  # Ray Train's wait for a group's workers to start, before it tries again (its default: 60 s)
+NEVER = 1e9  # Ray Train's own resize of a running elastic group: off (it would not save first; ``growth`` does)
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A number of seconds (or a count) from the environment, else ``default``."""
+    from trl_ext.errors import UsageError
+
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise UsageError(f"{name}={value!r} is not a number >= 0.")
+    return number
+
+
+def connect(address: str | None, seconds: float = CONNECT_SECONDS) -> None:
+    """``ray.init`` to ``address`` (None: ``RAY_ADDRESS``, else the cluster started on this machine), or a one-line
+    error within ``seconds`` (``ray.init`` waits minutes at an address where nothing answers: the address is tried
+    first).
+
+    Raises:
+        UsageError: no Ray cluster answers at the address.
+    """
+    # Ray folds lines from different workers that differ only in words with digits into one "[repeated Nx across
+    # cluster]", seconds later: "Ray: rank 0 of 4 ..., restart 2" would be folded into restart 1's. Read when Ray is
+    # first imported.
+    os.environ.setdefault("RAY_DEDUP_LOGS_ALLOW_REGEX", r"\[trl_ext\]")
+    import ray
+
+    from trl_ext.errors import UsageError
+
+    if ray.is_initialized():
+        return
+    where = address or os.environ.get("RAY_ADDRESS") or "auto"
+    fix = "start one (ray start --head), or give its address (RAY_ADDRESS, or address=)"
+    host, _, port = where.rpartition("://")[2].rpartition(":")
+    if host and port.isdigit() and not _answers(host, int(port), seconds):
+        raise UsageError(f"no Ray cluster at {where}: nothing answered there within {seconds:.0f} s; {fix}.")
+    try:
+        ray.init(address=where, configure_logging=False)
+    except ConnectionError as exc:
+        raise UsageError(f"no Ray cluster at {where} ({failures.first_line(exc)}); {fix}.") from None
+
+
+def _answers(host: str, port: int, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, end - time.monotonic()))):
+                return True
+        except OSError:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(1.0)
+
+
+def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None = None,
+        wait: float | None = None):
+    """Run ``task`` on a worker group of the connected cluster until the run ends.
+
+    Args:
+        task: what every worker runs (``Task.run``, ``Task.output_dir`` set).
+        asked: ``(MIN, MAX)`` workers, or None for the default (``cluster.plan``).
+        say: prints one line.
+        max_failures: lost workers or nodes the run survives (default ``TRL_EXT_RAY_MAX_FAILURES``, else 3).
+        wait: seconds to wait for room (default ``TRL_EXT_RAY_WAIT_S``, else 300).
+
+    Returns:
+        Ray's ``Result`` of the run's last group (its ``checkpoint``, ``metrics``, ``return_value``).
+
+    Raises:
+        UsageError: the cluster lacks room for the minimum after ``wait``.
+        RunFailed: an error of the run's own, more lost workers than ``max_failures``, a group that never started.
+    """
+    import ray
+
+    wait = seconds_from_env(WAIT_ENV, WAIT_SECONDS) if wait is None else wait
+    max_failures = int(seconds_from_env(MAX_FAILURES_ENV, MAX_FAILURES)) if max_failures is None else max_failures
+    group = cluster.plan(cluster.alive(ray.nodes()), asked)
+    cluster.wait_for_room(ray.nodes, group, wait, say)
+    if task.claim:  # before Ray writes its own files there
+        ownership.claim(task.output_dir, task.run)
+    task.most = group.workers[1] if group.elastic else 0
+    task.per_worker = dict(group.per_worker)
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(START_SECONDS))  # passed on to Ray Train
+    # Ray Train's print() to its logger as well: it tees what libraries print into a redirected stdout (a StringIO)
+    # to the job's log. Off, the workers' output reaches the job's log as it is.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    say(f"Ray run {task.run}: {group.describe()} on {len(cluster.alive(ray.nodes()))} node(s); output and Ray's "
+        f"storage for the run: {task.output_dir}")
+    while True:
+        result = _fit(task, group, max_failures, wait)
+        value = result.return_value if isinstance(result.return_value, dict) else {}
+        if GROW not in value:
+            return result
+        say(f"Ray run {task.run}: stopped at step {value[GROW]} with its checkpoint to grow; starting the worker "
+            "group again with what the cluster has")
+
+
+def _fit(task: Task, group: cluster.Group, max_failures: int, wait: float):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train.torch import TorchTrainer
+
+    from trl_ext.ray import controller, worker
+
+    trainer = TorchTrainer(
+        worker.train, train_loop_config={"task": task},
+        scaling_config=ScalingConfig(num_workers=group.size(), resources_per_worker=dict(group.per_worker),
+                                     use_gpu=group.use_gpu, placement_strategy="SPREAD" if group.spread else "PACK",
+                                     elastic_resize_monitor_interval_s=NEVER),
+        run_config=RunConfig(
+            name=os.path.basename(task.output_dir), storage_path=os.path.dirname(task.output_dir),
+            failure_config=FailureConfig(max_failures=max_failures,
+                                         controller_failure_limit=max(1, math.ceil(wait / START_SECONDS))),
+            callbacks=[controller.Verdict(task.run)]))
+    try:
+        return trainer.fit()
+    except TrainingFailedError as exc:
+        raise _failed(task, exc, max_failures, wait) from None
+
+
+def _failed(task: Task, exc: BaseException, max_failures: int, wait: float) -> RunFailed:
+    """One line for a run that failed (Ray's own traceback is in the log above it)."""
+    cause = getattr(exc, "controller_failure", None)
+    if isinstance(cause, failures.RankError):
+        return RunFailed(f"Ray run {task.run} failed: {cause}", kind=ERROR)
+    workers = getattr(exc, "worker_failures", None)
+    if workers:
+        _, line = failures.verdict(workers)
+        return RunFailed(f"Ray run {task.run} failed: workers were lost {max_failures + 1} time(s), more than "
+                         f"max_failures={max_failures} ({MAX_FAILURES_ENV}) allows; the last: {line}", kind="peer")
+    if cause is not None and "StartupTimeout" in type(cause).__name__:
+        return RunFailed(f"Ray run {task.run} failed: its worker group could not start within {wait:.0f} s "
+                         f"({WAIT_ENV}); the cluster lacks the room it had when the run began", kind="setup")
+    return RunFailed(f"Ray run {task.run} failed: {failures.first_line(cause or exc)}", kind="setup")
+
+
+def printer(line: str) -> None:
+    """The driver's lines: ``[trl_ext]``, to stderr, flushed (``ray job logs`` shows them with the workers')."""
+    print(f"[trl_ext] {line}", file=sys.stderr, flush=True)
+
+
+def new_run_name() -> str:
+    """A run identity for a driver no orchestrator names (a notebook): the time and this process."""
+    return f"ray-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

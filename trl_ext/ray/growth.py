@@ -1,0 +1,59 @@
+"""An elastic worker group below its maximum grows again when nodes join, after saving the work since the last
+checkpoint.
+
+Ray Train's own resize would shut the workers down within 5 s, whatever they were doing, and restart from the last
+checkpoint; trl_ext turns it off (``group``) and does this instead. Rank 0 looks at the cluster's free resources every
+``CHECK_SECONDS``; once they hold another worker, it asks the trainer for a planned stop (``Preemption.request_stop``):
+at the next step boundary every rank agrees, the step's checkpoint is saved and committed, and the group ends with
+``{GROW: step}``. The driver then starts the group again with what the cluster now has, and it resumes from that
+checkpoint.
+"""
+
+import threading
+
+from transformers import TrainerCallback
+
+from trl_ext.process import notice
+from trl_ext.ray import cluster
+
+CHECK_SECONDS = 10.0
+
+
+class Growth(TrainerCallback):
+    """Rank 0's watch for room to grow.
+
+    Args:
+        trainer: the trainer (its ``_preemption`` stops every rank with a checkpoint).
+        workers: the group's size now.
+        most: the range's maximum.
+        per_worker: each worker's resources.
+    """
+
+    def __init__(self, trainer, workers: int, most: int, per_worker: dict):
+        self.trainer, self.workers, self.most, self.per_worker = trainer, workers, most, per_worker
+        self.done = threading.Event()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if getattr(self.trainer, "_preemption", None) is None:
+            notice("save_on_preemption is off: the Ray worker group cannot save before it grows, so it stays at "
+                   f"{self.workers} worker(s)")
+            return
+        threading.Thread(target=self._watch, name="trl_ext-ray-growth", daemon=True).start()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.done.set()
+
+    def _watch(self) -> None:
+        import ray
+
+        while not self.done.wait(CHECK_SECONDS):
+            try:
+                free = cluster.room([ray.available_resources()], self.per_worker)
+            except Exception:  # noqa: BLE001 - the cluster not answering now is not a reason to stop
+                continue
+            if free > 0:
+                more = min(free, self.most - self.workers)
+                notice(f"Ray: room for {more} more worker(s) (the range's maximum is {self.most}): the worker group "
+                       "stops at the next step with a checkpoint, and starts again larger")
+                self.trainer._preemption.request_stop("Ray: growing the worker group")
+                return
