@@ -98,7 +98,8 @@ def max_over_ranks(values, device=None, group=None):
 
     Args:
         values: this rank's number, or a list of numbers.
-        device: where the collective's tensor lives (the backend's device; CPU for gloo).
+        device: where the collective's tensor lives (default: the backend's, the current CUDA device under NCCL, else
+            the CPU).
         group: the process group (default: the default one).
 
     Returns:
@@ -110,6 +111,8 @@ def max_over_ranks(values, device=None, group=None):
     import torch.distributed as dist
 
     numbers = list(values) if isinstance(values, (list, tuple)) else [values]
+    if device is None and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
     reduced = torch.tensor([float(v) for v in numbers], dtype=torch.float64, device=device)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     out = [type(v)(r) for v, r in zip(numbers, reduced.tolist(), strict=True)]

@@ -24,7 +24,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field, replace
 
-from trl_ext.process import HOSTED
+from trl_ext.process import HOSTED, max_over_ranks
 from trl_ext.ray.failures import RankError, first_line
 from trl_ext.scheduling import orchestrators, outcome, ownership
 
@@ -139,12 +139,7 @@ def _job(task: Task, context) -> orchestrators.Job:
 
 
 def _nodes(node_rank: int) -> int:
-    import torch
-    import torch.distributed as dist
-
-    highest = torch.tensor([node_rank], dtype=torch.int64)
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    return int(highest.item()) + 1
+    return max_over_ranks(node_rank) + 1
 
 
 def _run(task: Task, job: orchestrators.Job):
