@@ -94,6 +94,29 @@ class Machine:
         return killed
 
 
+def free_ports(count: int = 2) -> int:
+    """The first of ``count`` consecutive TCP ports free here now: a job's port and trl_ext's meeting of machines on the
+    next one (``scheduling.rendezvous``). A single free port's neighbour is often taken (an ephemeral port of another
+    connection), and the meeting would then fail to listen.
+
+    Returns:
+        The first port.
+    """
+    import socket
+
+    while True:
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
+            first.bind(("", 0))
+            base = first.getsockname()[1]
+            try:
+                for offset in range(1, count):
+                    held.enter_context(socket.socket()).bind(("", base + offset))
+            except (OSError, OverflowError):
+                continue
+            return base
+
+
 def wait_for_port(port: int, timeout: float, machine: Machine) -> None:
     """Wait until something listens on ``port`` here (an elastic job's rendezvous: the machine whose agent started
     first hosts it, and must be the one that survives)."""

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.harness import SCRIPTS, run_command
-from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, wait_for_path, wait_for_port
+from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, free_ports, wait_for_path, wait_for_port
 from tests.s3_server import S3Server
 from trl_ext.assets import arith_model_path
 from trl_ext.assets.datasets import DATA_DIR
@@ -43,12 +43,6 @@ RTOL = 1e-4  # losses: the same sums in another order (fp32), as tests/distribut
 WEIGHTS_ATOL = 5e-5
 
 
-def _free_port() -> int:
-    from trl_ext.launching.launch import free_port
-
-    return free_port()
-
-
 def _losses(checkpoint: Path) -> list[float]:
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     return [h["loss"] for h in state["log_history"] if "loss" in h]
@@ -60,7 +54,7 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 
 def _pods(tmp: Path, name: str, command: list[str], pods: int = 2, **env) -> list[Machine]:
     """Kubeflow Trainer's pods: torchrun's PET_* variables, the first pod's address and port, one process each."""
-    port = str(_free_port())
+    port = str(free_ports())
     return [Machine(f"{name}-{rank}", command,
                     {"PET_NNODES": str(pods), "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": "1",
                      "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": port, **env}, tmp / f"{name}-{rank}.log")
@@ -180,7 +174,7 @@ def elastic(tmp_path_factory):
     # machine left alone is still training there when the new machine arrives.
     env = {"TRL_EXT_TEST_RECIPE": "recipes/sft.py", "TRL_EXT_TEST_RUNS": "0,1", "TRL_EXT_TEST_HOLD": "checkpoint-6",
            "TRL_EXT_TEST_HOLD_DIR": str(hold)}
-    port = _free_port()
+    port = free_ports()
     first = _elastic(tmp, "first", port, argv, env)
     wait_for_port(port, 300, first)  # the first machine hosts the rendezvous; the second is the one that dies
     second = _elastic(tmp, "second", port, argv, env)
@@ -220,7 +214,7 @@ def test_elastic_torchrun_resumes_after_a_lost_machine_and_takes_in_a_new_one(el
 def test_a_bug_in_training_is_refused_on_the_restart_not_retried(tmp_path):
     out = tmp_path / "out"
     cmd = [*TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "buggy", str(SCRIPTS / "train.py"),
+           "--rdzv-endpoint", f"127.0.0.1:{free_ports()}", "--rdzv-id", "buggy", str(SCRIPTS / "train.py"),
            "--trainer", "sft", "--output_dir", str(out), "--max_steps", "4", "--save_steps", "1",
            "--raise_at_step", "2", "--kill_rank", "1"]
     result = run_command(cmd, timeout=900, env=ELASTIC_ENV)
@@ -243,7 +237,7 @@ def test_contradictory_variables_are_named_on_every_machine_and_a_missing_machin
     alone = run_command([sys.executable, "recipes/dpo.py", "--config", "accelerate_configs/zero3.yaml"],
                         env={"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
                              "SKYPILOT_NUM_NODES": "2", "SKYPILOT_TASK_ID": "never", "TRL_EXT_RENDEZVOUS_TIMEOUT": "20",
-                             "TRL_EXT_MASTER_PORT": str(_free_port())}, timeout=300)
+                             "TRL_EXT_MASTER_PORT": str(free_ports())}, timeout=300)
     took = time.monotonic() - started
     assert alone.returncode == 200, alone.output[-3000:]  # a lost machine: what a Kubernetes policy restarts on
     assert "waited 20 s for 1 of 2 machines at 127.0.0.1:" in alone.output and "machine(s) 1 never arrived" in \
@@ -257,7 +251,7 @@ def test_the_first_pods_address_need_not_resolve_yet(tmp_path):
     bound and names the address it could not reach."""
     result = run_command([sys.executable, "recipes/sft.py"],
                          env={"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "sft-node-0-0.sft.invalid",
-                              "PET_MASTER_PORT": str(_free_port()), "TRL_EXT_RENDEZVOUS_TIMEOUT": "5"}, timeout=300)
+                              "PET_MASTER_PORT": str(free_ports()), "TRL_EXT_RENDEZVOUS_TIMEOUT": "5"}, timeout=300)
     assert result.returncode == 200, result.output[-3000:]
     assert "could not reach the first machine at sft-node-0-0.sft.invalid:" in result.output, result.output[-3000:]
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.harness import REPO
+from tests.machines import free_ports
 from trl_ext import process
 from trl_ext.errors import SetupError, UsageError
 from trl_ext.launching import in_process, launch, scripting
@@ -239,7 +240,7 @@ def test_the_decision_imports_neither_torch_nor_trl():
 
 def test_machines_meet_within_the_bound(env):
     env(**{rendezvous.TIMEOUT_ENV: "20"})
-    port = launch.free_port()
+    port = free_ports()
     jobs = [orchestrators.Job("SkyPilot", False, nodes=2, node_rank=r, address="127.0.0.1", port=port)
             for r in (0, 1)]
     took, errors = [], []
@@ -260,11 +261,11 @@ def test_machines_meet_within_the_bound(env):
 
 def test_a_machine_that_never_comes_is_named_within_the_bound(env):
     env(**{rendezvous.TIMEOUT_ENV: "1"})
-    job = orchestrators.Job("SkyPilot", False, nodes=3, node_rank=0, address="127.0.0.1", port=launch.free_port())
+    job = orchestrators.Job("SkyPilot", False, nodes=3, node_rank=0, address="127.0.0.1", port=free_ports())
     with pytest.raises(SetupError, match=r"waited 1 s for 2 of 3 machines at 127\.0\.0\.1:\d+: machine\(s\) 1, 2 "
                                          "never arrived"):
         rendezvous.gather(job, say=lambda line: None)
-    second = orchestrators.Job("SkyPilot", False, nodes=2, node_rank=1, address="127.0.0.1", port=launch.free_port())
+    second = orchestrators.Job("SkyPilot", False, nodes=2, node_rank=1, address="127.0.0.1", port=free_ports())
     with pytest.raises(SetupError, match="could not reach the first machine"):
         rendezvous.gather(second, say=lambda line: None)
 
