@@ -34,8 +34,7 @@ def environment(config_file: str, world_size: int) -> dict[str, str]:
     """
     from accelerate.commands import launch
     from accelerate.utils import launch as helpers
-
-    from trl_ext.launching.launch import free_port
+    from accelerate.utils.other import get_free_port
 
     if not patches.applies("accelerate-launch-environment"):
         raise SetupError(f"cannot apply {config_file} in this process with the installed accelerate; start the ranks "
@@ -52,7 +51,7 @@ def environment(config_file: str, world_size: int) -> dict[str, str]:
     # would start (this world's port is its launcher's, in use).
     args = launch.launch_command_parser().parse_args([
         "--config_file", config_file, "--num_processes", str(world_size), "--num_machines", "1",
-        "--main_process_port", str(free_port()), "trl_ext-in-process"])
+        "--main_process_port", str(get_free_port()), "trl_ext-in-process"])
     name = "accelerate-launch-environment"
     outer = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(CONFIG_PREFIXES)}  # the config's alone
     with contextlib.ExitStack() as stack:
