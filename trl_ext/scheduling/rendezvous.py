@@ -2,7 +2,8 @@
 
 torchrun's static rendezvous waits for a missing machine in silence (600 s by default) before its agent starts any
 rank, and then fails with a store timeout that names no machine. Here each machine's launcher first checks in at the
-first machine (a TCP store on the rendezvous port + 1), says every ``SAY_SECONDS`` which machines it still waits for,
+first machine (a TCP store on the rendezvous port + 1), says which machines it still waits for after
+``FIRST_SAY_SECONDS`` and then every ``SAY_SECONDS``,
 and gives up after ``TRL_EXT_RENDEZVOUS_TIMEOUT`` seconds (default 600) naming them. torchrun's rendezvous then starts
 with every machine there.
 """
@@ -15,7 +16,8 @@ from datetime import timedelta
 from trl_ext.errors import SetupError
 
 TIMEOUT_ENV, TIMEOUT_SECONDS = "TRL_EXT_RENDEZVOUS_TIMEOUT", 600.0
-SAY_SECONDS = 15.0  # how often a waiting machine says what it waits for
+FIRST_SAY_SECONDS = 5.0  # a meeting that takes longer says so (a usual one is silent)
+SAY_SECONDS = 15.0  # then how often a waiting machine says what it waits for
 POLL_SECONDS = 0.2
 CONNECT_SECONDS = 5.0  # one try to reach the first machine; tried again until the bound
 PREFIX = "trl_ext/rendezvous"
@@ -31,12 +33,12 @@ def timeout_seconds() -> float:
 
 
 def _connect(job, port: int, deadline: float, say):
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # imported by ``gather`` before the bound starts
 
     if job.node_rank == 0:
         return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
                         timeout=timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
-    said = time.monotonic()
+    said, every = time.monotonic(), FIRST_SAY_SECONDS
     while True:
         try:
             return TCPStore(job.address, port, is_master=False,
@@ -47,9 +49,9 @@ def _connect(job, port: int, deadline: float, say):
                 raise SetupError(f"machine {job.node_rank} of {job.nodes} could not reach the first machine at "
                                  f"{job.address}:{port} within {timeout_seconds():.0f} s ({TIMEOUT_ENV}): "
                                  f"{str(exc).strip().splitlines()[0][:200]}") from None
-            if now - said >= SAY_SECONDS:
+            if now - said >= every:
                 say(f"machine {job.node_rank}: waiting for the first machine at {job.address}:{port}")
-                said = now
+                said, every = now, SAY_SECONDS
             time.sleep(POLL_SECONDS)
 
 
@@ -66,13 +68,15 @@ def gather(job, say=print) -> float:
     Raises:
         SetupError: a machine that did not come within ``TRL_EXT_RENDEZVOUS_TIMEOUT`` seconds, named.
     """
+    import torch.distributed  # noqa: F401 - torch's import (seconds on a loaded machine) is not the meeting's time
+
     start = time.monotonic()
     bound = timeout_seconds()
     deadline = start + bound
     port = job.port + 1
     store = _connect(job, port, deadline, say)
     store.set(f"{PREFIX}/{job.node_rank}", socket.gethostname())
-    said = time.monotonic()
+    said, every = start, FIRST_SAY_SECONDS
     while True:
         missing = [r for r in range(job.nodes) if not store.check([f"{PREFIX}/{r}"])]
         if not missing:
@@ -82,10 +86,10 @@ def gather(job, say=print) -> float:
         if now >= deadline:
             raise SetupError(f"waited {bound:.0f} s for {len(missing)} of {job.nodes} machines at {where}: machine(s) "
                              f"{', '.join(map(str, missing))} never arrived ({TIMEOUT_ENV} sets the bound)")
-        if now - said >= SAY_SECONDS:
+        if now - said >= every:
             say(f"waiting for {len(missing)} of {job.nodes} machines at {where} (machine(s) "
                 f"{', '.join(map(str, missing))}; {deadline - now:.0f} s left)")
-            said = now
+            said, every = now, SAY_SECONDS
         time.sleep(POLL_SECONDS)
     store.add(f"{PREFIX}/done", 1)
     if job.node_rank == 0:  # the others read the last count from this store: it stays until they have
