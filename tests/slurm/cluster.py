@@ -291,6 +291,20 @@ class SlurmCluster:
                 return int(line.split(":")[1])
         return 0
 
+    def job_processes(self, job_id: str) -> list[int]:
+        """The processes of a job on this cluster (its batch shell, srun, the tasks): while the job is pending, those of
+        an earlier run still ending. An srun whose step lost a node keeps signalling that step on it (`Job step
+        aborted: Waiting up to 62 seconds`); once the node answers again, the signal reaches the next run's step of
+        the same id. A test brings a killed node back only once these are gone.
+
+        Args:
+            job_id: The job id.
+
+        Returns:
+            Their process ids.
+        """
+        return self._pids(f"SLURM_JOB_ID={job_id}".encode())
+
     def _pids(self, *any_of: bytes) -> list[int]:
         """This cluster's processes (but this one) whose environment holds any of ``any_of`` (``KEY=value``)."""
         marker, found = f"{MARKER_ENV}={self.name}".encode(), []

@@ -67,6 +67,7 @@ def lost_node(slurm_cluster, early, tmp_path_factory):
     # -N 2: pending until n2 is back, which it is once nothing stale can reach it
     slurm_cluster.wait_state(two, "PENDING", timeout=300, min_restarts=1)
     wait_for(lambda: slurm_cluster.retries_pending() == 0, 300, "slurmctld to drop its messages to the dead node")
+    wait_for(lambda: not slurm_cluster.job_processes(two), 300, "the earlier run's srun to end")
     slurm_cluster.revive_node("n2")
     fixed_log = finished(slurm_cluster, two, fixed, timeout=600, min_restarts=1)
     job, ranged_reference = early["ranged-reference"]
