@@ -119,3 +119,20 @@ def test_recipe_configs_have_only_known_keys(path):
     parser = TrlParser((ScriptArguments, config_class, ModelConfig))
     assert not launch.is_accelerate_config(yaml.safe_load(path.read_text()))
     parser.parse_args_and_config(["--config", str(path)])  # unknown keys raise; bf16 falls back to fp32 on CPU
+
+
+def test_the_failure_that_ended_a_launch_is_the_ranks_own_not_torchruns_sigterm_to_the_others():
+    from types import SimpleNamespace
+
+    from trl_ext.launching.accelerate_run import _cause
+
+    def failure(code, when):
+        return SimpleNamespace(exitcode=code, timestamp=when)
+
+    # rank 1 refused its input; torchrun then ended rank 0 with SIGTERM, in the same (whole) second
+    assert _cause({0: failure(-15, 100), 1: failure(1, 100)}) == (1, failure(1, 100))
+    # the OOM killer's SIGKILL on rank 1, then torchrun's SIGTERM to rank 0
+    assert _cause({0: failure(-15, 100), 1: failure(-9, 100)})[0] == 1
+    # two ranks' own errors: the earliest, then the lowest rank
+    assert _cause({0: failure(2, 101), 1: failure(1, 100)})[0] == 1
+    assert _cause({0: failure(1, 100), 1: failure(1, 100)})[0] == 0

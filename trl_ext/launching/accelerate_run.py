@@ -26,7 +26,7 @@ def run(args) -> int:
     try:
         launch_command(args)
     except ChildFailedError as exc:
-        rank, failure = min(exc.failures.items()) if exc.failures else (0, None)
+        rank, failure = _cause(exc.failures) if exc.failures else (0, None)
         code = failure.exitcode if failure is not None else 1
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
@@ -35,6 +35,18 @@ def run(args) -> int:
             return 128 - code
         return code or 1
     return 0
+
+
+def _cause(failures: dict) -> tuple:
+    """The failure that ended the run: once one rank fails, torchrun ends the others with SIGTERM, and they can be
+    recorded in the same second (its timestamps are whole seconds). So a rank's own exit code first, then another
+    signal (the OOM killer's), then SIGTERM; the earliest, then the lowest rank."""
+    def order(item):
+        rank, failure = item
+        code = failure.exitcode
+        return (0 if code > 0 else 2 if code == -signal.SIGTERM else 1), failure.timestamp, rank
+
+    return min(failures.items(), key=order)
 
 
 def main(argv: list[str] | None = None) -> int:
