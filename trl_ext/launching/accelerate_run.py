@@ -30,8 +30,8 @@ def run(args) -> int:
         code = failure.exitcode if failure is not None else 1
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-            print(f"[trl_ext] rank {rank} was killed by {name} (the OOM killer's SIGKILL, if nothing sent it)",
-                  file=sys.stderr, flush=True)
+            hint = " (the OOM killer's, if nothing else sent it)" if -code == signal.SIGKILL else ""
+            print(f"[trl_ext] rank {rank} was killed by {name}{hint}", file=sys.stderr, flush=True)
             return 128 - code
         return code or 1
     return 0
