@@ -292,10 +292,11 @@ class SlurmCluster:
         return 0
 
     def job_processes(self, job_id: str) -> list[int]:
-        """The processes of a job on this cluster (its batch shell, srun, the tasks): while the job is pending, those of
-        an earlier run still ending. An srun whose step lost a node keeps signalling that step on it (`Job step
-        aborted: Waiting up to 62 seconds`); once the node answers again, the signal reaches the next run's step of
-        the same id. A test brings a killed node back only once these are gone.
+        """The processes of a job on this cluster (its batch shell, srun, the tasks, and the step daemons,
+        `slurmstepd: [<job>.<step>]`): while the job is pending, those of an earlier run still ending. A step that lost
+        a node keeps signalling its step on it (`Job step aborted: Waiting up to 62 seconds`); once the node answers
+        again, the signal reaches the next run's step of the same id. A test brings a killed node back only once
+        these are gone.
 
         Args:
             job_id: The job id.
@@ -303,7 +304,19 @@ class SlurmCluster:
         Returns:
             Their process ids.
         """
-        return self._pids(f"SLURM_JOB_ID={job_id}".encode())
+        found = set(self._pids(f"SLURM_JOB_ID={job_id}".encode()))
+        marker = f"{MARKER_ENV}={self.name}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmdline.startswith(f"slurmstepd: [{job_id}.".encode()) and marker in env:
+                found.add(int(entry.name))
+        return sorted(found)
 
     def _pids(self, *any_of: bytes) -> list[int]:
         """This cluster's processes (but this one) whose environment holds any of ``any_of`` (``KEY=value``)."""
