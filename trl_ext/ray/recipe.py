@@ -75,16 +75,24 @@ def run(script: str, argv: list[str], job: orchestrators.Job | None) -> int:
     rest = [*rest, "--config", recipe_config] if recipe_config else rest
     asked = cluster.parse_workers(num_processes)
     run_name = _run_name(job)
-    output_dir, rest = take_option(rest, "output_dir")
-    output_dir = os.path.abspath(output_dir or _configured(rest, "output_dir")
-                                 or os.path.join("outputs", f"{Path(script).stem}-{run_name}"))
-    claim = claims(output_dir, run_name, rest)
+    output_dir, rest, claim = _run_output(rest, Path(script).stem, run_name)
     if accelerate_config is None:
         group.printer(f"no accelerate config under Ray: {os.path.relpath(DATA_PARALLEL)} (data parallel)")
     config = accelerate_config or str(DATA_PARALLEL)
     task = Task(run=run_name, output_dir=output_dir, cwd=os.getcwd(), env=passed_on(), script=os.path.abspath(script),
                 argv=["--config", config, *rest, "--output_dir", output_dir], claim=claim)
     return _launch(task, asked)
+
+
+def _run_output(args: list[str], name: str, run_name: str) -> tuple[str, list[str], bool]:
+    """The run's output directory, absolute: ``--output_dir``, else the recipe config's, else
+    ``outputs/<name>-<run>``; with ``args`` without it, and whether the driver claims it (``claims``)."""
+    from trl_ext.launching.launch import take_option
+
+    output_dir, rest = take_option(args, "output_dir")
+    output_dir = os.path.abspath(output_dir or _configured(rest, "output_dir")
+                                 or os.path.join("outputs", f"{name}-{run_name}"))
+    return output_dir, rest, claims(output_dir, run_name, rest)
 
 
 def run_trl_command(command: str, launch_args: list[str], training_script_args: list[str],
@@ -113,10 +121,7 @@ def run_trl_command(command: str, launch_args: list[str], training_script_args: 
     config_file, _ = take_option(launch_args, "config_file")
     asked = cluster.parse_workers(num_processes)
     run_name = _run_name(job)
-    output_dir, rest = take_option(training_script_args, "output_dir")
-    output_dir = os.path.abspath(output_dir or _configured(rest, "output_dir")
-                                 or os.path.join("outputs", f"{command}-{run_name}"))
-    claim = claims(output_dir, run_name, rest)
+    output_dir, rest, claim = _run_output(training_script_args, command, run_name)
     task = Task(run=run_name, output_dir=output_dir, cwd=os.getcwd(), env=passed_on(), module="trl_ext",
                 argv=[command, *rest, *(["--config_file", config_file] if config_file else []),
                       "--output_dir", output_dir], claim=claim)
