@@ -118,6 +118,13 @@ class ServerError(TrlExtError, ConnectionError):
     kind = "server"
 
 
+class SyncError(TrlExtError, RuntimeError):
+    """A weight sync into vLLM that did not land: vLLM's log-probabilities differ from the trainer's after it (GRPO,
+    RLOO with ``vllm_check_sync_every``); ``detail`` is the first tensor named."""
+
+    kind = "sync"
+
+
 class MirrorError(TrlExtError, RuntimeError):
     """A checkpoint mirror (``checkpoint_mirror``) that cannot be used: a store that refuses the credentials, a missing
     bucket, no permission to write, another run writing to the same prefix, or a mirrored checkpoint that does not

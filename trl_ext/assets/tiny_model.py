@@ -70,8 +70,14 @@ def build_tokenizer():
     )
 
 
-def build(path: str | os.PathLike) -> None:
-    """Write the tokenizer and a freshly initialised tiny Llama (seed 0, the same bytes on every CPU) to ``path``."""
+def build(path: str | os.PathLike, model_config: dict | None = None, seed: int = 0) -> None:
+    """Write the tokenizer and a freshly initialised tiny Llama (the same bytes on every CPU) to ``path``.
+
+    Args:
+        path: The directory to write.
+        model_config: ``LlamaConfig`` sizes; ``MODEL_CONFIG`` (this model's) by default.
+        seed: The initialisation's seed.
+    """
     import numpy as np
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -82,12 +88,12 @@ def build(path: str | os.PathLike) -> None:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **MODEL_CONFIG,
+        **(MODEL_CONFIG if model_config is None else model_config),
     )
     model = LlamaForCausalLM(config)
     # numpy's generator, not torch's: torch's vectorised normal_ gives other values on other CPU instruction sets
     # (AVX-512 vs AVX2 vs ATEN_CPU_CAPABILITY=default), and the same build must give the same model on every machine.
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:  # matrices and embeddings, as transformers initialises them; norms stay at one

@@ -4,7 +4,7 @@ the hardware before validation (``HardwareAware``, see ``runtime.adapt_to_hardwa
 They are subclasses: every field, default and CLI flag is TRL's, and ``isinstance(cfg, trl.DPOConfig)`` holds.
 Fields added: ``max_shard_size`` for trl_ext's save path, ``save_in_background``, ``save_on_preemption`` and the
 checkpoint mirror's ``checkpoint_mirror``, ``mirror_storage_options`` and ``mirror_grace_period`` (every config), and
-``vllm_request_timeout`` (GRPO, RLOO).
+``vllm_request_timeout``, ``vllm_check_sync_every`` and ``vllm_check_sync_atol`` (GRPO, RLOO).
 """
 
 from dataclasses import dataclass, field
@@ -92,6 +92,24 @@ class VLLMServerOptions:
         metadata={"help": "Server mode (vllm_mode='server'): seconds to wait for each answer of the vLLM server, and "
                           "(plus 30 s) for each weight sync. A server that stalls or dies stops training on every "
                           "rank within this bound, with a message naming the server and the step."},
+    )
+
+
+@dataclass
+class VLLMSyncCheckOptions:
+    """The proof that a weight sync landed in vLLM (GRPO, RLOO, colocate mode)."""
+
+    vllm_check_sync_every: int = field(
+        default=1,
+        metadata={"help": "Colocate mode (use_vllm=True, vllm_mode='colocate'): after the first weight sync and every "
+                          "Nth after it, compare vLLM's prompt log-probabilities on a few fixed tokens with the "
+                          "trainer's; a sync that did not land stops training with an error naming the tensors. "
+                          "0 turns the check off."},
+    )
+    vllm_check_sync_atol: float = field(
+        default=1e-3,
+        metadata={"help": "Largest difference allowed between vLLM's and the trainer's log-probabilities in the sync "
+                          "check. 1e-3 fits fp32; raise it for bf16 or fp16 weights."},
     )
 
 

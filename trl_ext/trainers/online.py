@@ -14,11 +14,12 @@ from trl_ext.trainers import configs, weight_sync
 from trl_ext.trainers.mixin import TrlExtMixin
 
 
-def _bounded_weight_sync(trl_module, request_timeout: float = configs.VLLM_REQUEST_TIMEOUT):
-    """While TRL's constructor runs, it builds our ``VLLMGeneration`` (the bounded, Hub-named weight sync, and bounded
-    waits on a vLLM server) instead of its own: TRL creates the object inline in ``__init__`` and offers no hook to
-    choose its class."""
-    generation = weight_sync.BoundedVLLMGeneration.with_timeout(request_timeout)
+def _bounded_weight_sync(trl_module, request_timeout: float = configs.VLLM_REQUEST_TIMEOUT, check_every: int = 1,
+                         check_atol: float = 1e-3):
+    """While TRL's constructor runs, it builds our ``VLLMGeneration`` (the bounded, Hub-named weight sync, proven in
+    colocate mode, and bounded waits on a vLLM server) instead of its own: TRL creates the object inline in
+    ``__init__`` and offers no hook to choose its class."""
+    generation = weight_sync.BoundedVLLMGeneration.with_timeout(request_timeout, check_every, check_atol)
     return patches.swapped("bounded-weight-sync", trl_module, "VLLMGeneration", generation)
 
 
@@ -30,8 +31,11 @@ class _OnlineRLMixin:
         model_paths.check_model_path(bound.arguments.get("model"))
 
     def _around_trl_init(self, bound: inspect.BoundArguments):
-        timeout = getattr(bound.arguments.get("args"), "vllm_request_timeout", configs.VLLM_REQUEST_TIMEOUT)
-        return _bounded_weight_sync(sys.modules[self._trl_class.__module__], timeout)
+        args = bound.arguments.get("args")
+        timeout = getattr(args, "vllm_request_timeout", configs.VLLM_REQUEST_TIMEOUT)
+        return _bounded_weight_sync(sys.modules[self._trl_class.__module__], timeout,
+                                    getattr(args, "vllm_check_sync_every", 1),
+                                    getattr(args, "vllm_check_sync_atol", 1e-3))
 
     def _after_trl_init(self) -> None:
         super()._after_trl_init()
@@ -41,7 +45,8 @@ class _OnlineRLMixin:
 
 
 @dataclass
-class GRPOConfig(configs.HardwareAware, configs.SaveOptions, configs.VLLMServerOptions, trl.GRPOConfig):
+class GRPOConfig(configs.HardwareAware, configs.SaveOptions, configs.VLLMServerOptions, configs.VLLMSyncCheckOptions,
+                 trl.GRPOConfig):
     __doc__ = trl.GRPOConfig.__doc__
 
 
@@ -51,7 +56,8 @@ class GRPOTrainer(_OnlineRLMixin, TrlExtMixin, trl.GRPOTrainer):
 
 
 @dataclass
-class RLOOConfig(configs.HardwareAware, configs.SaveOptions, configs.VLLMServerOptions, trl.RLOOConfig):
+class RLOOConfig(configs.HardwareAware, configs.SaveOptions, configs.VLLMServerOptions, configs.VLLMSyncCheckOptions,
+                 trl.RLOOConfig):
     __doc__ = trl.RLOOConfig.__doc__
 
 

@@ -5,8 +5,15 @@ the adapter (trl#5766: the whole model on every rank), and renames by string rul
 ``.base_layer``), which gives in-memory names: fused MoE experts and ``model.language_model.*`` prefixes that are not
 the checkpoint names vLLM's ``load_weights`` takes. ``BoundedVLLMGeneration`` replaces only that walk with
 ``merge.iter_merged_weights``: gather one module, merge its adapter, yield the names and layout ``save_pretrained``
-writes (which vLLM loads from disk by construction), release. Everything else (colocate and server modes, waking the
-weights from sleep mode before loading, trl#5312 / trl#5142, prefix-cache reset) stays TRL's ``sync_weights``.
+writes (which vLLM loads from disk by construction), release.
+
+Colocate mode loads the stream through vLLM's own weight-reload API (``LLM.collective_rpc("reload_weights",
+weights_iterator=...)``: the model runner puts each layer back into its loading state, loads, and processes it again).
+TRL calls ``model.load_weights`` on the running model, which fails once vLLM has processed its layers (on CPU:
+``'Parameter' object has no attribute 'weight_loader'``). The sync is then proven (``sync_check``): after the first
+sync and every ``vllm_check_sync_every``-th, vLLM's prompt log-probabilities must equal the trainer's. Server mode
+stays TRL's ``sync_weights`` (waking the weights from sleep mode before loading, trl#5312 / trl#5142, and the
+prefix-cache reset are TRL's in both modes).
 
 In server mode it also bounds every wait on the server (``vllm_server``): its client times out, its NCCL parts run
 under a watchdog, and a failure names the training step.
@@ -15,15 +22,17 @@ under a watchdog, and a failure names the training step.
 import contextlib
 import functools
 import sys
+import time
 from collections.abc import Iterator
 
 import torch
-from trl.generation.vllm_generation import VLLMGeneration
+from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
 from trl_ext import patches
 from trl_ext.errors import ServerError
 from trl_ext.merge.weights import iter_merged_weights
 from trl_ext.trainers.configs import VLLM_REQUEST_TIMEOUT
+from trl_ext.trainers.sync_check import SyncCheck, checksums
 
 
 def engine_dtype(generation: VLLMGeneration) -> torch.dtype | None:
@@ -49,6 +58,26 @@ def bounded_named_params(generation: VLLMGeneration) -> Iterator[tuple[str, torc
         yield name, tensor.to(device=device, dtype=dtype or tensor.dtype)
 
 
+def engine_reloads() -> bool:
+    """Whether the installed vLLM's model runner reloads weights from an iterator (``reload_weights(weights_iterator=,
+    is_checkpoint_format=)``, vLLM 0.31); older ones keep TRL's ``load_weights`` path."""
+    try:
+        import inspect
+
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    parameters = inspect.signature(getattr(GPUModelRunner, "reload_weights", lambda: None)).parameters
+    return {"weights_iterator", "is_checkpoint_format"} <= set(parameters)
+
+
+def _recording(stream, sums: dict):
+    """Pass ``stream`` through, adding each tensor's checksums to ``sums``."""
+    for name, tensor in stream:
+        sums.update(checksums([(name, tensor)]))
+        yield name, tensor
+
+
 def _is_quantized(model) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return bool(getattr(base, "is_quantized", False))
@@ -65,15 +94,19 @@ class BoundedVLLMGeneration(VLLMGeneration):
         request_timeout: server mode's bound on each wait for the server, in seconds (``vllm_request_timeout``).
     """
 
-    def __init__(self, *args, request_timeout: float = VLLM_REQUEST_TIMEOUT, **kwargs):
+    def __init__(self, *args, request_timeout: float = VLLM_REQUEST_TIMEOUT, check_every: int = 1,
+                 check_atol: float = 1e-3, **kwargs):
         self.request_timeout = request_timeout
         self.current_step = lambda: None  # the trainer sets it: the step a failure is reported at
         super().__init__(*args, **kwargs)
+        self.sync_check = SyncCheck(check_every, check_atol, self.model.config.vocab_size)
+        self.sync_seconds: list[float] = []  # each colocated sync's wall time, its check included
 
     @classmethod
-    def with_timeout(cls, request_timeout: float):
-        """The class as TRL's trainers call it, with ``request_timeout`` bound."""
-        return functools.partial(cls, request_timeout=request_timeout)
+    def with_timeout(cls, request_timeout: float, check_every: int = 1, check_atol: float = 1e-3):
+        """The class as TRL's trainers call it, with ``request_timeout`` and the sync check's options bound."""
+        return functools.partial(cls, request_timeout=request_timeout, check_every=check_every,
+                                 check_atol=check_atol)
 
     def _at_step(self) -> str:
         step = self.current_step()
@@ -117,8 +150,29 @@ class BoundedVLLMGeneration(VLLMGeneration):
                               f"check the server's log, and resume with resume_from_checkpoint=True.") from None
 
     def sync_weights(self):
+        if self.mode == "colocate" and engine_reloads():
+            return self._sync_colocated()
         with self._bounded("the weight sync", nccl=True):
             return super().sync_weights()
+
+    def _sync_colocated(self):
+        """Load the merged, Hub-named stream through vLLM's ``reload_weights``, then prove it landed (if due)."""
+        start = time.perf_counter()
+        if self.enable_sleep_mode:  # as TRL's sync_weights: wake the weights before loading them (trl#5142)
+            empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._llm_weights_sleeping = False
+        checked = self.sync_check.due()
+        sent: dict[str, tuple[float, float]] = {}
+        stream = _recording(self._iter_named_params(), sent) if checked else self._iter_named_params()
+        # vLLM's API for new weights in a loaded model; in colocate mode (external_launcher) the worker runs in this
+        # process, so the generator is consumed here, one module gathered at a time, every rank in step.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        if checked:
+            self.sync_check.verify(self.llm, self.model, self.accelerator.device, sent, self._iter_named_params,
+                                   self._at_step())
+        self.sync_seconds.append(time.perf_counter() - start)
 
     def generate(self, *args, **kwargs):
         with self._bounded("generating"):
