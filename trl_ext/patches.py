@@ -141,6 +141,15 @@ PATCHES: dict[str, Patch] = {
         guard=_all(_has("trl.trainer.grpo_trainer.VLLMGeneration"),
                    _has("trl.generation.vllm_generation.VLLMGeneration._iter_named_params")),
     ),
+    "vllm-cpu-dtype": Patch(
+        target="trl.generation.vllm_generation.LLM",
+        why="TRL builds the colocated LLM without a dtype; vLLM's CPU build then runs an fp32 checkpoint in bf16 "
+            "while the trainer trains fp32 on CPU: rollouts and their log-probabilities come from other weights "
+            "(the sync check sees 3e-3 on the first sync)",
+        upstream="none filed: trl/generation/vllm_generation.py (1.16) passes no dtype to LLM(...)",
+        remove_when="TRL passes the policy's dtype to the colocated LLM (or a vllm_dtype option)",
+        guard=_source_has("trl.generation.vllm_generation.VLLMGeneration._init_vllm", "self.llm = LLM("),
+    ),
     "bounded-vllm-client": Patch(
         target="trl.generation.vllm_generation.VLLMClient",
         why="TRL's vLLM client sends requests without a timeout and retries failed reads 5 times: a stalled server "

@@ -113,6 +113,12 @@ class BoundedVLLMGeneration(VLLMGeneration):
         return "before training" if step is None else f"at training step {step}"
 
     def _init_vllm(self):
+        if self.mode == "colocate" and self.accelerator.device.type == "cpu":
+            # vLLM's CPU build runs fp32 checkpoints in bf16 unless told: the engine gets the policy's dtype
+            module = sys.modules[VLLMGeneration.__module__]
+            engine = functools.partial(module.LLM, dtype=self.model.dtype) if hasattr(module, "LLM") else None
+            with patches.swapped("vllm-cpu-dtype", module, "LLM", engine) if engine else contextlib.nullcontext():
+                return super()._init_vllm()
         if self.mode != "server":
             return super()._init_vllm()
         from trl_ext.trainers import vllm_server  # needs requests, which server mode has

@@ -1,0 +1,121 @@
+"""Train trl_ext's GRPOTrainer or RLOOTrainer with a real, colocated vLLM (``use_vllm=True, vllm_mode="colocate"``) on
+``trl-ext/tiny-llama-vllm``; record what happened in OUTPUT_DIR/report_rank<R>.json. One process, or under
+``accelerate launch`` (tests/vllm/). Needs vLLM (the vLLM venv, .ci/vllm.sh).
+
+After training: the model is saved to OUTPUT_DIR/final, the weights are synced once more (checked), and vLLM's prompt
+log-probabilities of the check's tokens are written to the report, for the test to compare with the saved model's
+in a fresh process.
+
+``--fault``: at the second sync, ``sent-stale`` sends ``lm_head.weight`` as it was at the first sync (a broken walk);
+``not-applied`` streams the weights without loading them (vLLM keeps its old ones, as trl#5312's sleep mode did).
+The run must then stop with a SyncError; the report records it.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import launched  # tests/scripts/, beside this file
+import torch
+import transformers
+from peft import LoraConfig
+
+import trl_ext
+from trl_ext.assets import load_default_dataset, vllm_model_path
+from trl_ext.errors import SyncError
+from trl_ext.trainers.sync_check import engine_logprobs
+
+
+def digit_share(completions, **kwargs) -> list[float]:
+    """A dense reward (share of digits in the completion): samples differ in it from the first step."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def install_fault(generation, fault: str) -> None:
+    """Break the second sync of ``generation`` (see the module docstring)."""
+    walks, syncs, first = [0], [0], {}
+    walk, rpc = generation._iter_named_params, generation.llm.collective_rpc
+
+    def stale_walk():  # walk 1 is the first sync; walk 2 the second (stale); walk 3 the failed check's naming pass
+        walks[0] += 1
+        for name, tensor in walk():
+            if name == "lm_head.weight" and walks[0] == 1:
+                first[name] = tensor.clone()
+            elif name == "lm_head.weight" and walks[0] == 2:
+                tensor = first[name]
+            yield name, tensor
+
+    def dropping_rpc(method, *args, **kwargs):
+        syncs[0] += method == "reload_weights"
+        if syncs[0] == 2 and method == "reload_weights":
+            for _ in kwargs["kwargs"]["weights_iterator"]:  # gathered and walked, never loaded
+                pass
+            return [None]
+        return rpc(method, *args, **kwargs)
+
+    if fault == "sent-stale":
+        generation._iter_named_params = stale_walk
+    else:
+        generation.llm.collective_rpc = dropping_rpc
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--max_steps", type=int, default=3)
+    parser.add_argument("--check_every", type=int, default=1)
+    parser.add_argument("--fault", choices=["sent-stale", "not-applied"], default=None)
+    cli = parser.parse_args(argv)
+    transformers.set_seed(0)
+    config_class = trl_ext.GRPOConfig if cli.trainer == "grpo" else trl_ext.RLOOConfig
+    trainer_class = trl_ext.GRPOTrainer if cli.trainer == "grpo" else trl_ext.RLOOTrainer
+    args = config_class(
+        output_dir=cli.output_dir, max_steps=cli.max_steps, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, learning_rate=1e-2, logging_steps=1, report_to="none", seed=0, save_strategy="no",
+        dataloader_num_workers=0, use_vllm=True, vllm_mode="colocate", vllm_check_sync_every=cli.check_every,
+    )
+    trainer = trainer_class(
+        model=vllm_model_path(), reward_funcs=digit_share, args=args,
+        train_dataset=load_default_dataset("prompt")["train"].select(range(64)),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+        if cli.lora else None,
+    )
+    generation = trainer.vllm_generation
+    if cli.fault:
+        install_fault(generation, cli.fault)
+    rank = trainer.accelerator.process_index
+    report = {"world_size": args.world_size, "fault": cli.fault, "engine_dtype": str(generation.llm.llm_engine.model_config.dtype),
+              "zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None}
+    try:
+        trainer.train()
+    except SyncError as exc:
+        report.update(error=str(exc), kind=exc.kind, detail=exc.detail, global_step=trainer.state.global_step)
+    else:
+        trainer.save_model(os.path.join(cli.output_dir, "final"))
+        generation.sync_check.every = 1  # the sync after training is checked, whatever the run's setting
+        generation.sync_weights()
+        report.update(global_step=trainer.state.global_step,
+                      engine_logprobs=engine_logprobs(generation.llm, generation.sync_check.tokens).tolist(),
+                      tokens=generation.sync_check.tokens, losses=[h["loss"] for h in trainer.state.log_history
+                                                                    if "loss" in h])
+    report.update(syncs=generation.sync_check.syncs, sync_seconds=generation.sync_seconds,
+                  check_seconds=generation.sync_check.seconds)
+    with open(os.path.join(cli.output_dir, f"report_rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    launched.freeze_imports()  # see launched.py
+    main()
+    # not launched.finish(): vLLM leaves non-daemon worker threads that never end; the group is destroyed, then exit
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
