@@ -161,6 +161,14 @@ class BoundedVLLMGeneration(VLLMGeneration):
         with self._bounded("the weight sync", nccl=True):
             return super().sync_weights()
 
+    def _can_check(self) -> bool:
+        """Under ZeRO-3 no forward may run before the first training step's: a no-grad forward before it left
+        DeepSpeed 0.19.8's first backward with a partitioned weight (``size of tensor a (0) must match ... (128)``),
+        so the first check waits for the first sync after a step (the first sync loads the weights vLLM started
+        with)."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return not (plugin is not None and plugin.zero_stage == 3 and self.current_step() in (None, 1))
+
     def _sync_colocated(self):
         """Load the merged, Hub-named stream through vLLM's ``reload_weights``, then prove it landed (if due)."""
         start = time.perf_counter()
@@ -168,7 +176,7 @@ class BoundedVLLMGeneration(VLLMGeneration):
             empty_cache()
             self.llm.wake_up(tags=["weights"])
             self._llm_weights_sleeping = False
-        checked = self.sync_check.due()
+        checked = self.sync_check.due(ready=self._can_check())
         sent: dict[str, tuple[float, float]] = {}
         stream = _recording(self._iter_named_params(), sent) if checked else self._iter_named_params()
         # vLLM's API for new weights in a loaded model; in colocate mode (external_launcher) the worker runs in this
