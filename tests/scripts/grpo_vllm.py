@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None):
         install_fault(generation, cli.fault)
     rank = trainer.accelerator.process_index
     report = {"world_size": args.world_size, "fault": cli.fault,
-              "engine_dtype": str(generation.llm.llm_engine.model_config.dtype), "zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None}
+              "engine_dtype": str(generation.llm.llm_engine.model_config.dtype),
+              "zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None}
     try:
         trainer.train()
     except SyncError as exc:

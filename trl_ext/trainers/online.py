@@ -10,7 +10,7 @@ import trl
 
 from trl_ext import patches
 from trl_ext.data import model_paths
-from trl_ext.trainers import configs, weight_sync
+from trl_ext.trainers import configs, vllm_checks, weight_sync
 from trl_ext.trainers.mixin import TrlExtMixin
 
 
@@ -29,6 +29,7 @@ class _OnlineRLMixin:
     def _check_input(self, bound: inspect.BoundArguments) -> None:
         # Rows are prompts (plus reward-function columns): input_checks' SFT/preference formats do not apply.
         model_paths.check_model_path(bound.arguments.get("model"))
+        vllm_checks.check(bound.arguments.get("args"), bound.arguments.get("model"))
 
     def _around_trl_init(self, bound: inspect.BoundArguments):
         args = bound.arguments.get("args")

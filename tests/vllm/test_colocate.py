@@ -1,0 +1,112 @@
+"""GRPO and RLOO against a real, colocated vLLM (vllm-cpu 0.31, .ci/vllm.sh): the weight sync lands and is proven.
+
+Each run (tests/scripts/grpo_vllm.py) starts its own vLLM in its training processes and trains 3 steps, checking every
+sync (vLLM's prompt log-probabilities against the trainer's, 1e-3), then saves, syncs once more and records vLLM's
+log-probabilities. Here, in a fresh process with plain transformers and peft, the saved model gives vLLM's numbers
+within 1e-3, and the untrained model does not. The runs are module-scoped: each starts vLLM once for all its checks.
+
+Two runs break the second sync on purpose: one sends a stale ``lm_head.weight`` (a broken walk), one streams the
+weights without loading them (vLLM keeps its old ones, as trl#5312's sleep mode did). Each stops with a SyncError that
+names the tensors.
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.harness import SCRIPTS, accelerate_launch, run_command, write_accelerate_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytest.importorskip("vllm")
+
+ATOL = 1e-3
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _run(tmp_path_factory, name: str, *args: str, backend: str | None = None) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp(name)
+    script_args = ["--output_dir", str(out / "run"), *args]
+    if backend:
+        result = accelerate_launch(SCRIPTS / "grpo_vllm.py", script_args,
+                                   write_accelerate_config(out / "configs", backend), timeout=600, env=ENV)
+    else:
+        result = run_command([sys.executable, str(SCRIPTS / "grpo_vllm.py"), *script_args], timeout=600, env=ENV)
+    assert result.returncode == 0 and not result.timed_out, result.output[-6000:]
+    return json.loads((out / "run" / "report_rank0.json").read_text()), str(out / "run")
+
+
+@pytest.fixture(scope="module")
+def full_one_process(tmp_path_factory):
+    return _run(tmp_path_factory, "full", "--trainer", "grpo")
+
+
+@pytest.fixture(scope="module")
+def lora_zero3(tmp_path_factory):
+    return _run(tmp_path_factory, "lora-zero3", "--trainer", "grpo", "--lora", backend="zero3")
+
+
+@pytest.fixture(scope="module")
+def rloo_lora(tmp_path_factory):
+    return _run(tmp_path_factory, "rloo", "--trainer", "rloo", "--lora", "--check_every", "2")
+
+
+def saved_logprobs(run: str, lora: bool, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The saved model's and the untrained model's log-probabilities of ``tokens``, with plain transformers/peft."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_ext.assets import vllm_model_path
+    from trl_ext.trainers.sync_check import trainer_logprobs
+
+    untrained = AutoModelForCausalLM.from_pretrained(vllm_model_path(), dtype=torch.float32)
+    before = trainer_logprobs(untrained, tokens, "cpu")
+    if lora:
+        from peft import PeftModel
+
+        saved = PeftModel.from_pretrained(untrained, f"{run}/final").merge_and_unload()
+    else:
+        saved = AutoModelForCausalLM.from_pretrained(f"{run}/final", dtype=torch.float32)
+    return trainer_logprobs(saved, tokens, "cpu"), before
+
+
+def assert_vllm_serves_the_saved_model(report: dict, run: str, lora: bool) -> None:
+    engine = torch.tensor(report["engine_logprobs"], dtype=torch.float64)
+    saved, untrained = saved_logprobs(run, lora, report["tokens"])
+    assert (engine - saved).abs().max() <= ATOL, (engine - saved).abs().max()
+    assert (engine - untrained).abs().max() > 10 * ATOL, "training did not move the weights vLLM serves"
+
+
+@pytest.mark.parametrize("case", ["full_one_process", "lora_zero3"])
+def test_grpo_colocated_vllm_serves_the_saved_model_after_training(case, request):
+    report, run = request.getfixturevalue(case)
+    assert report["engine_dtype"] == "torch.float32"  # trl_ext's vllm-cpu-dtype: the trainer's dtype, not bf16
+    assert report["global_step"] == 3 and report.get("error") is None
+    assert_vllm_serves_the_saved_model(report, run, lora=case == "lora_zero3")
+
+
+def test_every_sync_is_checked_where_it_can_be(full_one_process, lora_zero3):
+    # 3 steps: a sync before each, plus the one after training; all checked (one process)
+    assert full_one_process[0]["syncs"] == 4 and len(full_one_process[0]["check_seconds"]) == 4
+    # ZeRO-3: the first check waits for the first sync after a step (weight_sync._can_check)
+    assert lora_zero3[0]["syncs"] == 4 and len(lora_zero3[0]["check_seconds"]) == 3
+
+
+def test_rloo_colocated_vllm_checks_every_second_sync(rloo_lora):
+    report, run = rloo_lora
+    assert report["global_step"] == 3 and report["syncs"] == 4
+    assert len(report["check_seconds"]) == 3  # syncs 1 and 3, and the one after training (always checked here)
+    assert_vllm_serves_the_saved_model(report, run, lora=True)
+
+
+@pytest.mark.parametrize("fault, named, why", [
+    ("sent-stale", ["lm_head.weight"], "the values sent differ from the trainer's weights"),
+    ("not-applied", ["lm_head.weight", "model.layers.0.self_attn.q_proj.weight"], "vLLM did not apply them"),
+])
+def test_a_sync_that_did_not_land_stops_training_naming_the_tensors(fault, named, why, tmp_path_factory):
+    report, _ = _run(tmp_path_factory, fault, "--trainer", "grpo", "--fault", fault)
+    assert report["kind"] == "sync" and report["global_step"] == 1, report  # stopped at the second sync
+    assert "did not land at training step 2" in report["error"] and why in report["error"], report["error"]
+    for name in named:
+        assert name in report["error"], report["error"]
+    assert report["detail"] == named[0] or fault == "not-applied"
