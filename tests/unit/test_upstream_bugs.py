@@ -25,6 +25,7 @@ from trl_ext import patches
 SHOWN_ELSEWHERE = {
     "bounded-vllm-client":
         "tests/unit/test_vllm_server.py::test_trls_own_client_waits_for_a_stalled_server_without_end",
+    "vllm-cpu-dtype": "tests/vllm/test_colocate.py::test_vllm_cpu_runs_an_fp32_checkpoint_in_bf16_unless_told",
     "save-pretrained-guard": "tests/distributed/test_verify_real_checkpoints.py::"
                              "test_user_save_paths_after_zero3_are_refused_or_caught",
 }

