@@ -56,9 +56,10 @@ def test_vllm_generation_is_ours_while_trl_builds_the_trainer(monkeypatch):
 
     module = sys.modules[trl.GRPOTrainer.__module__]
     original = module.VLLMGeneration
-    with _bounded_weight_sync(module, request_timeout=7.0):
+    with _bounded_weight_sync(module, request_timeout=7.0, check_every=3, check_atol=1e-2):
         assert module.VLLMGeneration.func is BoundedVLLMGeneration
-        assert module.VLLMGeneration.keywords == {"request_timeout": 7.0}  # vllm_request_timeout reaches the client
+        # vllm_request_timeout reaches the client, vllm_check_sync_every/_atol the sync check
+        assert module.VLLMGeneration.keywords == {"request_timeout": 7.0, "check_every": 3, "check_atol": 1e-2}
     assert module.VLLMGeneration is original
 
 
