@@ -1,8 +1,10 @@
 """One vLLM weight sync under 2-process ZeRO-3 with LoRA: trl_ext's walk or TRL 1.16's own (``_iter_named_params``).
 
 Trains one step (so the DeepSpeed engine exists and parameters are partitioned, as in a GRPO run), then runs the walk
-that ``VLLMGeneration.sync_weights`` feeds to vLLM's ``load_weights``, with a consumer that drops each tensor (vLLM
-copies it into its own preallocated weights, which are not this process's memory). Rank 0 prints ``BENCH {json}``:
+that ``VLLMGeneration.sync_weights`` feeds to vLLM, with a consumer that drops each tensor (vLLM copies it into its own
+preallocated weights, which are not this process's memory). With ``--vllm`` (the vLLM venv) the consumer is a real
+colocated vLLM in each rank, as trl_ext's sync drives it (``LLM.collective_rpc("reload_weights",
+weights_iterator=walk)``): the growth then includes what vLLM's reload allocates (the same for both walks). Rank 0 prints ``BENCH {json}``:
 its peak RSS growth during the walk over the level just before, read exactly from the kernel (``VmHWM`` after
 resetting it through ``/proc/self/clear_refs``), plus the walk's wall time and the number of tensors sent.
 """
@@ -35,6 +37,7 @@ def main():
     parser.add_argument("--model", required=True)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--trace", action="store_true", help="record RSS growth after each tensor")
+    parser.add_argument("--vllm", action="store_true", help="a real colocated vLLM takes the walk")
     cli = parser.parse_args()
 
     args = trl_ext.SFTConfig(output_dir=cli.output_dir, max_steps=1, per_device_train_batch_size=1,
@@ -53,6 +56,12 @@ def main():
     generation._dist = DistributedBackend(trainer.accelerator)
     assert generation._dist.is_zero3
 
+    llm = None
+    if cli.vllm:  # as TRL's colocate mode builds it (external_launcher: the worker runs in this process)
+        from vllm import LLM
+
+        llm = LLM(model=cli.model, dtype="float32", enforce_eager=True, distributed_executor_backend="external_launcher",
+                  max_model_len=256, max_num_batched_tokens=4096, seed=trainer.accelerator.process_index)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     torch.distributed.barrier()
@@ -62,11 +71,21 @@ def main():
     start = time.perf_counter()
     sent = 0
     trace = []
-    for name, tensor in generation._iter_named_params():
-        sent += 1
-        del tensor
-        if cli.trace:
-            trace.append((name, rss_kib("VmRSS") - base))
+
+    def walk():
+        nonlocal sent
+        for name, tensor in generation._iter_named_params():
+            sent += 1
+            yield name, tensor
+            del tensor
+            if cli.trace:
+                trace.append((name, rss_kib("VmRSS") - base))
+
+    if llm is not None:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": walk(), "is_checkpoint_format": True})
+    else:
+        for _ in walk():
+            pass
     elapsed = time.perf_counter() - start
     peak = rss_kib("VmHWM")
     torch.distributed.barrier()
@@ -76,6 +95,13 @@ def main():
                                      "params": params}), flush=True)
         for name, kib in trace:
             print(f"TRACE {name} +{kib / 1024:.0f} MiB")
+    if llm is not None:  # vLLM leaves worker threads that never end: leave without waiting for them
+        import os
+        import sys
+
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

