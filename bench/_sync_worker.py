@@ -5,8 +5,8 @@ that ``VLLMGeneration.sync_weights`` feeds to vLLM, with a consumer that drops e
 preallocated weights, which are not this process's memory). With ``--vllm`` (the vLLM venv) the consumer is a
 real colocated vLLM in each rank, as trl_ext's sync drives it (``LLM.collective_rpc("reload_weights",
 weights_iterator=walk)``): the growth then includes what vLLM's reload allocates (the same for both walks). Rank 0
-prints ``BENCH {json}``: its peak RSS growth during the walk over the level just before, read exactly from the kernel (``VmHWM`` after
-resetting it through ``/proc/self/clear_refs``), plus the walk's wall time and the number of tensors sent.
+prints ``BENCH {json}``: its peak RSS growth during the walk over the level just before, read exactly from the
+kernel (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), plus the walk's wall time and the number of tensors sent.
 """
 
 import argparse
@@ -61,7 +61,8 @@ def main():
         from vllm import LLM
 
         llm = LLM(model=cli.model, dtype="float32", enforce_eager=True,
-                  distributed_executor_backend="external_launcher", max_model_len=256, max_num_batched_tokens=4096, seed=trainer.accelerator.process_index)
+                  distributed_executor_backend="external_launcher", max_model_len=256, max_num_batched_tokens=4096,
+                  seed=trainer.accelerator.process_index)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     torch.distributed.barrier()
