@@ -6,7 +6,8 @@ preallocated weights, which are not this process's memory). With ``--vllm`` (the
 real colocated vLLM in each rank, as trl_ext's sync drives it (``LLM.collective_rpc("reload_weights",
 weights_iterator=walk)``): the growth then includes what vLLM's reload allocates (the same for both walks). Rank 0
 prints ``BENCH {json}``: its peak RSS growth during the walk over the level just before, read exactly from the
-kernel (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), plus the walk's wall time and the number of tensors sent.
+kernel (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), plus the walk's wall time and the number of
+tensors sent.
 """
 
 import argparse
