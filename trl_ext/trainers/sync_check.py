@@ -137,7 +137,7 @@ class SyncCheck:
             why = "the values sent differ from the trainer's weights"
         else:
             names = sorted(n for n in sent if self.landed is None or _differ(sent[n], self.landed.get(n)))
-            why = ("vLLM did not apply them: the tensors below changed since the last sync that passed" if self.landed
+            why = ("vLLM did not apply them; these changed since the last sync that passed" if self.landed
                    else "vLLM did not apply them (first sync: every tensor sent)")
         shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
         raise SyncError(f"The weight sync into vLLM did not land {where}: vLLM's prompt log-probabilities differ from "
