@@ -17,6 +17,14 @@ python recipes/grpo.py --config accelerate_configs/zero3.yaml   # no launcher wa
 accelerate launch recipes/grpo.py --config accelerate_configs/zero3.yaml
 ```
 
+Generation in a colocated vLLM on CPU (vLLM's CPU build, installed as docs/grpo.md says; the embedded head_dim-64
+model, random weights: it shows the loop and every weight sync checked, not learning):
+
+```bash
+python recipes/grpo.py --config recipes/configs/grpo.yaml --model_name_or_path trl-ext/tiny-llama-vllm \
+    --use_vllm true --vllm_mode colocate --max_steps 3
+```
+
 A real model on one GPU, LoRA, generation in a colocated vLLM (needs `pip install trl[vllm]`):
 
 ```bash
