@@ -95,7 +95,7 @@ def test_every_sync_is_checked_where_it_can_be(full_one_process, lora_zero3, lor
     # 3 steps: a sync before each, plus the one after training; all checked (one process, FSDP2)
     for report, _ in (full_one_process, lora_fsdp2):
         assert report["syncs"] == 4 and len(report["check_seconds"]) == 4
-    # ZeRO-3: the first check waits for the first sync after a step (weight_sync._can_check)
+    # ZeRO-3: the first check waits for the process's second sync (weight_sync._can_check)
     assert lora_zero3[0]["syncs"] == 4 and len(lora_zero3[0]["check_seconds"]) == 3
 
 

@@ -162,12 +162,12 @@ class BoundedVLLMGeneration(VLLMGeneration):
             return super().sync_weights()
 
     def _can_check(self) -> bool:
-        """Under ZeRO-3 no forward may run before the first training step's: a no-grad forward before it left
-        DeepSpeed 0.19.8's first backward with a partitioned weight (``size of tensor a (0) must match ... (128)``),
-        so the first check waits for the first sync after a step (the first sync loads the weights vLLM started
-        with)."""
+        """Under ZeRO-3 no forward may run in a process before its first training forward: a no-grad forward before it
+        left DeepSpeed 0.19.8's first backward with a partitioned weight (``size of tensor a (0) must match ...
+        (128)``). The process's first sync comes before that (in its first step, resumed or not), so its check waits
+        for the next sync."""
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        return not (plugin is not None and plugin.zero_stage == 3 and self.current_step() in (None, 1))
+        return not (plugin is not None and plugin.zero_stage == 3 and self.sync_check.syncs == 0)
 
     def _sync_colocated(self):
         """Load the merged, Hub-named stream through vLLM's ``reload_weights``, then prove it landed (if due)."""
