@@ -312,6 +312,16 @@ PATCHES: dict[str, Patch] = {
                    _has("accelerate.utils.launch.prepare_multi_gpu_env", "args"),
                    _has("accelerate.utils.launch.prepare_simple_launcher_cmd_env", "args")),
     ),
+    "exit-before-thread-pools": Patch(
+        target="threading._register_atexit (process.before_exit)",
+        why="uploads still queued when a script returns must run before the interpreter shuts concurrent.futures' and "
+            "asyncio's thread pools ('cannot schedule new futures after interpreter shutdown'); atexit callbacks run "
+            "after that, and a non-daemon thread is joined after it: only threading's own exit hooks run before",
+        upstream="none: CPython has no public hook that runs before threads are joined (concurrent.futures uses this "
+                 "one since 3.9, bpo-39812)",
+        remove_when="CPython offers a public exit hook that runs before its thread pools shut down",
+        guard=_has("threading._register_atexit"),
+    ),
     "ray-fresh-cluster-view": Patch(
         target="ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator._AutoscalingCoordinatorActor"
                ".get_reserved_resources(recompute=True), called once a lost node is marked dead",

@@ -86,7 +86,8 @@ def test_every_config_has_the_mirror_options(tmp_path):
     for config in (trl_ext.SFTConfig, trl_ext.RewardConfig, trl_ext.DPOConfig, trl_ext.KTOConfig,
                    trl_ext.GRPOConfig, trl_ext.RLOOConfig):
         fields = config.__dataclass_fields__
-        assert {"checkpoint_mirror", "mirror_storage_options", "mirror_grace_period"} <= set(fields), config
+        assert {"checkpoint_mirror", "mirror_storage_options", "mirror_grace_period",
+                "mirror_exit_grace_period"} <= set(fields), config
     with pytest.raises(ConfigError, match="names no bucket"):
         trl_ext.SFTConfig(output_dir=str(tmp_path), report_to="none", checkpoint_mirror="s3://")
 
@@ -251,6 +252,137 @@ def test_a_grace_period_that_runs_out_leaves_the_previous_checkpoint_complete(ur
     assert store.complete() == [1]
     assert (tmp_path / uploader.STAGING / "checkpoint-2" / "job.json").is_file()  # a later run finishes it
     assert [j.rel for j in uploader.pending(tmp_path / uploader.STAGING)] == ["checkpoint-2"]
+
+
+def test_an_error_of_our_own_is_said_once_never_sent_again_and_stops_training_at_its_next_step(url, tmp_path,
+                                                                                               monkeypatch):
+    """The issue's hang: a RuntimeError (an executor refusing work at interpreter shutdown) had been taken for a store
+    outage and sent again forever. Only the store's failures are sent again."""
+    from trl_ext.mirror.store import is_store_failure
+
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(uploader, "RESEND_SECONDS", 0.05)
+    up, store, said = _uploader(url, tmp_path)
+    calls = []
+
+    def broken(local, rel, cancelled=lambda: False):
+        calls.append(rel)
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown\nsecond line")
+
+    monkeypatch.setattr(store, "upload", broken)
+    _checkpoint(tmp_path, 1)
+    _submit(up, tmp_path, 1)
+    assert up.wait(10)  # given up at once, not queued again
+    time.sleep(0.3)
+    assert len(calls) <= uploader.FILES_IN_PARALLEL  # each file tried once, in the one attempt
+    lines = [line for line in said if "error of trl_ext's own" in line]
+    assert len(lines) == 1 and "RuntimeError: cannot schedule new futures after interpreter shutdown" in lines[0]
+    assert "second line" not in lines[0] and "checkpoint-1" in lines[0] and str(up.staging_root) in lines[0]
+    assert (tmp_path / uploader.STAGING / "checkpoint-1" / "job.json").is_file()  # the next run finishes it
+    assert not any("has not answered" in line for line in said)  # never taken for an outage
+    _checkpoint(tmp_path, 2)
+    _submit(up, tmp_path, 2)  # staged, not sent
+    assert up.failed == ["checkpoint-1", "checkpoint-2"] and up.idle()
+    with pytest.raises(MirrorError, match="error of trl_ext's own, not the store's .RuntimeError: cannot schedule"):
+        up.raise_if_broken()
+    up.raise_if_broken()  # raised once
+    assert [is_store_failure(e) for e in (ConnectionError("refused"), TimeoutError(), PermissionError("403"),
+                                          OSError(5, "Internal Error"), RuntimeError("x"), KeyError("k"),
+                                          AttributeError("a"))] == [True] * 4 + [False] * 3
+    botocore = pytest.importorskip("botocore.exceptions")
+    assert is_store_failure(botocore.EndpointConnectionError(endpoint_url="http://x"))
+    assert is_store_failure(botocore.ClientError({"Error": {"Code": "SlowDown"}}, "PutObject"))
+
+
+def test_at_exit_the_queue_is_finished_within_the_grace_period_or_left_staged_and_said(url, tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(uploader, "EXIT_JOIN_SECONDS", 0.5)
+    up, store, said = _uploader(url, tmp_path)
+    upload, hold = store.upload, threading.Event()
+    monkeypatch.setattr(store, "upload", lambda local, rel, cancelled=lambda: False: (
+        time.sleep(0.3) if "checkpoint-1" in rel else hold.wait(60), upload(local, rel, cancelled))[1])
+    _checkpoint(tmp_path, 1)
+    _submit(up, tmp_path, 1)
+    up.exit_grace = 30.0
+    started = time.monotonic()
+    up.finish_at_exit()
+    assert time.monotonic() - started < 10 and store.complete() == [1]
+    assert any("finishing the upload of checkpoint-1" in line and "mirror_exit_grace_period" in line
+               for line in said), said
+    assert lease.newest(store).released  # a resuming run takes over at once
+    # a store that stops answering: the exit waits out the grace period, then says what is only local
+    up, store, said = _uploader(url + "-silent", tmp_path)
+    monkeypatch.setattr(store, "upload", lambda local, rel, cancelled=lambda: False: (
+        hold.wait(60), upload(local, rel, cancelled))[1])
+    _checkpoint(tmp_path, 2)
+    _submit(up, tmp_path, 2)
+    up.exit_grace = 0.5
+    started = time.monotonic()
+    up.finish_at_exit()
+    assert time.monotonic() - started < 0.5 + uploader.EXIT_JOIN_SECONDS + 2
+    hold.set()
+    line = [line for line in said if "only local" in line]
+    assert len(line) == 1 and "checkpoint-2" in line[0] and "0 s mirror_exit_grace_period ran out" in line[0]
+    assert str(up.staging_root) in line[0] and "the next run with this output_dir uploads them" in line[0]
+    assert [j.rel for j in uploader.pending(tmp_path / uploader.STAGING)] == ["checkpoint-2"]
+
+
+_EXITING_SCRIPT = """
+import sys, time
+from pathlib import Path
+from trl_ext.mirror import lease, uploader
+from trl_ext.mirror.store import Store
+
+root, url, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+lease.SETTLE_SECONDS = 0.0
+store = Store(url)
+upload = store.upload
+def slow(local, rel, cancelled=lambda: False):
+    time.sleep(3600 if mode == "silent" else 0.5)  # a slow store, or one that never answers
+    return upload(local, rel, cancelled)
+store.upload = slow
+holder = lease.Holder(output_dir=str(root))
+lease.claim(store, holder, resuming=False, say=print)
+up = uploader.Uploader(store, holder, root / uploader.STAGING, None, set, lambda line: print(line, flush=True),
+                       exit_grace=3.0)
+checkpoint = root / "checkpoint-1"
+checkpoint.mkdir(parents=True)
+for i in range(6):
+    (checkpoint / f"part-{i}.bin").write_bytes(bytes(1000))
+up.submit(uploader.stage(checkpoint, up.staging_root / "checkpoint-1", "checkpoint-1", 1))
+print("SCRIPT END", flush=True)
+if mode == "raise":
+    raise SystemExit("the script failed after committing checkpoint-1")
+"""
+
+
+@pytest.mark.slow  # three interpreters that import transformers (~25 s)
+@pytest.mark.parametrize("mode", ["return", "raise", "silent"])
+def test_a_process_that_returns_with_uploads_queued_finishes_them_and_ends(mode, tmp_path):
+    """A real interpreter exit (the file uploads run on a thread pool, which the interpreter shuts at exit): the
+    upload queued when the script returns is finished and the process ends with the script's code; a store that never
+    answers ends it after the grace period, the checkpoint said to be only local and left staged."""
+    import subprocess
+    import sys
+
+    store_dir = tmp_path / "store"
+    script = tmp_path / "script.py"
+    script.write_text(_EXITING_SCRIPT)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), f"file://{store_dir}", mode],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    seconds = time.monotonic() - started
+    out = done.stdout + done.stderr
+    assert done.returncode == (1 if mode == "raise" else 0), out
+    assert "SCRIPT END" in out and "cannot schedule new futures" not in out, out
+    if mode == "silent":
+        assert seconds < 3.0 + uploader.EXIT_JOIN_SECONDS + 30, seconds
+        assert "checkpoint-1 only local" in out and "mirror_exit_grace_period ran out" in out, out
+        assert (tmp_path / "out" / uploader.STAGING / "checkpoint-1" / "job.json").is_file()
+    else:
+        assert "mirror: checkpoint-1 complete at" in out, out
+        assert Store(f"file://{store_dir}").complete() == [1]
+        assert not (tmp_path / "out" / uploader.STAGING / "checkpoint-1").exists()
 
 
 # ---------------------------------------------------------------------------------------- downloads and verify

@@ -17,7 +17,8 @@ def test_help_is_trls_with_trl_ext_fields(capsys):
     assert exited.value.code == 0
     out = capsys.readouterr().out
     for option in ("--dataset_name", "--desirable_weight", "--use_peft", "--max_shard_size", "--save_in_background",
-                   "--save_on_preemption", "--checkpoint_mirror", "--mirror_storage_options", "--mirror_grace_period"):
+                   "--save_on_preemption", "--checkpoint_mirror", "--mirror_storage_options", "--mirror_grace_period",
+                   "--mirror_exit_grace_period"):
         assert option in out, option
     assert trl.KTOTrainer is not trl_ext.KTOTrainer and trl.KTOConfig is not trl_ext.KTOConfig  # given back
 

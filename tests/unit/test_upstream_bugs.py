@@ -66,6 +66,7 @@ SHOWN_HERE = {
     "bnb-cpu-packed-4bit": "test_bitsandbytes_repacks_4bit_weights_in_place_on_cpu",
     "recompute-owner": "test_deepspeed_gives_a_recomputed_weight_to_the_innermost_module",
     "zero3-universal-load": "test_deepspeed_zero3_universal_load_shares_one_adam_step_and_the_first_groups_settings",
+    "exit-before-thread-pools": "test_thread_pools_refuse_work_from_atexit_callbacks_and_non_daemon_threads",
 }
 
 
@@ -78,6 +79,35 @@ def test_every_patch_is_shown_or_says_why_not():
     for where in SHOWN_ELSEWHERE.values():
         path, name = where.split("::")
         assert f"def {name}(" in (repo / path).read_text(), where
+
+
+# -------------------------------------------------------------------------------------------------- CPython
+
+
+def test_thread_pools_refuse_work_from_atexit_callbacks_and_non_daemon_threads():
+    """A script that returns: an atexit callback, and a non-daemon thread still working, can no longer submit to a
+    ThreadPoolExecutor (the uploads' file pool, asyncio's resolver); a threading exit hook registered after
+    concurrent.futures' still can."""
+    import subprocess
+    import sys
+
+    script = """
+import atexit, threading, time
+from concurrent.futures import ThreadPoolExecutor  # imported first, as by the uploader: its exit hook is older
+def submit(where):
+    try:
+        ThreadPoolExecutor(1).submit(int).result()
+        print(where, "ok", flush=True)
+    except RuntimeError as exc:
+        print(where, "refused:", exc, flush=True)
+atexit.register(submit, "atexit")
+threading._register_atexit(submit, "threading-hook")
+threading.Thread(target=lambda: (time.sleep(0.5), submit("thread"))).start()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout
+    assert "threading-hook ok" in out, out
+    still_needed("exit-before-thread-pools", "atexit refused" in out and "thread refused" in out,
+                 f"thread pools asked for work at exit: {out.strip()}")
 
 
 # --------------------------------------------------------------------------------- helpers: forked gloo processes

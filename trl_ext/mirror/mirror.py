@@ -9,7 +9,10 @@
     mirror.model_saved(path)      save_model() committed a model, on the rank that writes: the same
     mirror.status()               how far behind the mirror is (logged as ``mirror/...`` metrics)
     mirror.at_preemption(...)     the stopping checkpoint uploaded within ``mirror_grace_period``, or said to be local
-    Progress (a callback)         renews the lease, logs the lag, says when training has ended
+    Progress (a callback)         renews the lease, logs the lag, raises an uploader's own error, says when training
+                                  has ended
+    at exit                       what is still queued is uploaded within ``mirror_exit_grace_period`` (default
+                                  600 s), or said to be only local (staged for the next run): the process ends
 
 Only global rank 0 uploads: a mirror needs an output directory every node shares, where rank 0 commits every
 checkpoint whole.
@@ -68,6 +71,7 @@ class Mirror:
         self.args, self.store = args, store
         self.url = options.shown(options.check_url(args.checkpoint_mirror))
         self.grace = float(getattr(args, "mirror_grace_period", DEFAULT_GRACE_SECONDS))
+        self.exit_grace = float(getattr(args, "mirror_exit_grace_period", uploader.EXIT_GRACE_SECONDS))
         self.holder = lease.Holder(output_dir=os.path.abspath(args.output_dir))
         self.uploader: uploader.Uploader | None = None
         self._protected: set[int] = set()
@@ -132,7 +136,7 @@ class Mirror:
                 staging = Path(self.args.output_dir) / uploader.STAGING
                 keep = self.args.save_total_limit or None
                 self.uploader = uploader.Uploader(self.store, self.holder, staging, keep,
-                                                  lambda: set(self._protected), notice)
+                                                  lambda: set(self._protected), notice, self.exit_grace)
                 self._finish_or_abandon()
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = _as_error(exc)
@@ -231,7 +235,8 @@ class Mirror:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every committed checkpoint and saved model queued so far is in the mirror (or given up on). A
-        process waits for them as it exits anyway; this is for a script that wants to know.
+        process waits for them as it exits anyway (at most ``mirror_exit_grace_period``); this is for a script that
+        wants to know.
 
         Args:
             timeout: seconds (None: as long as the uploads take).
@@ -242,7 +247,8 @@ class Mirror:
         return self.uploader.wait(timeout) if self.uploader is not None else True
 
     def close(self) -> None:
-        """Training has ended (uploads go on until done; the process waits for them as it exits)."""
+        """Training has ended (uploads go on until done; the process waits for them as it exits, at most
+        ``mirror_exit_grace_period``)."""
         if self.uploader is not None:
             self.uploader.close()
 
@@ -256,6 +262,7 @@ class Progress(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.mirror.uploader is not None:
+            self.mirror.uploader.raise_if_broken()  # an error of our own: training stops, visibly (rank 0)
             self.mirror.uploader.renew_if_due()
 
     def on_save(self, args, state, control, **kwargs):

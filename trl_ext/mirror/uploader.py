@@ -4,14 +4,20 @@ large ones), then writes the manifest, last, and applies the remote retention.
 
 The store's client retries each request (S3: botocore's standard mode, ``store.S3_ATTEMPTS`` attempts with backoff)
 and tells the uploader of each failed attempt, so that the log says at once that the store does not answer. A
-checkpoint whose upload still fails stays first in the queue and is sent again ``RESEND_SECONDS`` later (the files it
-already sent are kept), for as long as training runs: an outage of any length is caught up.
+checkpoint whose upload still fails that way (``store.is_store_failure``: connection errors, timeouts, 5xx,
+throttling) stays first in the queue and is sent again ``RESEND_SECONDS`` later (the files it already sent are kept),
+for as long as training runs: an outage of any length is caught up. Any other exception is an error of our own, which
+sending again would only repeat: it is said once, with its type and first line, nothing more is uploaded, and the
+training side raises it at its next step (``raise_if_broken``).
 
 The hard links keep a queued checkpoint whole while local rotation (``save_total_limit``) removes its folder, and
 survive a crash: the next run on the machine finishes the upload (``pending``). The thread runs while there is work
-and ends when there is none; it is not a daemon, so a process that ends waits for the checkpoints it committed,
-except after ``abandon`` (the grace period of a preempted run ran out) or, once training has ended, when the store has
-not answered for ``STALL_SECONDS``.
+and ends when there is none. It is a daemon: what a process that exits still has to upload is finished by
+``finish_at_exit``, which runs before the interpreter joins its threads and shuts down the thread pools the uploads
+use (``process.before_exit``), for at most ``exit_grace`` seconds (``mirror_exit_grace_period``); past them, or once
+the store has not answered for ``STALL_SECONDS`` after training ended, the process exits all the same, saying in one
+line what stayed only local and where it is staged. ``abandon`` stops at once (the grace period of a preempted run ran
+out).
 """
 
 import contextlib
@@ -22,19 +28,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl_ext.errors import ABANDONED, STALLED, MirrorError, TrlExtError
 from trl_ext.mirror import lease, manifest
-from trl_ext.mirror.store import Store, first_line
+from trl_ext.mirror.store import Store, first_line, is_store_failure
+from trl_ext.process import before_exit
 
 STAGING = ".trl_ext-mirror"  # in output_dir: the hard-linked files of uploads not done yet
 FILES_IN_PARALLEL = 4
 RESEND_SECONDS = 10.0  # a checkpoint the store failed, after its client's own retries, is sent again this much later
 STALL_SECONDS = 300.0  # once training has ended: give up after the store has not answered for this long
 WARN_EVERY_SECONDS = 60.0
+EXIT_GRACE_SECONDS = 600.0  # at exit: the longest wait for uploads still queued (mirror_exit_grace_period)
+EXIT_JOIN_SECONDS = 5.0  # at exit, once given up: the longest wait for the request in flight to end
 
 
 @dataclass
@@ -96,6 +104,42 @@ def pending(staging_root: Path) -> list[Job]:
     return sorted(jobs, key=lambda j: (j.step is None, j.step or 0))
 
 
+def in_parallel(calls: list[Callable[[], None]], workers: int) -> None:
+    """Run ``calls`` on up to ``workers`` daemon threads of our own, and wait for them; the first exception is raised
+    once they have stopped (no call starts after one failed).
+
+    Own threads rather than a ``ThreadPoolExecutor``: the interpreter joins a pool's threads at exit, without bound (a
+    request to a store that stopped answering would keep a finished process alive), and its pools refuse new work
+    once it exits.
+
+    Args:
+        calls: what to run, each without arguments.
+        workers: the most threads at once.
+    """
+    todo, failures, lock = deque(calls), [], threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo or failures:
+                    return
+                call = todo.popleft()
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - raised on the calling thread below
+                with lock:
+                    failures.append(exc)
+
+    threads = [threading.Thread(target=work, name="trl_ext-mirror-file", daemon=True)
+               for _ in range(min(workers, len(calls)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+
+
 class Outage:
     """Since when the store has not answered, and the last error it gave."""
 
@@ -130,12 +174,14 @@ class Uploader:
         keep: how many complete checkpoints the mirror keeps (``save_total_limit``; None: all).
         protected: the checkpoint steps retention never deletes (the best model's), asked at each retention.
         say: prints one line.
+        exit_grace: at exit, the longest wait in seconds for the uploads still queued (``finish_at_exit``).
     """
 
     def __init__(self, store: Store, holder: lease.Holder, staging_root: Path, keep: int | None,
-                 protected: Callable[[], set[int]], say: Callable[[str], None]):
+                 protected: Callable[[], set[int]], say: Callable[[str], None],
+                 exit_grace: float = EXIT_GRACE_SECONDS):
         self.store, self.holder, self.staging_root, self.keep = store, holder, staging_root, keep
-        self.protected, self.say = protected, say
+        self.protected, self.say, self.exit_grace = protected, say, exit_grace
         self._queue: deque[Job] = deque()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -151,13 +197,19 @@ class Uploader:
         self.remote_step: int | None = None  # the newest checkpoint complete in the mirror
         self.completed: list[tuple[str, float]] = []  # (rel, seconds) of each finished upload, for tests and benches
         self.failed: list[str] = []  # what could not be uploaded (only local), one line each
+        self.error: BaseException | None = None  # an error of our own that stopped the uploads (never sent again)
+        self._raised = False
         store.on_retry(self._store_failed)
+        before_exit(self.finish_at_exit)
 
     # ------------------------------------------------------------------------------------------- training side
     def submit(self, job: Job) -> None:
         """Queue ``job`` (training goes on at once); queued checkpoints that retention would delete right after they
         completed are dropped."""
         with self._lock:
+            if self.error is not None:  # stopped on an error of our own: staged for a later run, not sent
+                self.failed.append(job.name)
+                return
             self._queue.append(job)
             if job.step is not None:
                 self.local_step = max(job.step, self.local_step or 0)
@@ -175,10 +227,25 @@ class Uploader:
             with self._lock:
                 self._start()
 
+    def raise_if_broken(self) -> None:
+        """On the training side: raise the error of our own that stopped the uploads (once).
+
+        Raises:
+            MirrorError: the uploads stopped on an error that is not the store's.
+        """
+        if self.error is not None and not self._raised:
+            self._raised = True
+            raise MirrorError(f"checkpoint_mirror {self.store.shown}: the uploads stopped on an error of trl_ext's "
+                              f"own, not the store's ({first_line(self.error)}); every checkpoint is in output_dir, "
+                              f"and those not uploaded are staged in {self.staging_root} for the next run")
+
     def _start(self) -> None:
+        if self.error is not None:
+            return
         if self._thread is None or not self._thread.is_alive():
             self._cancel.clear()
-            self._thread = threading.Thread(target=self._run, name="trl_ext-mirror", daemon=False)
+            # a daemon: finish_at_exit waits for the uploads, within its bound, before the interpreter ends
+            self._thread = threading.Thread(target=self._run, name="trl_ext-mirror", daemon=True)
             self._thread.start()
 
     def status(self) -> dict[str, float]:
@@ -205,16 +272,53 @@ class Uploader:
                 self._lock.wait(timeout=min(left, 1.0) if left is not None else 1.0)
         return True
 
-    def abandon(self) -> list[str]:
+    def abandon(self, join: float = 30.0) -> list[str]:
         """Stop now: the upload in flight is discarded (the previous complete checkpoint stays the mirror's newest),
-        and what was queued stays staged on disk for a later run. Returns the names left only local."""
+        and what was queued stays staged on disk for a later run.
+
+        Args:
+            join: the longest wait, in seconds, for the request in flight to end (the thread is a daemon).
+
+        Returns:
+            The names left only local.
+        """
         with self._lock:
             left = [j.name for j in ([self._current] if self._current else []) + list(self._queue)]
             self._queue.clear()
         self._cancel.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=join)
         return left
+
+    def finish_at_exit(self) -> None:
+        """The process exits (``process.before_exit``: before the interpreter joins its threads and shuts its thread
+        pools): the uploads still queued are finished within ``exit_grace`` seconds, and the lease released; past
+        them (or once the store has not answered for ``STALL_SECONDS``) what is left stays staged, said in one line,
+        and the process exits all the same."""
+        if self._lost:
+            return
+        with self._lock:
+            left = [j.name for j in ([self._current] if self._current else []) + list(self._queue)]
+        self.closing = True
+        if left:
+            self.say(f"checkpoint_mirror: finishing the upload of {', '.join(left)} to {self.store.shown} before this "
+                     f"process exits (at most {self.exit_grace:.0f} s: mirror_exit_grace_period)")
+        with self._lock:
+            self._start()  # with nothing left, the thread releases the lease and ends
+        thread = self._thread
+        if self.wait(self.exit_grace):
+            if thread is not None:
+                thread.join(EXIT_JOIN_SECONDS)
+            if self.failed:
+                self.say(f"checkpoint_mirror: only local at exit: {', '.join(self.failed)} (staged in "
+                         f"{self.staging_root}; the next run with this output_dir uploads them)")
+            return
+        left = self.abandon(join=EXIT_JOIN_SECONDS)
+        silent = (f"; the store has not answered for {self.outage.seconds():.0f} s ({self.outage.error})"
+                  if self.outage.since is not None else "")
+        self.say(f"checkpoint_mirror: exiting with {', '.join(left + self.failed)} only local: the "
+                 f"{self.exit_grace:.0f} s mirror_exit_grace_period ran out{silent}. They are staged in "
+                 f"{self.staging_root}: the next run with this output_dir uploads them")
 
     # --------------------------------------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -245,8 +349,10 @@ class Uploader:
                     self.failed.append(f"{job.name}: {exc}")
                     self.say(f"mirror {self.store.url_of(job.rel)}: the upload failed ({exc}); it stays only local: "
                              f"{job.staged}")
-            except Exception:  # noqa: BLE001 - the store, after its client's own retries (said): never into training
-                if job is not None:
+            except Exception as exc:  # noqa: BLE001 - sorted below: the store's failure, or an error of our own
+                if not is_store_failure(exc):
+                    self._broken(job, exc)
+                elif job is not None:  # the store, after its client's own retries (said): sent again later
                     self._resend(job)
             finally:
                 with self._lock:
@@ -272,6 +378,18 @@ class Uploader:
         self.say(f"mirror {self.store.shown}: the store has not answered for {self.outage.seconds():.0f} s since "
                  f"training ended ({self.outage.error}); only local: {', '.join(left)} (staged in "
                  f"{self.staging_root}; the next run here finishes the upload)")
+
+    def _broken(self, job: Job | None, exc: BaseException) -> None:
+        """An error of our own (not the store's): said once, with its type and first line; nothing more is uploaded
+        (it would only repeat), what is left stays staged for a later run, and training raises it at its next step."""
+        with self._lock:
+            left = [j.name for j in ([job] if job else []) + list(self._queue)]
+            self._queue.clear()
+            self.error = exc
+        self.failed += left
+        self.say(f"checkpoint_mirror {self.store.shown}: the uploads stopped on an error of trl_ext's own, not the "
+                 f"store's ({first_line(exc)}); only local: {', '.join(left) or 'nothing yet'} (staged in "
+                 f"{self.staging_root}; the next run with this output_dir uploads them). Please report it")
 
     def _resend(self, job: Job) -> None:
         """The store failed ``job`` after its client's own retries: it goes first in the queue again, sent
@@ -304,8 +422,9 @@ class Uploader:
             result = call()
         except TrlExtError:  # ours: a local file, a stop on purpose
             raise
-        except Exception as exc:  # noqa: BLE001 - the store's own kinds
-            self._store_failed(exc)
+        except Exception as exc:  # noqa: BLE001 - the store's own kinds count as an outage; ours are raised as they are
+            if is_store_failure(exc):
+                self._store_failed(exc)
             raise
         silent = self.outage.answered()
         if silent is not None:
@@ -330,13 +449,12 @@ class Uploader:
                 job.sent[name] = (size, digest)
                 self._current_bytes[0] += size
 
-        with ThreadPoolExecutor(max_workers=FILES_IN_PARALLEL, thread_name_prefix="trl_ext-mirror-file") as pool:
-            # files of an earlier upload of this checkpoint that this one does not have: listed while these upload
-            found = pool.submit(self._call, lambda: self.store.files(job.rel)) if job.step is not None else None
-            todo = sorted((n for n in files if n not in job.sent), key=lambda n: -sizes[n])  # sent before an outage
-            for future in [pool.submit(one, name) for name in todo]:
-                future.result()
-            extra = set(found.result() if found is not None else []) - set(files) - {manifest.NAME}
+        # files of an earlier upload of this checkpoint that this one does not have: listed while these upload
+        found: list[str] = []
+        listing = [lambda: found.extend(self._call(lambda: self.store.files(job.rel)))] if job.step is not None else []
+        todo = sorted((n for n in files if n not in job.sent), key=lambda n: -sizes[n])  # sent before an outage
+        in_parallel(listing + [lambda n=name: one(n) for name in todo], FILES_IN_PARALLEL)
+        extra = set(found) - set(files) - {manifest.NAME}
         for name in extra:
             self._call(lambda n=name: self.store.delete(f"{job.rel}/{n}", recursive=False))
         done = manifest.Manifest(step=job.step, run=self.holder.run)

@@ -126,6 +126,42 @@ def notice(message: str) -> None:
         logger.warning(f"[trl_ext] {message}")
 
 
+_before_exit: list = []  # callbacks run once as the process exits, newest first
+_before_exit_hooked = [False]
+
+
+def before_exit(callback) -> None:
+    """Run ``callback()`` once as this process exits, while the interpreter is still whole: before it joins its
+    threads and before ``concurrent.futures`` and asyncio refuse new work ("cannot schedule new futures after
+    interpreter shutdown"), which background uploads need. ``end_together`` runs these callbacks too. An exception in
+    one is said in one line; the others still run.
+
+    Args:
+        callback: called with no arguments, on the main thread.
+    """
+    if not _before_exit_hooked[0]:
+        _before_exit_hooked[0] = True
+        # threading's own exit hooks run before threads are joined, newest first: registered after concurrent.futures'
+        # (imported by now), this one runs before that hook shuts the pools. Private to CPython 3.9+ (patch
+        # 'exit-before-thread-pools'); where it is missing, a plain atexit hook runs later, when pools refuse work.
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            (register or atexit.register)(_run_before_exit)
+        except RuntimeError:  # the interpreter is exiting already
+            atexit.register(_run_before_exit)
+    _before_exit.append(callback)
+
+
+def _run_before_exit() -> None:
+    while _before_exit:
+        callback = _before_exit.pop()
+        try:
+            callback()
+        except Exception as exc:  # noqa: BLE001 - one exit callback's failure must not keep the others from running
+            first = (str(exc).strip().splitlines() or [""])[0]
+            logger.warning(f"[trl_ext] at exit: {type(exc).__name__}: {first}")
+
+
 def _destroy_gloo_group() -> None:
     import torch.distributed as dist
 
@@ -153,6 +189,7 @@ def end_together() -> None:
     if dist.get_backend() != "gloo":
         dist.destroy_process_group()
         return
+    _run_before_exit()  # as the interpreter would (background uploads), while this rank's threads can still work
     _destroy_gloo_group()
     for thread in threading.enumerate():  # as the interpreter does before its exit callbacks
         if thread is not threading.current_thread() and not thread.daemon:
