@@ -313,7 +313,7 @@ def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_can
     args = SimpleNamespace(checkpoint_mirror=url, output_dir=str(tmp_path), save_total_limit=None,
                            mirror_grace_period=5.0, process_index=0)
     mirror = Mirror(args, Store(url))
-    mirror.begin(SimpleNamespace(_storage=None), resuming=True)
+    mirror.begin(SimpleNamespace(storage=None), resuming=True)
     assert mirror.wait(30)
     assert store.checkpoints() == {1: True, 2: True}
     assert not (tmp_path / uploader.STAGING / "checkpoint-2").exists()

@@ -100,7 +100,7 @@ class Mirror:
         """Join ``trainer``'s loop (``Progress``: the lease renewed, the lag logged before TensorBoard's callback
         writes the step's metrics)."""
         self.args = trainer.args
-        trainer.callback_handler.callbacks.insert(0, Progress(self))
+        trainer.join(Progress(self), first=True, committed=self.committed)
 
     @property
     def writer(self) -> bool:
@@ -121,7 +121,7 @@ class Mirror:
         if self.uploader is not None:  # a second train() of the same trainer
             return
         error = None
-        storage = getattr(trainer, "_storage", None)
+        storage = getattr(trainer, "storage", None)
         if storage is not None and storage.multi_node and not storage.shared:
             error = MirrorError(f"checkpoint_mirror {self.url} needs an output_dir that every node shares (each "
                                 "node's own output_dir holds only its ranks' parts of a checkpoint): put output_dir on "

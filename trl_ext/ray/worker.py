@@ -87,17 +87,23 @@ def train(config: dict):
     _enter(task)
     job = _job(task, context)
     from trl_ext.ray import growth, reporting
-    from trl_ext.trainers.mixin import TrlExtMixin
+    from trl_ext.trainers.components import joining
 
     built = []
-    TrlExtMixin.callback_factories.append(lambda trainer: built.append(trainer) or reporting.RayReport(trainer))
-    if task.most > context.get_world_size() and rank == 0:
-        TrlExtMixin.callback_factories.append(
-            lambda trainer: growth.Growth(trainer, context.get_world_size(), task.most, task.per_worker))
+
+    def report(trainer) -> None:
+        built.append(trainer)
+        reporting.RayReport.join(trainer)
+
+    def grow(trainer) -> None:
+        trainer.join(growth.Growth(trainer, context.get_world_size(), task.most, task.per_worker))
+
+    grows = task.most > context.get_world_size() and rank == 0
     try:
-        value = _run(task, job)
+        with joining(report, *([grow] if grows else [])):  # every trainer the run builds (step 4 above)
+            value = _run(task, job)
     except BaseException as exc:  # noqa: BLE001 - every ending is told to Ray, as a value or as a RankError
-        stopped = [t.state.global_step for t in built if getattr(t, "_preemption", None) and t._preemption.stopping]
+        stopped = [t.state.global_step for t in built if t.preemption is not None and t.preemption.stopping]
         if isinstance(exc, SystemExit) and stopped:  # the planned stop: every rank agreed on it, with a checkpoint
             reporting.flush()
             return {GROW: stopped[-1]}

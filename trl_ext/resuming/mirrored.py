@@ -31,7 +31,7 @@ def _from_rank0(decide) -> str | None:
 
 
 def _download(trainer) -> str | None:
-    store = trainer._mirror.store
+    store = trainer.mirror.store
     notice(f"{trainer.args.output_dir} holds no committed checkpoint: looking in the mirror {store.shown}")
     path = downloader.newest(store, trainer.args.output_dir, notice)
     if path is None:
@@ -104,6 +104,6 @@ def start_fresh(trainer) -> bool:
     """
     if getattr(trainer, "_mirror", None) is None:
         return False
-    notice(f"resume_from_checkpoint=True: neither {trainer.args.output_dir} nor the mirror {trainer._mirror.url} "
+    notice(f"resume_from_checkpoint=True: neither {trainer.args.output_dir} nor the mirror {trainer.mirror.url} "
            "holds a complete checkpoint yet; starting a new run")
     return True

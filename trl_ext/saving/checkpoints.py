@@ -39,7 +39,8 @@ class Checkpoints:
     """A trainer's checkpoints (see the module docstring). Create one per trainer, on every rank.
 
     Args:
-        trainer: the trainer (its ``args.save_in_background`` decides; its ``_writes_files`` says which ranks write).
+        trainer: the trainer (its ``args.save_in_background`` decides; its ``writes_files()`` says which ranks
+            write). It adds ``callback`` to its loop (``trainer.join``).
     """
 
     def __init__(self, trainer):
@@ -58,7 +59,7 @@ class Checkpoints:
         self._reserved = False
         self._taking = False
         self._said_cpu_cost = False
-        trainer.add_callback(CheckpointCallback(self))
+        self.callback = CheckpointCallback(self)  # the lifecycle at the points of Trainer's loop
 
     # The lifecycle
 
@@ -74,7 +75,7 @@ class Checkpoints:
         trainer = self.trainer
         previous = self.wait_for_writes()
         start = time.monotonic()
-        partial = PartialDir(trainer.args.output_dir, name, trainer._writes_files())
+        partial = PartialDir(trainer.args.output_dir, name, trainer.writes_files())
         checkpoint = self._collect(partial.final) if self._in_background() else None
         try:
             partial.create()

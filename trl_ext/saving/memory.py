@@ -32,7 +32,7 @@ def reserve(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str |
     """
     if not pipeline.supports(trainer.model):
         return 0, None
-    settings = (getattr(trainer.args, "max_shard_size", pipeline.DEFAULT_MAX_SHARD_SIZE), trainer._writes_files())
+    settings = (getattr(trainer.args, "max_shard_size", pipeline.DEFAULT_MAX_SHARD_SIZE), trainer.writes_files())
     measure = BackgroundCheckpoint(Path(), executor, snapshot, Purpose.MEASURE)
     if pipeline.reserve(trainer.model, *settings, measure) is None:
         return 0, pipeline.CANNOT_COPY

@@ -59,7 +59,7 @@ def fix_trainer_files(trainer, partial: PartialDir) -> None:
     """Trainer's files in the partial directory, as they must be once it is renamed into place: DeepSpeed's ``latest``
     tag on each node's copy, and the trainer state's best checkpoint under its final name."""
     written = partial.run_dir / partial.name
-    storage = trainer._storage
+    storage = trainer.storage
     if storage and not storage.shared and partial.is_writer and trainer.is_deepspeed_enabled:
         # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's copy needs its own
         (written / "latest").write_text(f"global_step{trainer.state.global_step}")
