@@ -130,7 +130,7 @@ def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from
                                  callbacks=[clock])
     saves, reserve = [], []
     timed(trainer, "_save_checkpoint", saves)
-    checkpoints = getattr(trainer, "_checkpoints", None)
+    checkpoints = getattr(trainer, "checkpoints", None)
     if checkpoints is not None and hasattr(checkpoints, "reserve"):
         timed(checkpoints, "reserve", reserve)
     start = time.monotonic()

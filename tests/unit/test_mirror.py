@@ -331,7 +331,7 @@ def test_a_rank_that_finds_the_checkpoint_rank_0_just_downloaded_still_joins_ran
 
     (tmp_path / "checkpoint-2").mkdir()  # what rank 0 downloaded and committed a moment ago
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
-    trainer = type("T", (), {"_mirror": object(), "args": type("A", (), {"output_dir": str(tmp_path)})()})()
+    trainer = type("T", (), {"mirror": object(), "args": type("A", (), {"output_dir": str(tmp_path)})()})()
     broadcasts = []
 
     def broadcast_object_list(answer, src, group=None):

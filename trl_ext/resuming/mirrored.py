@@ -44,7 +44,7 @@ def download_if_missing(trainer) -> str | None:
     newest complete mirrored one, downloaded, checked and committed there. Collective.
 
     Args:
-        trainer: the trainer (its ``_mirror``; the download runs on global rank 0, which writes the shared output
+        trainer: the trainer (its ``mirror``; the download runs on global rank 0, which writes the shared output
             directory).
 
     Returns:
@@ -54,7 +54,7 @@ def download_if_missing(trainer) -> str | None:
     Raises:
         MirrorError: the store failed while downloading.
     """
-    if getattr(trainer, "_mirror", None) is None:
+    if getattr(trainer, "mirror", None) is None:
         return None
     # The local check is rank 0's too: its download commits a checkpoint that a slower rank would otherwise find, and
     # skip the broadcast rank 0 waits in (a collective mismatch, seen in a 2-process FSDP2 run).
@@ -75,7 +75,7 @@ def restarted(trainer) -> str | None:
         The local checkpoint to resume, the same on every rank, or None.
     """
     job = orchestrators.current()
-    mirror = getattr(trainer, "_mirror", None)
+    mirror = getattr(trainer, "mirror", None)
     if mirror is None or job is None or job.run is None:
         return None
 
@@ -102,7 +102,7 @@ def start_fresh(trainer) -> bool:
     Returns:
         Whether the run starts from the beginning.
     """
-    if getattr(trainer, "_mirror", None) is None:
+    if getattr(trainer, "mirror", None) is None:
         return False
     notice(f"resume_from_checkpoint=True: neither {trainer.args.output_dir} nor the mirror {trainer.mirror.url} "
            "holds a complete checkpoint yet; starting a new run")
