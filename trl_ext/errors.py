@@ -7,7 +7,8 @@ trl_ext refuses it.
 An error keeps its class, kind and detail when it crosses ranks (``agree``: pickled, gathered, raised on every rank).
 """
 
-from trl_ext.process import env_rank, gathered
+from trl_ext.process.collectives import gathered
+from trl_ext.process.ranks import env_rank
 
 # Kinds that code branches on.
 NONFINITE = "nonfinite"  # a save refused because the weights hold NaN or inf: training diverged

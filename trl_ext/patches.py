@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from packaging.version import Version
 
 from trl_ext.errors import CheckpointError
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 
 @dataclass(frozen=True)

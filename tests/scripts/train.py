@@ -24,7 +24,7 @@ import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
 from trl_ext.engines.gradient_checkpointing import layer_settings
 from trl_ext.files import shards
-from trl_ext.process import env_rank
+from trl_ext.process.ranks import env_rank
 from trl_ext.saving import deferred
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository's tests package

@@ -338,7 +338,7 @@ def test_a_rank_that_finds_the_checkpoint_rank_0_just_downloaded_still_joins_ran
         broadcasts.append(src)
         answer[:] = ["/from/rank0/checkpoint-2", None]
 
-    monkeypatch.setattr("trl_ext.process.distributed", lambda: True)
+    monkeypatch.setattr("trl_ext.process.collectives.distributed", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
     if path == "restarted run":

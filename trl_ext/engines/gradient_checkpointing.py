@@ -21,7 +21,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from trl_ext import patches
 from trl_ext.engines import fsdp
 from trl_ext.errors import SetupError
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 DEEPSPEED_FIX_VERSION = "0.19.3"
 

@@ -41,7 +41,7 @@ def detect(args) -> Storage:
     Returns:
         The storage, the same on every rank.
     """
-    from trl_ext.process import decided_on_rank0, gathered
+    from trl_ext.process.collectives import decided_on_rank0, gathered
 
     if args.world_size <= 1 or _local_world_size(args) >= args.world_size:
         return Storage(multi_node=False, shared=True)

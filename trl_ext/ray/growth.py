@@ -13,7 +13,7 @@ import threading
 
 from transformers import TrainerCallback
 
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 from trl_ext.ray import cluster
 
 CHECK_SECONDS = 10.0

@@ -16,7 +16,7 @@ import threading
 
 from transformers import TrainerCallback
 
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 
 class RayReport(TrainerCallback):

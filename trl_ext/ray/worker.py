@@ -24,7 +24,8 @@ import sys
 import traceback
 from dataclasses import dataclass, field, replace
 
-from trl_ext.process import HOSTED, max_over_ranks
+from trl_ext.process.collectives import max_over_ranks
+from trl_ext.process.hosted import HOSTED
 from trl_ext.ray.failures import RankError, first_line
 from trl_ext.scheduling import orchestrators, outcome, ownership
 
@@ -125,7 +126,7 @@ def _enter(task: Task) -> None:
 def _job(task: Task, context) -> orchestrators.Job:
     """This rank's view of the run (``TRL_EXT_NODE``), its restart counted on rank 0 in the run's record and given to
     every rank."""
-    from trl_ext.process import decided_on_rank0
+    from trl_ext.process.collectives import decided_on_rank0
 
     node_rank = context.get_node_rank()
     nodes = _nodes(node_rank)
@@ -152,7 +153,7 @@ def _run(task: Task, job: orchestrators.Job):
     if task.function is not None:
         if task.accelerate_config:
             from trl_ext.launching import in_process
-            from trl_ext.process import notice
+            from trl_ext.process.notices import notice
 
             notice(f"{job.describe()}; {task.accelerate_config} applied in each process "
                    f"({in_process.apply(task.accelerate_config, job)})")

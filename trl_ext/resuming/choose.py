@@ -44,7 +44,7 @@ def checkpoint_to_resume(args, wanted) -> str | None:
     Raises:
         ResumeError: the checkpoint is missing where some rank runs.
     """
-    from trl_ext.process import decided_on_rank0, gathered
+    from trl_ext.process.collectives import decided_on_rank0, gathered
 
     path = decided_on_rank0(lambda: last_committed(args.output_dir) if wanted is True else wanted)
     if path is None or args.world_size <= 1:  # one process: the checkpoint's own audit says what is missing
@@ -87,7 +87,8 @@ def restarted_checkpoint(args) -> str | None:
     Returns:
         The checkpoint to resume, the same on every rank, or None.
     """
-    from trl_ext.process import decided_on_rank0, notice
+    from trl_ext.process.collectives import decided_on_rank0
+    from trl_ext.process.notices import notice
 
     def decide():
         restarted = after_restart(args.output_dir)

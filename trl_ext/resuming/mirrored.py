@@ -10,7 +10,8 @@ raised on every rank.
 from trl_ext.errors import MirrorError, TrlExtError
 from trl_ext.mirror import downloader, lease
 from trl_ext.mirror.store import first_line
-from trl_ext.process import decided_on_rank0, notice
+from trl_ext.process.collectives import decided_on_rank0
+from trl_ext.process.notices import notice
 from trl_ext.resuming.choose import last_committed
 from trl_ext.scheduling import orchestrators
 

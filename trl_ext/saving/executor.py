@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from trl_ext import errors
 from trl_ext.errors import CheckpointError
-from trl_ext.process import distributed
+from trl_ext.process.ranks import distributed
 from trl_ext.saving.cost import Cost
 from trl_ext.saving.snapshot import Snapshot
 from trl_ext.saving.worker import Worker

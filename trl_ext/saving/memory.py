@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from trl_ext.process import gathered
+from trl_ext.process.collectives import gathered
 from trl_ext.saving import deferred, pipeline
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, Purpose
 from trl_ext.saving.snapshot import Snapshot

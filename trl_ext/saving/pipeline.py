@@ -32,7 +32,8 @@ from trl_ext import errors
 from trl_ext.engines.sharded import LocalCopy, is_partitioned, local_copy
 from trl_ext.errors import NONFINITE, VERIFICATION, CheckpointError
 from trl_ext.files import readback
-from trl_ext.process import distributed, gathered
+from trl_ext.process.collectives import gathered
+from trl_ext.process.ranks import distributed
 from trl_ext.saving import write
 from trl_ext.saving.executor import BackgroundCheckpoint
 from trl_ext.saving.plan import (

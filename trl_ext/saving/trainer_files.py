@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers.trainer_utils import rotate_checkpoints
 
 from trl_ext.files.commit import PARTIAL_SUFFIX, replace_dir
-from trl_ext.process import logger
+from trl_ext.process.notices import logger
 
 
 class PartialDir:

@@ -26,7 +26,8 @@ from trl_ext.engines import (
 )
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
 from trl_ext.mirror import Mirror
-from trl_ext.process import destroy_gloo_group_at_exit, warning_filter
+from trl_ext.process import warning_filter
+from trl_ext.process.clean_exit import destroy_gloo_group_at_exit
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
 from trl_ext.scheduling import outcome, ownership, preemption
@@ -77,7 +78,7 @@ class TrlExtMixin:
         with (self._around_trl_init(bound), rank0_loading.rank0_loading(trl_module, training_args),
               runtime.fsdp_on_cpu(training_args)):
             super().__init__(*bound.args, **bound.kwargs)
-        destroy_gloo_group_at_exit()  # the process group exists now; see process.py
+        destroy_gloo_group_at_exit()  # the process group exists now; see process/clean_exit.py
         rank0_loading.give_meta_parameters_storage(self.model)  # left on meta on the ranks that do not read
         fsdp.wrap_layers_the_model_has(self.accelerator, self.model)
         quantization.match_adapter_dtype(self.args, self.model)
