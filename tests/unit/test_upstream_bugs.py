@@ -43,6 +43,17 @@ NOT_SHOWN = {
     "ray-fresh-cluster-view": "needs a Ray cluster that loses a node: tests/ray/test_ray.py's elastic run restarts on "
                               "the nodes left through it; without it (tried by hand) the group restarted at the old "
                               "size and waited out a 60 s start timeout first",
+    # Private names read or overridden where the library has no public one: nothing wrong to show; each guard checks
+    # the name, and tests/unit/test_patches.py checks what each helper reads and its fallback.
+    "checkpoint-wrapper": "a private module: torch has no public path to its CheckpointWrapper",
+    "storage-identity": "a missing API: torch gives storages no public identity",
+    "dtensor-local-tensor": "to_local() gives a Parameter(DTensor)'s shard as a new view at each call (torch "
+                            "gh-166156, by design); FSDP2's background saves (tests/distributed) copy through it",
+    "module-own-tensors": "a missing API: no public way to tell persistent buffers without the state-dict hooks",
+    "model-from-config": "a missing API: model classes have no public from_config",
+    "dataset-preparation-refusal": "a missing hook: TRL has no public dataset check",
+    "jit-checkpoint-sigterm-handler": "a missing hook: transformers keeps the handler it replaced private",
+    "parser-destinations": "a missing API: argparse lists a parser's actions only privately",
 }
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from trl_ext import errors
+from trl_ext import errors, patches
 from trl_ext.saving import deferred, memory
 from trl_ext.saving.cost import Cost, max_over_ranks
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, as_failure
@@ -185,7 +185,7 @@ class Checkpoints:
         """A background checkpoint of ``target``, collected from now on (``collecting``), on every rank."""
         self.snapshot.begin()
         # the model's buffers: a forward pass may change them before the next optimizer step
-        self.snapshot.copy_at_once = {b.untyped_storage()._cdata for b in self.trainer.model.buffers()}
+        self.snapshot.copy_at_once = {patches.storage_key(b.untyped_storage()) for b in self.trainer.model.buffers()}
         checkpoint = BackgroundCheckpoint(target, self.executor, self.snapshot)
         checkpoint.say_foreground = self._go_foreground
         self.collecting = checkpoint

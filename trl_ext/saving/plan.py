@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from accelerate.utils import is_peft_model
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
+from trl_ext import patches
 from trl_ext.engines.sharded import full_shape, state_tensors
 from trl_ext.errors import CheckpointError
 from trl_ext.files import hub_names
@@ -38,15 +38,15 @@ def _adapter_weight_sets(model) -> list[WeightSet]:
     name, ``modules_to_save`` under the plain module name. One set per adapter, laid out as PEFT does."""
     from peft import get_peft_model_state_dict
 
-    live, wrapper = model.state_dict(keep_vars=True), _CHECKPOINT_PREFIX
-    if any(wrapper in name for name, _ in model.named_modules()):
+    live, wrapper = model.state_dict(keep_vars=True), patches.checkpoint_wrapper_prefix() or ""
+    if wrapper and any(wrapper in name for name, _ in model.named_modules()):
         # Activation-checkpoint wrappers (FSDP's fsdp_activation_checkpointing) strip their prefix from state_dict
         # keys but not from module names, and PEFT finds adapter weights by module name: it would drop every LoRA
         # weight. Map with the module names, write without the wrapper's prefix.
         live = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     sets = []
     for adapter, config in model.peft_config.items():
-        mapped = {name.replace(wrapper, ""): tensor for name, tensor in
+        mapped = {name.replace(wrapper, "") if wrapper else name: tensor for name, tensor in
                   get_peft_model_state_dict(model, state_dict=live, adapter_name=adapter).items()}
         # PEFT's keys are what PeftModel.from_pretrained takes: no conversion (PEFT's own save reverts none either)
         units = [hub_names.Unit([(n, t)], [TensorSpec(n, full_shape(t), t.dtype)]) for n, t in mapped.items()]

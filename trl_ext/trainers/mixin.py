@@ -185,8 +185,11 @@ class TrlExtMixin:
                                     self._dataset_kind)
 
     def _prepare_dataset(self, dataset, *args, **kwargs):
-        """TRL's dataset preparation; rows it cannot prepare (or prepares into nothing) are refused in one line."""
+        """TRL's dataset preparation; rows it cannot prepare (or prepares into nothing) are refused in one line (patch
+        ``dataset-preparation-refusal``)."""
         prepare = super()._prepare_dataset
+        if not patches.applies("dataset-preparation-refusal"):
+            return prepare(dataset, *args, **kwargs)
         bound = inspect.signature(prepare).bind(dataset, *args, **kwargs)
         return input_checks.prepare_or_explain(
             lambda rows: prepare(rows, *args, **kwargs), dataset,
