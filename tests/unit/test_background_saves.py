@@ -263,24 +263,24 @@ def test_the_copies_and_executor_threads_start_once_end_with_train_and_run_in_or
     """The copies' and the executor's threads start at the end of the first step, once: no checkpoint waits for a new
     thread to start (on a busy CPU that wait held training for most of a background checkpoint's hold); they end
     when train() ends, and a later train() starts them again."""
-    from trl_ext.saving.worker import Worker
+    from trl_ext.saving.call_thread import CallThread
 
-    worker, seen = Worker("test-worker"), []
-    results = [worker.submit(seen.append, i) for i in range(5)]
+    calls, seen = CallThread("test-worker"), []
+    results = [calls.submit(seen.append, i) for i in range(5)]
     assert [f.result(timeout=10) for f in results] == [None] * 5 and seen == list(range(5))
     reported = []
     with monkeypatch.context() as patched:
         patched.setattr(threading, "excepthook", reported.append)  # what a thread's uncaught error goes to
-        failed = worker.submit(lambda: 1 / 0)
+        failed = calls.submit(lambda: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             failed.result(timeout=10)
-        assert worker.submit(lambda: None).result(timeout=10) is None  # the thread goes on after an error
+        assert calls.submit(lambda: None).result(timeout=10) is None  # the thread goes on after an error
     assert [type(r.exc_value) for r in reported] == [ZeroDivisionError] and reported[0].thread.name == "test-worker"
-    thread = worker.submit(lambda: threading.current_thread()).result(timeout=10)
+    thread = calls.submit(lambda: threading.current_thread()).result(timeout=10)
     assert thread.daemon  # a call stuck in a collective with a dead rank never holds the exit
-    assert worker.close(timeout=10) and not thread.is_alive()
-    assert worker.submit(lambda: threading.current_thread()).result(timeout=10) is not thread  # started again
-    assert worker.close(timeout=10)
+    assert calls.close(timeout=10) and not thread.is_alive()
+    assert calls.submit(lambda: threading.current_thread()).result(timeout=10) is not thread  # started again
+    assert calls.close(timeout=10)
 
     started = []
     original = threading.Thread.start

@@ -236,8 +236,8 @@ class Checkpoints:
             return
         self.mode = Mode(self._hooks.hook(self.trainer), self.mode.why)
         if self._reserved:
-            self.snapshot.worker.start()
-            self.executor.worker.start()
+            self.snapshot.thread.start()
+            self.executor.thread.start()
 
     def reserve(self) -> None:
         """Once, at the end of the first training step, on every rank: the copies a checkpoint needs, measured,

@@ -41,8 +41,8 @@ def reserve(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str |
     if short:
         return measure.measured, f"their CPU copies need {short}"
     snapshot.begin()
-    snapshot.worker.start()
-    executor.worker.start()
+    snapshot.thread.start()
+    executor.thread.start()
     executor.group()  # created here, where every rank is, rather than by the first checkpoint
     allocate = BackgroundCheckpoint(Path(), executor, snapshot, Purpose.RESERVE)
     pipeline.reserve(trainer.model, *settings, allocate)

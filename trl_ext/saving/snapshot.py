@@ -49,7 +49,7 @@ from concurrent import futures
 import torch
 
 from trl_ext import patches
-from trl_ext.saving.worker import Worker
+from trl_ext.saving.call_thread import CallThread
 
 SMALL_BYTES = 4 << 10  # at most this, a tensor is copied at once (counters, scalars): a queued copy costs more
 
@@ -66,7 +66,7 @@ class _Copies:
     """One checkpoint's queued copies, running beside training: GPU sources on ``stream``, CPU ones on a thread."""
 
     def __init__(self, queued: list[tuple[torch.UntypedStorage, torch.UntypedStorage]], stream,
-                 on_copies: Callable[[str], None] | None, worker: Worker):
+                 on_copies: Callable[[str], None] | None, thread: CallThread):
         # ``stream`` is None unless some source is on the GPU (the small ones were copied on the compute stream)
         self.error: BaseException | None = None
         self.started = time.monotonic()
@@ -84,7 +84,7 @@ class _Copies:
                     target.copy_(source, non_blocking=True)
             self._event = torch.cuda.Event(enable_timing=True)
             self._event.record(stream)
-        self._copying = worker.submit(self._copy, cpu, on_copies) if cpu or on_copies is not None else None
+        self._copying = thread.submit(self._copy, cpu, on_copies) if cpu or on_copies is not None else None
 
     def _copy(self, pairs, on_copies) -> None:
         try:
@@ -141,7 +141,7 @@ class Snapshot:
         self.nbytes = 0  # the bytes this checkpoint's copies take
         self.on_copies: Callable[[str], None] | None = None  # tests: called on the copies' thread ("start", "end")
         self.copy_at_once: set[int] = set()  # storages (``patches.storage_key``) that change outside the optimizer step
-        self.worker = Worker("trl_ext-copies")
+        self.thread = CallThread("trl_ext-copies")
         self._stream = None
         # The copies' tensors, kept from one checkpoint to the next: a copy is a view of a buffer with the source's
         # geometry, so the same buffer and geometry give the same tensor, reused rather than built again at every
@@ -306,7 +306,7 @@ class Snapshot:
             return
         if self._on_gpu and self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._copies = _Copies(self._queued, self._stream if self._on_gpu else None, self.on_copies, self.worker)
+        self._copies = _Copies(self._queued, self._stream if self._on_gpu else None, self.on_copies, self.thread)
         self._queued = []
 
     def wait_for_copies(self) -> float:
@@ -344,4 +344,4 @@ class Snapshot:
     def close(self, timeout: float | None = None) -> bool:
         """The copies' thread ended once the copies started are done (waiting at most ``timeout`` seconds); a later
         ``start`` starts it again. Returns whether it has ended."""
-        return self.worker.close(timeout)
+        return self.thread.close(timeout)
