@@ -5,7 +5,7 @@ else writes checkpoints.
 One word, one meaning, in this package:
 
 - **save**: one call of ``save()``: a model's weights and configuration files planned, written, checked, agreed on by
-  every rank and committed (``pipeline``; one ``plan.SaveJob``).
+  every rank and committed (``pipeline``; one ``save_plan.SaveJob``).
 - **checkpoint**: a trainer's ``checkpoint-N``: a save of its weights plus the files Trainer, DeepSpeed and accelerate
   write (optimizer, scheduler, RNG and trainer states); ``Checkpoints.take`` takes one.
 - **partial directory**: where a save or a checkpoint is written, hidden beside its target (``.NAME.trl_ext-partial``),
@@ -29,7 +29,7 @@ One word, one meaning, in this package:
 - **outcome**: a background checkpoint's success or failure, known on every rank (a failure is raised on all of them).
 - **held**: how long a checkpoint held the training thread; with the write time and the bytes, its cost
   (``cost.Cost``, logged as ``checkpoint/*``).
-- **layout**: who writes which file of which copy of a save (``plan.Layout``), planned once per model.
+- **layout**: who writes which file of which copy of a save (``save_plan.Layout``), planned once per model.
 """
 
 from trl_ext.saving.pipeline import DEFAULT_MAX_SHARD_SIZE, save, supports

@@ -36,7 +36,7 @@ from trl_ext.process.collectives import gathered
 from trl_ext.process.ranks import distributed
 from trl_ext.saving import write
 from trl_ext.saving.executor import BackgroundCheckpoint
-from trl_ext.saving.plan import (
+from trl_ext.saving.save_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     Layout,
     SaveJob,
