@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 
 from trl_ext import errors
 from trl_ext.errors import MirrorError, TrlExtError
-from trl_ext.files import checkpoints
+from trl_ext.files import checkpoint_dirs as checkpoints
 from trl_ext.mirror import lease, options, uploader
 from trl_ext.mirror.store import Store, first_line
 from trl_ext.process import notice
