@@ -29,7 +29,10 @@ One word, one meaning, in this package:
 - **outcome**: a background checkpoint's success or failure, known on every rank (a failure is raised on all of them).
 - **held**: how long a checkpoint held the training thread; with the write time and the bytes, its cost
   (``cost.Cost``, logged as ``checkpoint/*``).
-- **layout**: who writes which file of which copy of a save (``save_plan.Layout``), planned once per model.
+- **replica**: one of a save's whole sets of files on disk: one written by all ranks on storage every node sees, or
+  one per node (``save_on_each_node`` on node-local storage), each led by its first rank (``Layout.replicas``). Never
+  a CPU copy.
+- **layout**: who writes which file of which replica of a save (``save_plan.Layout``), planned once per model.
 """
 
 from trl_ext.saving.pipeline import DEFAULT_MAX_SHARD_SIZE, save, supports

@@ -57,11 +57,11 @@ class PartialDir:
 
 def fix_trainer_files(trainer, partial: PartialDir) -> None:
     """Trainer's files in the partial directory, as they must be once it is renamed into place: DeepSpeed's ``latest``
-    tag on each node's copy, and the trainer state's best checkpoint under its final name."""
+    tag on each node's replica, and the trainer state's best checkpoint under its final name."""
     written = partial.run_dir / partial.name
     storage = trainer.storage
     if storage and not storage.shared and partial.is_writer and trainer.is_deepspeed_enabled:
-        # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's copy needs its own
+        # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's replica needs its own
         (written / "latest").write_text(f"global_step{trainer.state.global_step}")
     if partial.holds(trainer.state.best_model_checkpoint):  # this checkpoint is the best so far
         trainer.state.best_model_checkpoint = str(partial.final)

@@ -209,8 +209,8 @@ def _units_by_file(ws) -> dict[str, list]:
 
 
 def write_weights(job: SaveJob) -> tuple[CheckpointError | None, list[tuple[ShardStreamWriter, dict]]]:
-    """Every rank: each file's tensors streamed to the rank that writes it (with one copy, only to that rank; with a
-    copy per node, gathered whole by each node's writer). A writer that already failed keeps taking part, writing
+    """Every rank: each file's tensors streamed to the rank that writes it (with one replica, only to that rank; with a
+    replica per node, gathered whole by each node's writer). A writer that already failed keeps taking part, writing
     nothing.
 
     Args:
@@ -221,7 +221,7 @@ def write_weights(job: SaveJob) -> tuple[CheckpointError | None, list[tuple[Shar
     """
     error, writers = None, []
     for ws, ws_owners in zip(job.weight_sets, job.layout.owners):
-        files = {f: specs for f, specs in ws.plan.items() if ws_owners[job.copy_index][f] == job.rank}
+        files = {f: specs for f, specs in ws.plan.items() if ws_owners[job.replica_index][f] == job.rank}
         writer = ShardStreamWriter(job.partial / ws.subdir, files) if files else None
         sink = _Guarded(writer, error) if writer is not None else None
         for filename, units in _units_by_file(ws).items():
