@@ -168,7 +168,7 @@ PATCHES: dict[str, Patch] = {
         remove_when="save_pretrained gathers ZeRO-3 partitions itself",
         guard=_has("transformers.modeling_utils.PreTrainedModel.save_pretrained", "save_directory"),
     ),
-    "staged-checkpoint-dir": Patch(
+    "partial-checkpoint-dir": Patch(
         target="transformers.Trainer._get_output_dir",
         why="Trainer builds checkpoint-N's path from _get_output_dir() and offers no hook to write it elsewhere "
             "first, so a kill mid-save leaves a checkpoint-N that looks complete",

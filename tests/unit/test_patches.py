@@ -49,7 +49,7 @@ def test_swapped_restores_an_instance_to_its_class_attribute():
             return "class"
 
     owner = Owner()
-    with patches.swapped("staged-checkpoint-dir", owner, "method", lambda: "patched"):
+    with patches.swapped("partial-checkpoint-dir", owner, "method", lambda: "patched"):
         assert owner.method() == "patched"
     assert owner.method() == "class" and "method" not in vars(owner)
 

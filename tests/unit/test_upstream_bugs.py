@@ -69,7 +69,7 @@ SHOWN_HERE = {
     "reward-head-peft-config": "test_trls_reward_trainer_lora_wraps_the_head",
     "bounded-weight-sync": "test_trls_vllm_sync_gathers_the_whole_peft_model_at_once",
     "no-input-require-grads": "test_non_reentrant_checkpointing_still_registers_the_input_hook",
-    "staged-checkpoint-dir": "test_a_failed_checkpoint_save_leaves_a_checkpoint_dir_in_place",
+    "partial-checkpoint-dir": "test_a_failed_checkpoint_save_leaves_a_checkpoint_dir_in_place",
     "sharded-optimizer-states": "test_accelerate_saves_optimizer_states_as_it_saves_weights",
     "unused-weight-conversions": "test_a_zero3_load_keeps_conversions_that_never_matched",
     "notebook-import-check": "test_notebook_launcher_refuses_once_bitsandbytes_is_imported",
@@ -287,7 +287,7 @@ def test_a_failed_checkpoint_save_leaves_a_checkpoint_dir_in_place(tmp_path, tin
     with pytest.raises(OSError, match="killed mid-save"):
         trainer.train()
     last = get_last_checkpoint(str(tmp_path))
-    still_needed("staged-checkpoint-dir", last is not None and not (Path(last) / "trainer_state.json").exists(),
+    still_needed("partial-checkpoint-dir", last is not None and not (Path(last) / "trainer_state.json").exists(),
                  f"what a save that died half-way leaves for resume_from_checkpoint=True: {last}")
 
 

@@ -4,7 +4,7 @@ orchestrator restarted (a requeued Slurm job, torchrun's restart, recreated pods
 newest committed checkpoint its earlier attempt left, without being asked (``after_restart``), in the run's own
 directory only (``scheduling.ownership``): a fresh run never resumes another run's directory by itself.
 
-Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden staging directory
+Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden partial directory
 (``.checkpoint-N.trl_ext-partial``) until it is complete and checked, and ``get_last_checkpoint`` never matches it.
 Every answer is decided on rank 0 and broadcast: ranks that look at the files on their own can disagree (NFS attribute
 caching, node-local disks) and then take different collective paths, which hangs the job (KempnerForge#49).

@@ -65,8 +65,8 @@ class Checkpoints:
 
     def take(self, name: str, trainer_save: Callable[[str], None]) -> None:
         """One checkpoint, on every rank: ``trainer_save(run_dir)`` (Trainer's ``_save_checkpoint``, told to write
-        under the hidden directory) runs now; in the background its files are staged there and written once it
-        returns. The checkpoint is renamed to ``name`` once complete, and older ones rotated out.
+        under the hidden directory) runs now; in the background its files are staged (their CPU copies) and written
+        once it returns. The checkpoint is renamed to ``name`` once complete, and older ones rotated out.
 
         Args:
             name: ``checkpoint-N``.
