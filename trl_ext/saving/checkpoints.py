@@ -64,7 +64,7 @@ class Checkpoints:
     # The lifecycle
 
     def take(self, name: str, trainer_save: Callable[[str], None]) -> None:
-        """One checkpoint, on every rank: ``trainer_save(run_dir)`` (Trainer's ``_save_checkpoint``, told to write
+        """One checkpoint, on every rank: ``trainer_save(partial_dir)`` (Trainer's ``_save_checkpoint``, told to write
         under the hidden directory) runs now; in the background its files are staged (their CPU copies) and written
         once it returns. The checkpoint is renamed to ``name`` once complete, and older ones rotated out.
 
@@ -82,7 +82,7 @@ class Checkpoints:
             trainer.accelerator.wait_for_everyone()
             self._taking = True
             with deferred.deferred_writes(checkpoint) if checkpoint is not None else contextlib.nullcontext():
-                trainer_save(str(partial.run_dir))
+                trainer_save(str(partial.path))
             fix_trainer_files(trainer, partial)
             trainer.accelerator.wait_for_everyone()  # every rank has written its files (RNG state, optimizer shards)
         finally:

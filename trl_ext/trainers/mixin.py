@@ -309,9 +309,9 @@ class TrlExtMixin:
         if trial is not None or self.hp_search_backend is not None or not patches.applies("partial-checkpoint-dir"):
             return super()._save_checkpoint(model, trial)
 
-        def save_checkpoint(run_dir: str) -> None:
+        def save_checkpoint(partial_dir: str) -> None:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the hidden partial directory.
-            with patches.swapped("partial-checkpoint-dir", self, "_get_output_dir", lambda trial=None: run_dir):
+            with patches.swapped("partial-checkpoint-dir", self, "_get_output_dir", lambda trial=None: partial_dir):
                 super(TrlExtMixin, self)._save_checkpoint(model, trial)
 
         self._checkpoints.take(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint)
