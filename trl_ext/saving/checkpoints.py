@@ -32,7 +32,7 @@ from trl_ext.saving.cost import Cost, max_over_ranks
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, as_failure
 from trl_ext.saving.mode import Mode, OptimizerHooks, Where, say_cpu_cost
 from trl_ext.saving.snapshot import Snapshot
-from trl_ext.saving.trainer_files import ModelCard, PartialDir, commit, fix_trainer_files
+from trl_ext.saving.trainer_files import ModelCard, PartialDir, commit_checkpoint, fix_trainer_files
 
 
 class Checkpoints:
@@ -88,14 +88,14 @@ class Checkpoints:
         finally:
             self.collecting, self._taking = None, False
         if checkpoint is None:
-            written = commit(trainer, partial, self.after_commit)
+            written = commit_checkpoint(trainer, partial, self.after_commit)
             trainer.accelerator.wait_for_everyone()
             held = time.monotonic() - start
             self._record(Cost(held_save_s=held, held_previous_s=previous, write_s=held, bytes=written))
             return
 
         def committed() -> None:  # on the executor's thread, once every rank's every part succeeded
-            checkpoint.cost.bytes = commit(trainer, partial, self.after_commit)
+            checkpoint.cost.bytes = commit_checkpoint(trainer, partial, self.after_commit)
 
         checkpoint.cost.held_previous_s = previous
         self._release(checkpoint, committed)
@@ -241,12 +241,12 @@ class Checkpoints:
 
     def reserve(self) -> None:
         """Once, at the end of the first training step, on every rank: the copies a checkpoint needs, measured,
-        checked against each machine's available memory and allocated (``memory.reserve``); where they cannot be,
+        checked against each machine's available memory and allocated (``memory.reserve_copies``); where they cannot be,
         checkpoints go to the foreground, said in one line."""
         if not self.mode.background or self._reserved:
             return
         self._reserved = True
-        self.measured, why = memory.reserve(self.trainer, self.executor, self.snapshot)
+        self.measured, why = memory.reserve_copies(self.trainer, self.executor, self.snapshot)
         if why is not None:
             self._go_foreground(why)
 

@@ -16,7 +16,7 @@ from trl_ext.saving.executor import BackgroundCheckpoint, Executor, Purpose
 from trl_ext.saving.snapshot import Snapshot
 
 
-def reserve(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str | None]:
+def reserve_copies(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str | None]:
     """On every rank, at the same point (planning the weights' layout is collective): every copy a checkpoint of
     ``trainer`` needs, measured, checked and allocated; the copies' and the executor's threads and the executor's
     process group started, so that no checkpoint waits for them.
@@ -34,7 +34,7 @@ def reserve(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str |
         return 0, None
     settings = (getattr(trainer.args, "max_shard_size", pipeline.DEFAULT_MAX_SHARD_SIZE), trainer.writes_files())
     measure = BackgroundCheckpoint(Path(), executor, snapshot, Purpose.MEASURE)
-    if pipeline.reserve(trainer.model, *settings, measure) is None:
+    if pipeline.reserve_weights(trainer.model, *settings, measure) is None:
         return 0, pipeline.CANNOT_COPY
     _other_files(trainer, measure)
     short = _short(measure.measured)
@@ -45,7 +45,7 @@ def reserve(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str |
     executor.thread.start()
     executor.group()  # created here, where every rank is, rather than by the first checkpoint
     allocate = BackgroundCheckpoint(Path(), executor, snapshot, Purpose.RESERVE)
-    pipeline.reserve(trainer.model, *settings, allocate)
+    pipeline.reserve_weights(trainer.model, *settings, allocate)
     _other_files(trainer, allocate)
     snapshot.begin()  # what the reserve copied is not kept alive until the first checkpoint
     return measure.measured, None

@@ -128,7 +128,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             if is_writer:  # the caller writes the rest of the checkpoint there while the weights are written
                 target.mkdir(parents=True, exist_ok=True)
             job = job.on(copied, into.group() if collective else None)
-            into.add(target.name, lambda: write_and_check(job), commit=job.commit if is_writer else None)
+            into.add(target.name, lambda: write_and_check(job), commit=job.commit_save if is_writer else None)
             return
         into.say_foreground(CANNOT_COPY)
     run(job)
@@ -168,7 +168,7 @@ def stage_weights(weight_sets, into: BackgroundCheckpoint):
     return copied
 
 
-def reserve(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint) -> int | None:
+def reserve_weights(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint) -> int | None:
     """The CPU copy a background checkpoint's weights take on this rank, planned (the layout ``save`` reuses) and
     staged in ``into`` (a reserve: allocated and filled once; or a measure). Call on every rank, at the same point
     (planning is collective).
@@ -191,7 +191,7 @@ def reserve(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint) 
 
 def _planned(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint | None):
     """Whether the save is collective, and its layout: planned once and kept by the executor (``save`` and
-    ``reserve`` find the same one), or planned now; None when this rank takes no part (whole parameters, not the
+    ``reserve_weights`` find the same one), or planned now; None when this rank takes no part (whole parameters, not the
     writer)."""
     # Partitioned parameters need every rank at every transfer; whole ones are read by the writer alone.
     collective = distributed() and any(is_partitioned(p) for p in model.parameters())
@@ -219,7 +219,7 @@ def run(job: SaveJob) -> None:
         errors.agree(error, job.group, prefer=(NONFINITE,))
     elif error is not None:
         raise error
-    job.commit()
+    job.commit_save()
     if job.collective:
         torch.distributed.barrier(group=job.group)  # nobody reads the checkpoint before it is in place
 

@@ -209,7 +209,7 @@ class SaveJob:
     def replica_index(self) -> int:
         return self.layout.replicas.index(self.mine)
 
-    def commit(self) -> None:
+    def commit_save(self) -> None:
         """The checked partial directory renamed into place, on the replica's first rank (the others: nothing)."""
         if self.is_writer:
             commit(self.partial, self.target)

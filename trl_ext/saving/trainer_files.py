@@ -1,6 +1,6 @@
 """The directory of a Trainer ``checkpoint-N`` around what saving writes into it: the hidden partial directory it is
 written in (``PartialDir``), the fix-ups Trainer's files need there (``fix_trainer_files``), the commit with the
-``after_commit`` hooks and retention (``commit``); and TRL's model card, written beside the checkpoints
+``after_commit`` hooks and retention (``commit_checkpoint``); and TRL's model card, written beside the checkpoints
 (``ModelCard``).
 """
 
@@ -69,7 +69,7 @@ def fix_trainer_files(trainer, partial: PartialDir) -> None:
             trainer.state.save_to_json(str(written / "trainer_state.json"))
 
 
-def commit(trainer, partial: PartialDir, after_commit: list[Callable[[Path, int], None]]) -> int:
+def commit_checkpoint(trainer, partial: PartialDir, after_commit: list[Callable[[Path, int], None]]) -> int:
     """The writer: the checkpoint renamed into place, the ``after_commit`` hooks run (the mirror; a hook's failure is
     said, never undoes the commit), then older checkpoints rotated out (``save_total_limit``). The other ranks: nothing.
 
