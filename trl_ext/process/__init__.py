@@ -2,7 +2,7 @@
 
 - ``ranks``: its rank and the world size (readable before any process group), whether it runs in a process group;
 - ``collectives``: every rank-wide decision (rank 0 decides for all: ``decided_on_rank0``; every rank's view:
-  ``gathered``; the largest of every rank's number: ``max_over_ranks``; an error agreed on every rank is
+  ``from_every_rank``; the largest of every rank's number: ``max_over_ranks``; an error agreed on every rank is
   ``errors.agree``);
 - ``notices``: the one-line notices trl_ext prints, and its logger;
 - ``clean_exit``: the ranks' end together, and a clean exit for the gloo process group;
@@ -14,10 +14,10 @@ that holds them.
 """
 
 from trl_ext.process.clean_exit import destroy_gloo_group_at_exit, end_together
-from trl_ext.process.collectives import decided_on_rank0, gathered, max_over_ranks
+from trl_ext.process.collectives import decided_on_rank0, from_every_rank, max_over_ranks
 from trl_ext.process.hosted import HOSTED
 from trl_ext.process.notices import logger, notice, speaks_here
 from trl_ext.process.ranks import distributed, env_rank, env_world_size
 
 __all__ = ["HOSTED", "decided_on_rank0", "destroy_gloo_group_at_exit", "distributed", "end_together", "env_rank",
-           "env_world_size", "gathered", "logger", "max_over_ranks", "notice", "speaks_here"]
+           "env_world_size", "from_every_rank", "logger", "max_over_ranks", "notice", "speaks_here"]

@@ -1,5 +1,5 @@
 """Every rank-wide decision, on every rank: rank 0 decides for all (``decided_on_rank0``), every rank's view
-(``gathered``), the largest of every rank's number (``max_over_ranks``). An error agreed on every rank is
+(``from_every_rank``), the largest of every rank's number (``max_over_ranks``). An error agreed on every rank is
 ``errors.agree``. Each is a collective when distributed, and the value itself otherwise."""
 
 from trl_ext.process.ranks import distributed
@@ -34,7 +34,7 @@ def decided_on_rank0(decide, group=None):
     return answer[0]
 
 
-def gathered(value, group=None) -> list:
+def from_every_rank(value, group=None) -> list:
     """Every rank's ``value`` (any picklable object), in rank order, on every rank: for what each rank sees on its own
     (a file on its node's disk). A collective when distributed; ``[value]`` otherwise.
 

@@ -44,12 +44,12 @@ def checkpoint_to_resume(args, wanted) -> str | None:
     Raises:
         ResumeError: the checkpoint is missing where some rank runs.
     """
-    from trl_ext.process.collectives import decided_on_rank0, gathered
+    from trl_ext.process.collectives import decided_on_rank0, from_every_rank
 
     path = decided_on_rank0(lambda: last_committed(args.output_dir) if wanted is True else wanted)
     if path is None or args.world_size <= 1:  # one process: the checkpoint's own audit says what is missing
         return path
-    missing = [rank for rank, seen in enumerate(gathered(os.path.isdir(path))) if not seen]
+    missing = [rank for rank, seen in enumerate(from_every_rank(os.path.isdir(path))) if not seen]
     if missing:
         raise ResumeError(f"checkpoint {path} (the one rank 0 resumes) is missing where rank {missing[0]} runs: give "
                           "every node a copy of it, or resume from a checkpoint all nodes have.")

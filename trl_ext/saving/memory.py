@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from trl_ext.process.collectives import gathered
+from trl_ext.process.collectives import from_every_rank
 from trl_ext.saving import deferred, pipeline
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, Purpose
 from trl_ext.saving.snapshot import Snapshot
@@ -63,7 +63,7 @@ def _other_files(trainer, checkpoint: BackgroundCheckpoint) -> None:
 def _short(need: int) -> str:
     """Where the CPU copies do not fit in a machine's available memory (its ranks added up), the same on every rank:
     one line saying how much was needed where; empty if they fit everywhere."""
-    everyone = gathered((socket.gethostname(), need, psutil.virtual_memory().available))
+    everyone = from_every_rank((socket.gethostname(), need, psutil.virtual_memory().available))
     short = []
     for host in sorted({h for h, _, _ in everyone}):
         needed = sum(n for h, n, _ in everyone if h == host)

@@ -32,7 +32,7 @@ from trl_ext import errors
 from trl_ext.engines.sharded import LocalCopy, is_partitioned, local_copy
 from trl_ext.errors import NONFINITE, VERIFICATION, CheckpointError
 from trl_ext.files import readback
-from trl_ext.process.collectives import gathered
+from trl_ext.process.collectives import from_every_rank
 from trl_ext.process.ranks import distributed
 from trl_ext.saving import write
 from trl_ext.saving.executor import BackgroundCheckpoint
@@ -51,7 +51,7 @@ logger = logging.getLogger("trl_ext")
 
 
 def _ranks_where(flag: bool) -> list[int]:
-    return [rank for rank, f in enumerate(gathered(flag)) if f]
+    return [rank for rank, f in enumerate(from_every_rank(flag)) if f]
 
 
 def _replicas(leaders: list[int], world: int) -> list[list[int]]:
@@ -285,9 +285,9 @@ def _check_own_files(job: SaveJob, writers) -> tuple[CheckpointError | None, dic
 
 def _collect_checks(job: SaveJob, error: CheckpointError | None, checked: dict) -> tuple[CheckpointError | None,
                                                                                         dict]:
-    """Every rank's outcome and checks, gathered; the replica's first rank keeps its replica's (the others keep
+    """Every rank's outcome and checks, on every rank; the replica's first rank keeps its replica's (the others keep
     theirs)."""
-    everyone = gathered((error, checked), group=job.group)
+    everyone = from_every_rank((error, checked), group=job.group)
     if not job.is_writer or error is not None:
         return error, checked
     error = next((everyone[r][0] for r in job.mine if everyone[r][0] is not None), None)
