@@ -22,7 +22,7 @@ One word, one meaning, in this package:
   (``wait_for_copies``).
 - **snapshot**: the CPU buffers the copies go to, kept from one checkpoint to the next (the one buffer pool).
 - **reserve**: at the end of the first step, every copy a checkpoint needs measured, checked against the machine's
-  memory and allocated (``memory``).
+  memory and allocated (``reserve``).
 - **executor**: the one thread, with a gloo process group of its own, that writes background checkpoints one at a time
   (``executor.Executor``).
 - **write**: files put on disk and synced; ``wait_for_writes`` waits for the background checkpoint in flight.

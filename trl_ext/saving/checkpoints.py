@@ -14,7 +14,7 @@
 - ``abandon``: training stopped with an error; the checkpoint in flight is not committed.
 
 Each checkpoint's cost (``cost.Cost``) is logged as training metrics; the copies are reserved at the end of the first
-step (``memory``).
+step (``reserve``).
 """
 
 import contextlib
@@ -27,10 +27,11 @@ import torch
 from transformers import TrainerCallback
 
 from trl_ext import errors, patches
-from trl_ext.saving import deferred, memory
+from trl_ext.saving import deferred
 from trl_ext.saving.cost import Cost, max_over_ranks
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, as_failure
 from trl_ext.saving.mode import Mode, OptimizerHooks, Where, say_cpu_cost
+from trl_ext.saving.reserve import reserve_copies
 from trl_ext.saving.snapshot import Snapshot
 from trl_ext.saving.trainer_files import ModelCard, PartialDir, commit_checkpoint, fix_trainer_files
 
@@ -241,12 +242,12 @@ class Checkpoints:
 
     def reserve(self) -> None:
         """Once, at the end of the first training step, on every rank: the copies a checkpoint needs, measured,
-        checked against each machine's available memory and allocated (``memory.reserve_copies``); where they cannot be,
-        checkpoints go to the foreground, said in one line."""
+        checked against each machine's available memory and allocated (``reserve.reserve_copies``); where they cannot
+        be, checkpoints go to the foreground, said in one line."""
         if not self.mode.background or self._reserved:
             return
         self._reserved = True
-        self.measured, why = memory.reserve_copies(self.trainer, self.executor, self.snapshot)
+        self.measured, why = reserve_copies(self.trainer, self.executor, self.snapshot)
         if why is not None:
             self._go_foreground(why)
 
