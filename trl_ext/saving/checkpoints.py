@@ -13,8 +13,30 @@
 - ``close``: at the end of ``train()`` (and at exit), the copies' and the executor's threads ended.
 - ``abandon``: training stopped with an error; the checkpoint in flight is not committed.
 
-Each checkpoint's cost (``cost.Cost``) is logged as training metrics; the copies are reserved at the end of the first
-step (``reserve``).
+One background checkpoint, step by step, with the module of ``saving`` that does each step:
+
+    once, at the end of the first step: the copies measured, checked, allocated   reserve.reserve_copies
+    on the training thread, in take():
+      1. the previous checkpoint's outcome; a hidden partial directory            trainer_files.PartialDir
+      2. Trainer's _save_checkpoint runs; nothing is written, every part staged   executor.BackgroundCheckpoint
+         (its CPU copies) and queued: the weights                                 pipeline.save(into=...)
+         and the files Trainer, DeepSpeed and accelerate write                    deferred
+         into buffers kept from one checkpoint to the next                        snapshot.Snapshot
+      3. the copies start beside the next forward and backward                    snapshot (a CUDA stream or a thread)
+      4. before the next optimizer step, the copies complete (wait_for_copies)    mode.OptimizerHooks
+    on the executor's thread (its own gloo group):                                executor.Executor
+      5. every part written, synced and read back                                 write, gather, files.readback
+      6. every rank's outcome agreed on                                           errors.agree
+      7. the weights renamed into the checkpoint, the checkpoint into place,      save_plan.SaveJob.commit_save,
+         the after_commit hooks run (the mirror, Ray's reports), older ones       trainer_files.commit_checkpoint
+         rotated out
+    back on the training thread, at a step boundary (poll) or wait_for_writes:
+      8. the outcome on every rank (a failure raised on all of them), its cost    cost.Cost
+    throughout: foreground or background, and why (Where: FOREGROUND,             mode.Mode
+    BACKGROUND, BACKGROUND_COPIED_FIRST); what a BackgroundCheckpoint is for      executor.Purpose
+    (WRITE; RESERVE and MEASURE for the reserve)
+
+The words are the glossary's (``saving/__init__.py``).
 """
 
 import contextlib
