@@ -56,8 +56,7 @@ def _other_files(trainer, checkpoint: BackgroundCheckpoint) -> None:
     if trainer.args.save_only_model:
         return
     with tempfile.TemporaryDirectory(prefix="trl_ext-reserve-") as scratch, deferred.deferred_writes(checkpoint):
-        trainer._save_optimizer_and_scheduler(scratch)
-        trainer._save_rng_state(scratch)
+        trainer.write_states(scratch)
 
 
 def _short(need: int) -> str:

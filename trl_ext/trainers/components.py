@@ -15,7 +15,7 @@ theirs):
    the run, a watch for nodes that join), in the order given.
 
 What the components read of the trainer is public: ``trainer.checkpoints``, ``trainer.mirror``,
-``trainer.preemption``, ``trainer.storage`` and ``trainer.writes_files()``.
+``trainer.preemption``, ``trainer.storage``, ``trainer.writes_files()`` and ``trainer.write_states(directory)``.
 """
 
 import contextlib

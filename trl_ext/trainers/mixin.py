@@ -291,6 +291,16 @@ class TrlExtMixin:
         """
         return self._storage.checkpoint_writer(self.args) if self._storage else self.args.should_save
 
+    def write_states(self, directory: str) -> None:
+        """Write what a checkpoint holds besides the weights, as Trainer writes it there: the optimizer and scheduler
+        states and this rank's RNG state (the background checkpoints' reserve measures and copies them).
+
+        Args:
+            directory: where to write them.
+        """
+        self._save_optimizer_and_scheduler(directory)
+        self._save_rng_state(directory)
+
     def _diverged(self, exc: CheckpointError) -> CheckpointError | None:
         """A save refused because the weights hold NaN or inf means training diverged: say when, and what to resume."""
         if exc.kind != NONFINITE:
