@@ -445,7 +445,7 @@ def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_can
     args = SimpleNamespace(checkpoint_mirror=url, output_dir=str(tmp_path), save_total_limit=None,
                            mirror_grace_period=5.0, process_index=0)
     mirror = Mirror(args, Store(url))
-    mirror.begin(SimpleNamespace(_storage=None), resuming=True)
+    mirror.begin(SimpleNamespace(storage=None), resuming=True)
     assert mirror.wait(30)
     assert store.checkpoints() == {1: True, 2: True}
     assert not (tmp_path / uploader.STAGING / "checkpoint-2").exists()
@@ -463,14 +463,14 @@ def test_a_rank_that_finds_the_checkpoint_rank_0_just_downloaded_still_joins_ran
 
     (tmp_path / "checkpoint-2").mkdir()  # what rank 0 downloaded and committed a moment ago
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
-    trainer = type("T", (), {"_mirror": object(), "args": type("A", (), {"output_dir": str(tmp_path)})()})()
+    trainer = type("T", (), {"mirror": object(), "args": type("A", (), {"output_dir": str(tmp_path)})()})()
     broadcasts = []
 
     def broadcast_object_list(answer, src, group=None):
         broadcasts.append(src)
         answer[:] = ["/from/rank0/checkpoint-2", None]
 
-    monkeypatch.setattr("trl_ext.process.distributed", lambda: True)
+    monkeypatch.setattr("trl_ext.process.collectives.distributed", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
     if path == "restarted run":

@@ -15,9 +15,9 @@ import pytest
 
 from tests.harness import REPO
 from tests.machines import free_ports
-from trl_ext import process
 from trl_ext.errors import SetupError, UsageError
 from trl_ext.launching import in_process, launch, scripting
+from trl_ext.process import notices
 from trl_ext.scheduling import node, orchestrators, outcome, ownership, rendezvous
 
 ZERO3 = "accelerate_configs/zero3.yaml"
@@ -43,7 +43,7 @@ TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
 def env(monkeypatch):
     """Set a launcher's variables (none else set); returns the setter."""
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(process, "_speaks", [True])  # a launch decided here may silence this process's notices
+    monkeypatch.setattr(notices, "_speaks", [True])  # a launch decided here may silence this process's notices
     for key in ALL:
         monkeypatch.delenv(key, raising=False)
 

@@ -43,6 +43,17 @@ NOT_SHOWN = {
     "ray-fresh-cluster-view": "needs a Ray cluster that loses a node: tests/ray/test_ray.py's elastic run restarts on "
                               "the nodes left through it; without it (tried by hand) the group restarted at the old "
                               "size and waited out a 60 s start timeout first",
+    # Private names read or overridden where the library has no public one: nothing wrong to show; each guard checks
+    # the name, and tests/unit/test_patches.py checks what each helper reads and its fallback.
+    "checkpoint-wrapper": "a private module: torch has no public path to its CheckpointWrapper",
+    "storage-identity": "a missing API: torch gives storages no public identity",
+    "dtensor-local-tensor": "to_local() gives a Parameter(DTensor)'s shard as a new view at each call (torch "
+                            "gh-166156, by design); FSDP2's background saves (tests/distributed) copy through it",
+    "module-own-tensors": "a missing API: no public way to tell persistent buffers without the state-dict hooks",
+    "model-from-config": "a missing API: model classes have no public from_config",
+    "dataset-preparation-refusal": "a missing hook: TRL has no public dataset check",
+    "jit-checkpoint-sigterm-handler": "a missing hook: transformers keeps the handler it replaced private",
+    "parser-destinations": "a missing API: argparse lists a parser's actions only privately",
 }
 
 
@@ -58,7 +69,7 @@ SHOWN_HERE = {
     "reward-head-peft-config": "test_trls_reward_trainer_lora_wraps_the_head",
     "bounded-weight-sync": "test_trls_vllm_sync_gathers_the_whole_peft_model_at_once",
     "no-input-require-grads": "test_non_reentrant_checkpointing_still_registers_the_input_hook",
-    "staged-checkpoint-dir": "test_a_failed_checkpoint_save_leaves_a_checkpoint_dir_in_place",
+    "partial-checkpoint-dir": "test_a_failed_checkpoint_save_leaves_a_checkpoint_dir_in_place",
     "sharded-optimizer-states": "test_accelerate_saves_optimizer_states_as_it_saves_weights",
     "unused-weight-conversions": "test_a_zero3_load_keeps_conversions_that_never_matched",
     "notebook-import-check": "test_notebook_launcher_refuses_once_bitsandbytes_is_imported",
@@ -306,7 +317,7 @@ def test_a_failed_checkpoint_save_leaves_a_checkpoint_dir_in_place(tmp_path, tin
     with pytest.raises(OSError, match="killed mid-save"):
         trainer.train()
     last = get_last_checkpoint(str(tmp_path))
-    still_needed("staged-checkpoint-dir", last is not None and not (Path(last) / "trainer_state.json").exists(),
+    still_needed("partial-checkpoint-dir", last is not None and not (Path(last) / "trainer_state.json").exists(),
                  f"what a save that died half-way leaves for resume_from_checkpoint=True: {last}")
 
 

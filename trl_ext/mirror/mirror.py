@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 
 from trl_ext import errors
 from trl_ext.errors import MirrorError, TrlExtError
-from trl_ext.files import checkpoints
+from trl_ext.files import checkpoint_dirs as checkpoints
 from trl_ext.mirror import lease, options, uploader
 from trl_ext.mirror.store import Store, first_line
 from trl_ext.process import notice
@@ -104,7 +104,7 @@ class Mirror:
         """Join ``trainer``'s loop (``Progress``: the lease renewed, the lag logged before TensorBoard's callback
         writes the step's metrics)."""
         self.args = trainer.args
-        trainer.callback_handler.callbacks.insert(0, Progress(self))
+        trainer.join(Progress(self), first=True, committed=self.committed)
 
     @property
     def writer(self) -> bool:
@@ -125,7 +125,7 @@ class Mirror:
         if self.uploader is not None:  # a second train() of the same trainer
             return
         error = None
-        storage = getattr(trainer, "_storage", None)
+        storage = getattr(trainer, "storage", None)
         if storage is not None and storage.multi_node and not storage.shared:
             error = MirrorError(f"checkpoint_mirror {self.url} needs an output_dir that every node shares (each "
                                 "node's own output_dir holds only its ranks' parts of a checkpoint): put output_dir on "

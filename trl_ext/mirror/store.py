@@ -20,7 +20,7 @@ from pathlib import Path
 from fsspec.callbacks import Callback
 
 from trl_ext.errors import ABANDONED, LOCAL_FILE, MirrorError
-from trl_ext.files import checkpoints
+from trl_ext.files import checkpoint_dirs as checkpoints
 from trl_ext.mirror import manifest, options
 
 PART_BYTES = 32 * 2**20  # a download's ranged read

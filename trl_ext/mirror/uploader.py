@@ -34,7 +34,7 @@ from pathlib import Path
 from trl_ext.errors import ABANDONED, STALLED, MirrorError, TrlExtError
 from trl_ext.mirror import lease, manifest
 from trl_ext.mirror.store import Store, first_line, is_store_failure
-from trl_ext.process import before_exit
+from trl_ext.process.clean_exit import before_exit
 
 STAGING = ".trl_ext-mirror"  # in output_dir: the hard-linked files of uploads not done yet
 FILES_IN_PARALLEL = 4

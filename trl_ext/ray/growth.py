@@ -13,7 +13,7 @@ import threading
 
 from transformers import TrainerCallback
 
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 from trl_ext.ray import cluster
 
 CHECK_SECONDS = 10.0
@@ -23,7 +23,7 @@ class Growth(TrainerCallback):
     """Rank 0's watch for room to grow.
 
     Args:
-        trainer: the trainer (its ``_preemption`` stops every rank with a checkpoint).
+        trainer: the trainer (its ``preemption`` stops every rank with a checkpoint).
         workers: the group's size now.
         most: the range's maximum.
         per_worker: each worker's resources.
@@ -34,7 +34,7 @@ class Growth(TrainerCallback):
         self.done = threading.Event()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if getattr(self.trainer, "_preemption", None) is None:
+        if self.trainer.preemption is None:
             notice("save_on_preemption is off: the Ray worker group cannot save before it grows, so it stays at "
                    f"{self.workers} worker(s)")
             return
@@ -55,5 +55,5 @@ class Growth(TrainerCallback):
                 more = min(free, self.most - self.workers)
                 notice(f"Ray: room for {more} more worker(s) (the range's maximum is {self.most}): the worker group "
                        "stops at the next step with a checkpoint, and starts again larger")
-                self.trainer._preemption.request_stop("Ray: growing the worker group")
+                self.trainer.preemption.request_stop("Ray: growing the worker group")
                 return

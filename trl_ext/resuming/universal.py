@@ -51,7 +51,7 @@ def convert_to_universal(checkpoint: str | os.PathLike, tag: str) -> None:
         staging.chmod(0o755)
         os.replace(staging, final)
     # What load_universal reads instead of ``latest``. Always rewritten: ds_to_universal writes one naming its
-    # output folder, here the staging directory.
+    # output folder, here the partial directory.
     tmp = checkpoint / f".latest_universal.{os.getpid()}"
     tmp.write_text(final.name)
     os.replace(tmp, checkpoint / "latest_universal")
