@@ -21,6 +21,7 @@ import ipaddress
 import json
 import os
 import re
+import socket
 import zlib
 from dataclasses import asdict, dataclass, replace
 
@@ -188,6 +189,8 @@ def _kubeflow() -> Job | None:
     nodes = _integer("PET_NNODES", nodes_text, minimum=1)
     rank_name = "PET_NODE_RANK" if _env("PET_NODE_RANK") else "JOB_COMPLETION_INDEX"
     node_rank = _node_rank(rank_name, _env(rank_name), nodes, "PET_NNODES")
+    if rank_name == "JOB_COMPLETION_INDEX" and nodes > 1:
+        _refuse_jobset_replicas(node_rank)
     address = _env("PET_MASTER_ADDR") or _env("MASTER_ADDR")
     if nodes > 1 and not address:
         raise UsageError("PET_MASTER_ADDR is not set: with PET_NNODES > 1 every pod needs the first pod's address.",
@@ -197,6 +200,23 @@ def _kubeflow() -> Job | None:
     return Job("Kubeflow", per_rank=False, nodes=nodes, node_rank=node_rank, address=address, port=port,
                per_node=_per_node("PET_NPROC_PER_NODE", _env("PET_NPROC_PER_NODE")), run=_kubernetes_run(address),
                source="PET_NNODES, " + rank_name)
+
+
+def _refuse_jobset_replicas(completion_index: int) -> None:
+    """A JobSet of ``replicas: N`` Jobs of one pod each gives every pod ``JOB_COMPLETION_INDEX=0`` (its index in its
+    own Job): every pod would act as machine 0 and the first would wait for the others in vain. Its host name, which
+    JobSet makes ``<jobset>-<replicatedJob>-<job index>-<pod index>``, says which Job it is in: a pod of a Job other
+    than the first is refused in one line (the first pod then fails with the JobSet)."""
+    jobset = _env("JOBSET_NAME")
+    host = _env("HOSTNAME") or socket.gethostname()
+    match = re.match(rf"^{re.escape(jobset)}-.+-(\d+)-(\d+)$", host) if jobset else None
+    if match and int(match.group(1)) > 0:
+        raise UsageError(
+            f"JOB_COMPLETION_INDEX={completion_index} is this pod's index in its own Job, but the pod ({host}) is in "
+            f"Job {match.group(1)} of JobSet {jobset}: with `replicas: N` every Job's pods count from 0. Set "
+            "PET_NODE_RANK from the Job's index in the pod's env (valueFrom: {fieldRef: {fieldPath: "
+            "\"metadata.labels['jobset.sigs.k8s.io/job-index']\"}}), as examples/kubernetes/jobset.yaml does.",
+            every_rank=True)
 
 
 def _leader_worker_set() -> Job | None:
