@@ -46,13 +46,15 @@ def _check_before_launch(command: str, training_script_args: list[str]) -> None:
     the script."""
     from datasets import load_dataset
 
-    from trl_ext.launching import scripting
+    from trl_ext.launching import rename_probe, scripting
 
     script = __import__(f"trl.scripts.{command}", fromlist=["make_parser"])
     parsed = script.make_parser().parse_args_and_config(training_script_args, fail_with_unknown_args=False)
     script_args, training_args, model_args = parsed[:3]
     dataset_args = parsed[3] if len(parsed) > 3 and hasattr(parsed[3], "datasets") else None
     scripting.check_model(model_args.model_name_or_path)
+    if training_args.output_dir:
+        rename_probe.check_renames(training_args.output_dir)
     scripting.check_mirror(training_args)
     if (dataset_args is not None and dataset_args.datasets) or script_args.dataset_streaming:
         return
