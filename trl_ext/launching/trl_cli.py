@@ -62,6 +62,26 @@ def _check_before_launch(command: str, training_script_args: list[str]) -> None:
                             load=lambda name, config: load_dataset(name, name=config))
 
 
+def _embedded_as_paths(command: str, training_script_args: list[str]) -> list[str]:
+    """The arguments with an embedded model's or dataset's name (``trl-ext/tiny-llama-arith``,
+    ``trl-ext/arithmetic-preference``) given again as its local path, last (the last value wins, over a config file's
+    too): TRL's script in every rank then loads what the check before the launch loaded, as it loads any local path."""
+    from trl_ext.assets import resolve_model
+    from trl_ext.assets.datasets import embedded_dataset_dir
+
+    script = __import__(f"trl.scripts.{command}", fromlist=["make_parser"])
+    parsed = script.make_parser().parse_args_and_config(training_script_args, fail_with_unknown_args=False)
+    script_args, model_args = parsed[0], parsed[2]
+    extra = []
+    model = getattr(model_args, "model_name_or_path", None)
+    if model and resolve_model(model) != model:
+        extra += ["--model_name_or_path", resolve_model(model)]
+    dataset = getattr(script_args, "dataset_name", None)
+    if dataset and (directory := embedded_dataset_dir(dataset)):
+        extra += ["--dataset_name", directory]
+    return [*training_script_args, *extra]
+
+
 def _launch_runner(script_name: str, launch_args: list[str], training_script_args: list[str], **kwargs) -> None:
     """TRL's ``launch_training_script``, launching trl_ext's runner of the same script; in a rank that torchrun
     started (``torchrun -m trl_ext sft ...``, as Kubeflow's TRL runtime runs TRL's scripts), the script runs in this
@@ -71,6 +91,7 @@ def _launch_runner(script_name: str, launch_args: list[str], training_script_arg
     from trl_ext.scheduling import orchestrators
 
     command = script_name.removesuffix(".py")
+    training_script_args = _embedded_as_paths(command, training_script_args)
     _check_before_launch(command, training_script_args)
     num_processes, _ = launch.take_option(launch_args, "num_processes")
     job = orchestrators.current()
