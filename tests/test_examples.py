@@ -233,7 +233,7 @@ def pod_env(container: dict, labels: dict) -> dict:
     return env
 
 
-@pytest.mark.parametrize("kind", ["JobSet", "LeaderWorkerSet"])
+@pytest.mark.parametrize("kind", ["TrainJob", "JobSet", "LeaderWorkerSet"])
 def test_each_pod_gets_its_own_machine_index(kind, monkeypatch):
     from trl_ext.scheduling import orchestrators
 
@@ -248,6 +248,12 @@ def test_each_pod_gets_its_own_machine_index(kind, monkeypatch):
             pods.append({**pod_env(container, labels), "JOB_COMPLETION_INDEX": "0",
                          "HOSTNAME": f"{name}-{job['name']}-{index}-0"})
         assert pods[0]["PET_MASTER_ADDR"] == f"{name}-{job['name']}-0-0.{name}"  # the first pod's host name
+    elif kind == "TrainJob":  # what Kubeflow Trainer's torch plugin sets in each pod of replicated Job "node"
+        nodes = doc["spec"]["trainer"]["numNodes"]
+        for index in range(nodes):
+            pods.append({"PET_NNODES": str(nodes), "PET_NODE_RANK": str(index), "PET_MASTER_PORT": "29400",
+                         "PET_NPROC_PER_NODE": str(doc["spec"]["trainer"]["numProcPerNode"]),
+                         "PET_MASTER_ADDR": f"{name}-node-0-0.{name}"})
     else:
         size = doc["spec"]["leaderWorkerTemplate"]["size"]
         container = doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
@@ -264,8 +270,11 @@ def test_each_pod_gets_its_own_machine_index(kind, monkeypatch):
                 patched.setenv(key, value)
             job = orchestrators.current()
         assert job is not None and not job.per_rank and job.nodes == len(pods), job
-        seen.append(job.node_rank)
-    assert seen == list(range(len(pods)))
+        seen.append((job.node_rank, job.run))
+    # each pod its own index; one identity for the run, the same when the orchestrator recreates the pods
+    assert [rank for rank, _ in seen] == list(range(len(pods))) and len({run for _, run in seen}) == 1, seen
+    assert seen[0][1] == {"TrainJob": f"trainjob-{name}", "JobSet": f"jobset-{name}",
+                          "LeaderWorkerSet": f"lws-{name}-0"}[kind]
 
 
 def sky_tasks():
