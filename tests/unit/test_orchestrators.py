@@ -112,6 +112,11 @@ def test_a_jobset_of_replicated_jobs_takes_the_job_index_or_is_refused(env):
     with pytest.raises(UsageError, match=r"JOB_COMPLETION_INDEX=0 .* \(dpo-workers-1-0\) is in Job 1 of JobSet dpo.* "
                                          r"Set PET_NODE_RANK .*jobset\.sigs\.k8s\.io/job-index"):
         orchestrators.current()
+    # without JOBSET_NAME too: the first pod's address names the replicated Job
+    env().delenv("JOBSET_NAME")
+    with pytest.raises(UsageError, match=r"\(dpo-workers-1-0\) is in Job 1 of its JobSet"):
+        orchestrators.current()
+    env(JOBSET_NAME="dpo")
     # one Job of 2 pods (`parallelism: 2`): the completion index is the machine's
     env(JOB_COMPLETION_INDEX="1", HOSTNAME="dpo-workers-0-1")
     assert orchestrators.current().node_rank == 1
