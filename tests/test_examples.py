@@ -312,3 +312,51 @@ def test_the_docs_include_every_example():
         included |= set(re.findall(r'--8<-- "(examples/[^"]+)"', page.read_text()))
     expected = {str(p.relative_to(REPO)) for p in [*KUBERNETES, *SKYPILOT]}
     assert expected <= included, sorted(expected - included)
+
+
+def _lws_script(stand_in: str) -> str:
+    """The LeaderWorkerSet example's command, its recipe replaced by ``stand_in`` (a shell command)."""
+    doc = next(doc for _, doc in all_documents() if doc["kind"] == "LeaderWorkerSet")
+    script = doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["command"][2]
+    recipe = re.search(r"^python recipes/.*?&$", script, re.M | re.S)
+    assert recipe, script
+    return script.replace(recipe.group(0), f"{stand_in} &")
+
+
+@pytest.mark.parametrize("code,exits", [(200, True), (143, True), (0, False), (1, False), (201, False)])
+def test_the_leaderworkerset_command_passes_on_only_what_a_restart_can_fix(code, exits):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    shell = subprocess.Popen(["bash", "-c", _lws_script(f"{sys.executable} -c 'import sys; sys.exit({code})'")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        if exits:
+            assert shell.wait(timeout=20) == code  # Kubernetes sees it: the group is recreated
+        else:
+            line = shell.stdout.readline()  # said once the recipe has ended; then the pod stays
+            assert line.startswith(f"[trl_ext] exit {code}: not restarted"), line
+            with pytest.raises(subprocess.TimeoutExpired):
+                shell.wait(timeout=0.5)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+        shell.communicate()
+
+
+def test_the_leaderworkerset_command_passes_sigterm_on_to_the_recipe(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    mark = tmp_path / "signalled"
+    recipe = (f"{sys.executable} -c \"import signal, sys, time, pathlib; signal.signal(signal.SIGTERM, lambda *a: "
+              f"(pathlib.Path('{mark}').write_text('x'), sys.exit(143))); print('ready', flush=True); time.sleep(60)\"")
+    shell = subprocess.Popen(["bash", "-c", _lws_script(recipe)], stdout=subprocess.PIPE, text=True)
+    assert shell.stdout.readline().strip() == "ready"  # the recipe runs, and the shell has its trap
+    time.sleep(0.5)
+    shell.send_signal(signal.SIGTERM)  # the kubelet's SIGTERM goes to the container's first process: the shell
+    assert shell.wait(timeout=20) == 143 and mark.read_text() == "x"  # the recipe got it (its checkpoint), and 143
