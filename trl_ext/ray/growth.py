@@ -49,8 +49,12 @@ class Growth(TrainerCallback):
         while not self.done.wait(CHECK_SECONDS):
             try:
                 free = cluster.room([ray.available_resources()], self.per_worker)
-            except Exception:  # noqa: BLE001 - the cluster not answering now is not a reason to stop
+            except (ConnectionError, TimeoutError, ray.exceptions.RayError):  # the cluster not answering now: next time
                 continue
+            except Exception as exc:  # noqa: BLE001 - an error of our own would only repeat: said once, watch ends
+                notice(f"Ray: the watch for room to grow stopped ({type(exc).__name__}: {exc}); the worker group "
+                       f"stays at {self.workers} worker(s)")
+                return
             if free > 0:
                 more = min(free, self.most - self.workers)
                 notice(f"Ray: room for {more} more worker(s) (the range's maximum is {self.most}): the worker group "
