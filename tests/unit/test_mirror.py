@@ -328,7 +328,7 @@ def test_at_exit_the_queue_is_finished_within_the_grace_period_or_left_staged_an
 
 
 _EXITING_SCRIPT = """
-import sys, time
+import os, signal, sys, threading, time
 from pathlib import Path
 from trl_ext.mirror import lease, uploader
 from trl_ext.mirror.store import Store
@@ -338,30 +338,37 @@ lease.SETTLE_SECONDS = 0.0
 store = Store(url)
 upload = store.upload
 def slow(local, rel, cancelled=lambda: False):
-    time.sleep(3600 if mode == "silent" else 0.5)  # a slow store, or one that never answers
+    time.sleep(3600 if "silent" in mode else 0.5)  # a slow store, or one that never answers
     return upload(local, rel, cancelled)
 store.upload = slow
 holder = lease.Holder(output_dir=str(root))
 lease.claim(store, holder, resuming=False, say=print)
+grace = {"sigterm": (30.0, 30.0), "sigterm-silent": (30.0, 1.0)}.get(mode, (3.0, 20.0))
 up = uploader.Uploader(store, holder, root / uploader.STAGING, None, set, lambda line: print(line, flush=True),
-                       exit_grace=3.0)
+                       exit_grace=grace[0], signal_grace=grace[1])
+if mode.startswith("sigterm"):  # 0.3 s after the script returns: SIGTERM while the process finishes the upload
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.daemon = True
 checkpoint = root / "checkpoint-1"
 checkpoint.mkdir(parents=True)
 for i in range(6):
     (checkpoint / f"part-{i}.bin").write_bytes(bytes(1000))
 up.submit(uploader.stage(checkpoint, up.staging_root / "checkpoint-1", "checkpoint-1", 1))
 print("SCRIPT END", flush=True)
+if mode.startswith("sigterm"):
+    timer.start()
 if mode == "raise":
     raise SystemExit("the script failed after committing checkpoint-1")
 """
 
 
-@pytest.mark.slow  # three interpreters that import transformers (~25 s)
-@pytest.mark.parametrize("mode", ["return", "raise", "silent"])
+@pytest.mark.slow  # five interpreters that import transformers (~40 s)
+@pytest.mark.parametrize("mode", ["return", "raise", "silent", "sigterm", "sigterm-silent"])
 def test_a_process_that_returns_with_uploads_queued_finishes_them_and_ends(mode, tmp_path):
     """A real interpreter exit (the file uploads run on a thread pool, which the interpreter shuts at exit): the
     upload queued when the script returns is finished and the process ends with the script's code; a store that never
-    answers ends it after the grace period, the checkpoint said to be only local and left staged."""
+    answers ends it after the grace period, the checkpoint said to be only local and left staged. A SIGTERM while it
+    finishes (torchrun's, once another rank failed) is held back for at most mirror_grace_period, then ends it."""
     import subprocess
     import sys
 
@@ -373,9 +380,15 @@ def test_a_process_that_returns_with_uploads_queued_finishes_them_and_ends(mode,
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     seconds = time.monotonic() - started
     out = done.stdout + done.stderr
-    assert done.returncode == (1 if mode == "raise" else 0), out
+    assert done.returncode == {"raise": 1, "sigterm": -15, "sigterm-silent": -15}.get(mode, 0), out
     assert "SCRIPT END" in out and "cannot schedule new futures" not in out, out
-    if mode == "silent":
+    if mode.startswith("sigterm"):  # held back, then delivered: the process ends by it
+        assert "SIGTERM while this process exits: the uploads get at most" in out, out
+    if mode == "sigterm-silent":
+        assert seconds < 1.0 + uploader.EXIT_JOIN_SECONDS + 30, seconds
+        assert "checkpoint-1 only local: the 1 s mirror_grace_period after SIGTERM ran out" in out, out
+        assert (tmp_path / "out" / uploader.STAGING / "checkpoint-1" / "job.json").is_file()
+    elif mode == "silent":
         assert seconds < 3.0 + uploader.EXIT_JOIN_SECONDS + 30, seconds
         assert "checkpoint-1 only local" in out and "mirror_exit_grace_period ran out" in out, out
         assert (tmp_path / "out" / uploader.STAGING / "checkpoint-1" / "job.json").is_file()

@@ -136,7 +136,8 @@ class Mirror:
                 staging = Path(self.args.output_dir) / uploader.STAGING
                 keep = self.args.save_total_limit or None
                 self.uploader = uploader.Uploader(self.store, self.holder, staging, keep,
-                                                  lambda: set(self._protected), notice, self.exit_grace)
+                                                  lambda: set(self._protected), notice, self.exit_grace,
+                                                  self.grace)
                 self._finish_or_abandon()
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = _as_error(exc)

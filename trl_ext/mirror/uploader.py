@@ -16,14 +16,17 @@ and ends when there is none. It is a daemon: what a process that exits still has
 ``finish_at_exit``, which runs before the interpreter joins its threads and shuts down the thread pools the uploads
 use (``process.before_exit``), for at most ``exit_grace`` seconds (``mirror_exit_grace_period``); past them, or once
 the store has not answered for ``STALL_SECONDS`` after training ended, the process exits all the same, saying in one
-line what stayed only local and where it is staged. ``abandon`` stops at once (the grace period of a preempted run ran
-out).
+line what stayed only local and where it is staged. A SIGTERM meanwhile (a scheduler ending the job, or torchrun ending
+this rank because another rank failed) is held back for at most ``signal_grace`` more seconds
+(``mirror_grace_period``), then delivered as it came (``HeldSignal``). ``abandon`` stops at once (the grace period of a
+preempted run ran out).
 """
 
 import contextlib
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from collections import deque
@@ -43,6 +46,7 @@ STALL_SECONDS = 300.0  # once training has ended: give up after the store has no
 WARN_EVERY_SECONDS = 60.0
 EXIT_GRACE_SECONDS = 600.0  # at exit: the longest wait for uploads still queued (mirror_exit_grace_period)
 EXIT_JOIN_SECONDS = 5.0  # at exit, once given up: the longest wait for the request in flight to end
+SIGNAL_GRACE_SECONDS = 20.0  # at exit, after a SIGTERM: the longest wait for the uploads (mirror_grace_period)
 
 
 @dataclass
@@ -164,6 +168,44 @@ class Outage:
         return 0.0 if since is None else time.monotonic() - since
 
 
+class HeldSignal:
+    """While the process exits and its uploads finish: a SIGTERM is recorded, not acted on, and delivered as it came
+    once they are done (the process then ends by it, as it would have), at most ``grace`` seconds after it came.
+
+    Why: under torchrun, a rank that fails makes the launcher send SIGTERM to the others, and SIGKILL 30 s later; rank
+    0, finishing the final model's upload at exit, would die at once and the model would never reach the mirror. A
+    scheduler's SIGTERM gets ``mirror_grace_period``, as during training. Only on the main thread, and only where
+    SIGTERM's handler is Python's to change (not ignored).
+
+    Args:
+        grace: the most seconds the uploads go on after the signal.
+    """
+
+    def __init__(self, grace: float):
+        self.grace, self.since, self._previous = grace, None, None
+
+    def __enter__(self) -> "HeldSignal":
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous is not None and previous is not signal.SIG_IGN:
+                self._previous = previous
+                signal.signal(signal.SIGTERM, self._record)
+        return self
+
+    def _record(self, signum, frame) -> None:
+        self.since = self.since or time.monotonic()
+
+    def deadline(self, deadline: float) -> float:
+        """``deadline`` (a ``time.monotonic`` reading), brought forward to ``grace`` seconds after a signal."""
+        return deadline if self.since is None else min(deadline, self.since + self.grace)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            if self.since is not None:
+                signal.raise_signal(signal.SIGTERM)
+
+
 class Uploader:
     """Uploads queued checkpoints and models, one at a time, each file in parallel; see the module's docstring.
 
@@ -175,13 +217,14 @@ class Uploader:
         protected: the checkpoint steps retention never deletes (the best model's), asked at each retention.
         say: prints one line.
         exit_grace: at exit, the longest wait in seconds for the uploads still queued (``finish_at_exit``).
+        signal_grace: at exit, the longest wait in seconds after a SIGTERM (``mirror_grace_period``).
     """
 
     def __init__(self, store: Store, holder: lease.Holder, staging_root: Path, keep: int | None,
                  protected: Callable[[], set[int]], say: Callable[[str], None],
-                 exit_grace: float = EXIT_GRACE_SECONDS):
+                 exit_grace: float = EXIT_GRACE_SECONDS, signal_grace: float = SIGNAL_GRACE_SECONDS):
         self.store, self.holder, self.staging_root, self.keep = store, holder, staging_root, keep
-        self.protected, self.say, self.exit_grace = protected, say, exit_grace
+        self.protected, self.say, self.exit_grace, self.signal_grace = protected, say, exit_grace, signal_grace
         self._queue: deque[Job] = deque()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -306,19 +349,31 @@ class Uploader:
         with self._lock:
             self._start()  # with nothing left, the thread releases the lease and ends
         thread = self._thread
-        if self.wait(self.exit_grace):
-            if thread is not None:
-                thread.join(EXIT_JOIN_SECONDS)
-            if self.failed:
-                self.say(f"checkpoint_mirror: only local at exit: {', '.join(self.failed)} (staged in "
-                         f"{self.staging_root}; the next run with this output_dir uploads them)")
-            return
-        left = self.abandon(join=EXIT_JOIN_SECONDS)
-        silent = (f"; the store has not answered for {self.outage.seconds():.0f} s ({self.outage.error})"
-                  if self.outage.since is not None else "")
-        self.say(f"checkpoint_mirror: exiting with {', '.join(left + self.failed)} only local: the "
-                 f"{self.exit_grace:.0f} s mirror_exit_grace_period ran out{silent}. They are staged in "
-                 f"{self.staging_root}: the next run with this output_dir uploads them")
+        deadline = time.monotonic() + self.exit_grace
+        with HeldSignal(self.signal_grace) as held:  # a SIGTERM now is delivered once this block ends
+            said = False
+            while not (done := self.wait(max(0.0, min(held.deadline(deadline) - time.monotonic(), 0.5)))):
+                if held.since is not None and not said:
+                    said = True
+                    self.say(f"checkpoint_mirror: SIGTERM while this process exits: the uploads get at most "
+                             f"{self.signal_grace:.0f} s more (mirror_grace_period), then it ends")
+                if time.monotonic() >= held.deadline(deadline):
+                    break
+            if done:
+                if thread is not None:
+                    thread.join(EXIT_JOIN_SECONDS)
+                if self.failed:
+                    self.say(f"checkpoint_mirror: only local at exit: {', '.join(self.failed)} (staged in "
+                             f"{self.staging_root}; the next run with this output_dir uploads them)")
+                return
+            left = self.abandon(join=EXIT_JOIN_SECONDS)
+            silent = (f"; the store has not answered for {self.outage.seconds():.0f} s ({self.outage.error})"
+                      if self.outage.since is not None else "")
+            ran_out = (f"{self.signal_grace:.0f} s mirror_grace_period after SIGTERM" if held.deadline(deadline) <
+                       deadline else f"{self.exit_grace:.0f} s mirror_exit_grace_period")
+            self.say(f"checkpoint_mirror: exiting with {', '.join(left + self.failed)} only local: the {ran_out} ran "
+                     f"out{silent}. They are staged in {self.staging_root}: the next run with this output_dir uploads "
+                     "them")
 
     # --------------------------------------------------------------------------------------------- the thread
     def _run(self) -> None:

@@ -66,7 +66,8 @@ class SaveOptions:
         default=20.0,
         metadata={"help": "Seconds a preempted run (SIGTERM, SIGUSR1) waits for its stopping checkpoint to reach "
                           "checkpoint_mirror before it exits; past them the log says the checkpoint is only local. "
-                          "Keep it below the scheduler's grace period less the save."},
+                          "A process that gets SIGTERM while it finishes its uploads at exit waits as long. Keep it "
+                          "below the scheduler's grace period less the save."},
     )
     mirror_exit_grace_period: float = field(
         default=600.0,
