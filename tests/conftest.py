@@ -47,7 +47,8 @@ COST_S = {SHARED_RUNS: 1160, "tests/distributed/test_launchers.py": 515,
           "tests/distributed/test_trl_cli.py": 150, "tests/distributed/test_qlora.py": 140,
           "tests/distributed/test_resume_anywhere.py": 140, "tests/test_readme.py": 120,
           "tests/distributed/test_vlm.py": 100, "tests/distributed/test_user_configs.py": 100,
-          "tests/distributed/test_multinode.py": 90, "tests/test_device_check.py": 75,
+          "tests/distributed/test_multinode.py": 90, "tests/distributed/test_mirror_exit.py": 110,
+          "tests/test_device_check.py": 75,
           "tests/distributed/test_vllm_server.py": 70, "tests/test_formats.py": 65, "tests/test_notebook.py": 55}
 
 
