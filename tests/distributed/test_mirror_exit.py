@@ -11,7 +11,7 @@ ZeRO-3 (``accelerate launch``), five paths:
 - ``sigterm``: SIGTERM to every rank while checkpoint-2 uploads: a preemption, checkpoint-3 saved and uploaded within
   ``mirror_grace_period``;
 - ``stalled``: the store stops answering when the script returns: the process ends after
-  ``mirror_exit_grace_period``, saying in one line what stayed only local and where it is staged.
+  ``mirror_exit_grace_period``, saying in one line what stayed only local, kept in the outbox.
 
 Each must end within its bound with the right exit code, and the mirror must hold what was committed, the final model
 included, file for file. The 10 launches are independent and start together (one module fixture); each test reads
@@ -35,7 +35,8 @@ from tests.harness import SCRIPTS, Launch, accelerate_launch, run_command, write
 from tests.s3_proxy import S3Proxy
 from tests.s3_server import S3Server
 from trl_ext.mirror import manifest
-from trl_ext.mirror.uploader import EXIT_JOIN_SECONDS, STAGING
+from trl_ext.mirror.outbox import DIR as OUTBOX
+from trl_ext.mirror.uploader import EXIT_JOIN_SECONDS
 
 pytestmark = pytest.mark.slow
 
@@ -88,12 +89,12 @@ def s3(tmp_path_factory):
 
 
 def _sigterm_during_upload(tmp: Path, out: Path, ranks: int, ended: threading.Event, times: dict) -> threading.Thread:
-    """Once checkpoint-2 is staged for upload (its upload starts) and every rank has written its pid: SIGTERM to every
+    """Once checkpoint-2 is in the outbox (its upload starts) and every rank has written its pid: SIGTERM to every
     rank, then the file the ranks wait for before step 3 (so the signal comes while training runs)."""
 
     def run():
         pids = tmp / "pids"
-        while not ((out / STAGING / "checkpoint-2").exists() and len(list(pids.glob("rank*.pid"))) == ranks):
+        while not ((out / OUTBOX / "checkpoint-2").exists() and len(list(pids.glob("rank*.pid"))) == ranks):
             if ended.wait(0.02):
                 return
         times["signalled"] = time.time()
@@ -214,7 +215,7 @@ def test_a_script_that_returns_after_save_model_ends_within_60_s_and_the_mirror_
     assert run.after_last_line() < LAST_LINE_TO_EXIT_S, run.after_last_line()
     assert _mirrored(s3, run) == {"checkpoint-2", "checkpoint-4", "model"}
     assert "mirror: the model complete at" in run.output
-    assert not any((run.out / STAGING).iterdir())  # nothing left staged
+    assert not any((run.out / OUTBOX).iterdir())  # nothing left in the outbox
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -225,7 +226,7 @@ def test_a_script_that_returns_after_train_finishes_the_queued_uploads_then_ends
     finishing = [line for line in run.output.splitlines() if "checkpoint_mirror: finishing the upload of" in line]
     assert len(finishing) == 1 and "checkpoint-4" in finishing[0], finishing  # still queued when the script returned
     assert _mirrored(s3, run) == {"checkpoint-2", "checkpoint-4"}
-    assert not any((run.out / STAGING).iterdir())
+    assert not any((run.out / OUTBOX).iterdir())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -237,13 +238,13 @@ def test_a_script_that_raises_ends_with_its_error_and_the_mirror_holds_everythin
     assert "RuntimeError: the user's script failed after training" in run.output
     assert run.after_last_line() < LAST_LINE_TO_EXIT_S, run.after_last_line()
     assert _mirrored(s3, run) == {"checkpoint-2", "checkpoint-4", "model"}
-    assert not any((run.out / STAGING).iterdir())
+    assert not any((run.out / OUTBOX).iterdir())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sigterm_during_an_upload_stops_with_a_checkpoint_that_reaches_the_mirror(exits, s3, layout):
     run = exits[layout, "sigterm"]
-    assert run.signalled is not None, f"checkpoint-2 was never staged:\n{run.output[-4000:]}"
+    assert run.signalled is not None, f"checkpoint-2 never reached the outbox:\n{run.output[-4000:]}"
     _assert_ended(run, layout, 143)
     # the signal comes as checkpoint-2 is committed: the stop is there (the save's own check), or at step 3
     stop = re.search(rf"SIGTERM received: saved {re.escape(str(run.out))}/checkpoint-([23]) \(step \1\) and "
@@ -267,8 +268,8 @@ def test_a_store_that_stops_answering_at_exit_ends_the_process_after_the_grace_p
     assert len(lines) == 1, lines
     line = lines[0]
     assert "checkpoint_mirror: exiting with " in line and f"the {EXIT_GRACE_S:.0f} s mirror_exit_grace_period ran " \
-        f"out" in line and f"They are staged in {run.out / STAGING}: the next run with this output_dir uploads" in line
-    # every committed checkpoint and the model: in the mirror, or named in the line and staged for the next run
+        f"out" in line and f"They are kept in {run.out / OUTBOX}: the next run with this output_dir uploads" in line
+    # every committed checkpoint and the model: in the mirror, or named in the line and kept in the outbox
     held = _mirrored(s3, run)
     named = {"model" if name == "the model" else name
              for name in line.split("exiting with ")[1].split(" only local")[0].split(", ")}
@@ -276,4 +277,4 @@ def test_a_store_that_stops_answering_at_exit_ends_the_process_after_the_grace_p
     # (one can be both: its manifest reached the store, and the answer never came back; the next run finds it complete)
     assert held | named == {"checkpoint-2", "checkpoint-4", "model"}, (held, named)
     for name in named:
-        assert (run.out / STAGING / name / "job.json").is_file(), name
+        assert (run.out / OUTBOX / name / "job.json").is_file(), name

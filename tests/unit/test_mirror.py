@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 import trl_ext
 from trl_ext.errors import ConfigError, MirrorError
-from trl_ext.mirror import downloader, lease, manifest, options, uploader
+from trl_ext.mirror import downloader, lease, manifest, options, outbox, uploader
 from trl_ext.mirror.store import Store
 from trl_ext.mirror.verify import verify
 
@@ -49,12 +49,12 @@ def _uploader(url, tmp_path, keep=None, store=None):
     holder = lease.Holder(output_dir=str(tmp_path))
     lease.claim(store, holder, resuming=False, say=Lines())
     said = Lines()
-    return uploader.Uploader(store, holder, tmp_path / uploader.STAGING, keep, set, said), store, said
+    return uploader.Uploader(store, holder, tmp_path / outbox.DIR, keep, set, said), store, said
 
 
 def _submit(up, run_dir: Path, step: int):
     name = f"checkpoint-{step}"
-    up.submit(uploader.stage(run_dir / name, up.staging_root / name, name, step))
+    up.submit(outbox.put(run_dir / name, up.outbox_root / name, name, step))
 
 
 # --------------------------------------------------------------------------------------------------- options
@@ -201,7 +201,7 @@ def test_checkpoints_upload_with_the_manifest_last_and_retention_after_a_newer_o
     completed = order.index(next(o for o in order if o[:2] == ("manifest", "checkpoint-1")))
     first_delete = next(o for o in order[completed:] if o[0] == "delete" and o[1].startswith("checkpoint-1"))
     assert first_delete[1] == f"checkpoint-1/{manifest.NAME}" and 3 in first_delete[2]
-    assert not (tmp_path / uploader.STAGING / "checkpoint-1").exists()  # staged hard links removed once uploaded
+    assert not (tmp_path / outbox.DIR / "checkpoint-1").exists()  # the outbox's hard links removed once uploaded
     assert [line for line in said if "complete at" in line][0].startswith("mirror: checkpoint-1 complete at memory://")
 
 
@@ -250,8 +250,8 @@ def test_a_grace_period_that_runs_out_leaves_the_previous_checkpoint_complete(ur
     assert not up.wait(0.2)
     assert up.abandon() == ["checkpoint-2"]
     assert store.complete() == [1]
-    assert (tmp_path / uploader.STAGING / "checkpoint-2" / "job.json").is_file()  # a later run finishes it
-    assert [j.rel for j in uploader.pending(tmp_path / uploader.STAGING)] == ["checkpoint-2"]
+    assert (tmp_path / outbox.DIR / "checkpoint-2" / "job.json").is_file()  # a later run finishes it
+    assert [j.rel for j in outbox.pending(tmp_path / outbox.DIR)] == ["checkpoint-2"]
 
 
 def test_an_error_of_our_own_is_said_once_never_sent_again_and_stops_training_at_its_next_step(url, tmp_path,
@@ -277,11 +277,11 @@ def test_an_error_of_our_own_is_said_once_never_sent_again_and_stops_training_at
     assert len(calls) <= uploader.FILES_IN_PARALLEL  # each file tried once, in the one attempt
     lines = [line for line in said if "error of trl_ext's own" in line]
     assert len(lines) == 1 and "RuntimeError: cannot schedule new futures after interpreter shutdown" in lines[0]
-    assert "second line" not in lines[0] and "checkpoint-1" in lines[0] and str(up.staging_root) in lines[0]
-    assert (tmp_path / uploader.STAGING / "checkpoint-1" / "job.json").is_file()  # the next run finishes it
+    assert "second line" not in lines[0] and "checkpoint-1" in lines[0] and str(up.outbox_root) in lines[0]
+    assert (tmp_path / outbox.DIR / "checkpoint-1" / "job.json").is_file()  # the next run finishes it
     assert not any("has not answered" in line for line in said)  # never taken for an outage
     _checkpoint(tmp_path, 2)
-    _submit(up, tmp_path, 2)  # staged, not sent
+    _submit(up, tmp_path, 2)  # in the outbox, not sent
     assert up.failed == ["checkpoint-1", "checkpoint-2"] and up.idle()
     with pytest.raises(MirrorError, match="error of trl_ext's own, not the store's .RuntimeError: cannot schedule"):
         up.raise_if_broken()
@@ -294,7 +294,8 @@ def test_an_error_of_our_own_is_said_once_never_sent_again_and_stops_training_at
     assert is_store_failure(botocore.ClientError({"Error": {"Code": "SlowDown"}}, "PutObject"))
 
 
-def test_at_exit_the_queue_is_finished_within_the_grace_period_or_left_staged_and_said(url, tmp_path, monkeypatch):
+def test_at_exit_the_queue_is_finished_within_the_grace_period_or_left_in_the_outbox_and_said(url, tmp_path,
+                                                                                              monkeypatch):
     monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
     monkeypatch.setattr(uploader, "EXIT_JOIN_SECONDS", 0.5)
     up, store, said = _uploader(url, tmp_path)
@@ -323,14 +324,14 @@ def test_at_exit_the_queue_is_finished_within_the_grace_period_or_left_staged_an
     hold.set()
     line = [line for line in said if "only local" in line]
     assert len(line) == 1 and "checkpoint-2" in line[0] and "0 s mirror_exit_grace_period ran out" in line[0]
-    assert str(up.staging_root) in line[0] and "the next run with this output_dir uploads them" in line[0]
-    assert [j.rel for j in uploader.pending(tmp_path / uploader.STAGING)] == ["checkpoint-2"]
+    assert str(up.outbox_root) in line[0] and "the next run with this output_dir uploads them" in line[0]
+    assert [j.rel for j in outbox.pending(tmp_path / outbox.DIR)] == ["checkpoint-2"]
 
 
 _EXITING_SCRIPT = """
 import os, signal, sys, threading, time
 from pathlib import Path
-from trl_ext.mirror import lease, uploader
+from trl_ext.mirror import lease, outbox, uploader
 from trl_ext.mirror.store import Store
 
 root, url, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -344,7 +345,7 @@ store.upload = slow
 holder = lease.Holder(output_dir=str(root))
 lease.claim(store, holder, resuming=False, say=print)
 grace = {"sigterm": (30.0, 30.0), "sigterm-silent": (30.0, 1.0)}.get(mode, (3.0, 20.0))
-up = uploader.Uploader(store, holder, root / uploader.STAGING, None, set, lambda line: print(line, flush=True),
+up = uploader.Uploader(store, holder, root / outbox.DIR, None, set, lambda line: print(line, flush=True),
                        exit_grace=grace[0], signal_grace=grace[1])
 if mode.startswith("sigterm"):  # 0.3 s after the script returns: SIGTERM while the process finishes the upload
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
@@ -353,7 +354,7 @@ checkpoint = root / "checkpoint-1"
 checkpoint.mkdir(parents=True)
 for i in range(6):
     (checkpoint / f"part-{i}.bin").write_bytes(bytes(1000))
-up.submit(uploader.stage(checkpoint, up.staging_root / "checkpoint-1", "checkpoint-1", 1))
+up.submit(outbox.put(checkpoint, up.outbox_root / "checkpoint-1", "checkpoint-1", 1))
 print("SCRIPT END", flush=True)
 if mode.startswith("sigterm"):
     timer.start()
@@ -367,8 +368,9 @@ if mode == "raise":
 def test_a_process_that_returns_with_uploads_queued_finishes_them_and_ends(mode, tmp_path):
     """A real interpreter exit (the file uploads run on a thread pool, which the interpreter shuts at exit): the
     upload queued when the script returns is finished and the process ends with the script's code; a store that never
-    answers ends it after the grace period, the checkpoint said to be only local and left staged. A SIGTERM while it
-    finishes (torchrun's, once another rank failed) is held back for at most mirror_grace_period, then ends it."""
+    answers ends it after the grace period, the checkpoint said to be only local and left in the outbox. A SIGTERM
+    while it finishes (torchrun's, once another rank failed) is held back for at most mirror_grace_period, then
+    ends it."""
     import subprocess
     import sys
 
@@ -387,15 +389,15 @@ def test_a_process_that_returns_with_uploads_queued_finishes_them_and_ends(mode,
     if mode == "sigterm-silent":
         assert seconds < 1.0 + uploader.EXIT_JOIN_SECONDS + 30, seconds
         assert "checkpoint-1 only local: the 1 s mirror_grace_period after SIGTERM ran out" in out, out
-        assert (tmp_path / "out" / uploader.STAGING / "checkpoint-1" / "job.json").is_file()
+        assert (tmp_path / "out" / outbox.DIR / "checkpoint-1" / "job.json").is_file()
     elif mode == "silent":
         assert seconds < 3.0 + uploader.EXIT_JOIN_SECONDS + 30, seconds
         assert "checkpoint-1 only local" in out and "mirror_exit_grace_period ran out" in out, out
-        assert (tmp_path / "out" / uploader.STAGING / "checkpoint-1" / "job.json").is_file()
+        assert (tmp_path / "out" / outbox.DIR / "checkpoint-1" / "job.json").is_file()
     else:
         assert "mirror: checkpoint-1 complete at" in out, out
         assert Store(f"file://{store_dir}").complete() == [1]
-        assert not (tmp_path / "out" / uploader.STAGING / "checkpoint-1").exists()
+        assert not (tmp_path / "out" / outbox.DIR / "checkpoint-1").exists()
 
 
 # ---------------------------------------------------------------------------------------- downloads and verify
@@ -436,10 +438,11 @@ def test_verify_reads_the_safetensors_headers(url, tmp_path, monkeypatch):
     assert "checkpoint-1: complete" in listing.format() and not listing.ok
 
 
-def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_cannot_finish(url, tmp_path,
+def test_the_next_run_finishes_an_upload_in_the_outbox_and_abandons_a_partial_one_it_cannot_finish(url, tmp_path,
                                                                                            monkeypatch):
-    """What a killed run left: checkpoint-2 committed and staged but not uploaded (it is finished), checkpoint-3's
-    upload begun in the mirror with no local copy to finish it from (it is deleted); a resuming run does both."""
+    """What a killed run left: checkpoint-2 committed and in the outbox but not uploaded (it is finished),
+    checkpoint-3's upload begun in the mirror with no local copy to finish it from (it is deleted); a resuming run
+    does both."""
     from types import SimpleNamespace
 
     from trl_ext.mirror.mirror import Mirror
@@ -452,7 +455,7 @@ def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_can
     assert up.wait(30)
     lease.release(store, up.holder)  # that run has ended (killed)
     _checkpoint(tmp_path, 2)
-    uploader.stage(tmp_path / "checkpoint-2", tmp_path / uploader.STAGING / "checkpoint-2", "checkpoint-2", 2)
+    outbox.put(tmp_path / "checkpoint-2", tmp_path / outbox.DIR / "checkpoint-2", "checkpoint-2", 2)
     (tmp_path / "part.bin").write_bytes(b"x" * 100)
     store.upload(tmp_path / "part.bin", "checkpoint-3/model.safetensors")
     args = SimpleNamespace(checkpoint_mirror=url, output_dir=str(tmp_path), save_total_limit=None,
@@ -461,7 +464,7 @@ def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_can
     mirror.begin(SimpleNamespace(storage=None), resuming=True)
     assert mirror.wait(30)
     assert store.checkpoints() == {1: True, 2: True}
-    assert not (tmp_path / uploader.STAGING / "checkpoint-2").exists()
+    assert not (tmp_path / outbox.DIR / "checkpoint-2").exists()
 
 
 @pytest.mark.parametrize("path", ["resume_from_checkpoint=True", "restarted run"])

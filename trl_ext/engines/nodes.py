@@ -20,7 +20,7 @@ class Storage:
     shared: bool  # every node sees the same output_dir
 
     def checkpoint_writer(self, args) -> bool:
-        """Whether this rank creates and renames the staged checkpoint directory: one rank per copy of output_dir."""
+        """Whether this rank creates and renames the partial checkpoint directory: one rank per copy of output_dir."""
         if self.shared:
             return args.process_index == 0  # save_on_each_node on shared storage would race on the rename
         return args.should_save

@@ -1,5 +1,5 @@
 """Can the output directory's file system rename a directory? Every checkpoint and saved model is committed by renaming
-its finished staging directory into place (``files.commit``). Object-store mounts (mountpoint-s3, gcsfuse without
+its finished partial directory into place (``files.commit``). Object-store mounts (mountpoint-s3, gcsfuse without
 its rename support, SkyPilot's ``mode: MOUNT``) do not emulate that rename: the first checkpoint would fail after the
 first ``save_steps`` of training. Tried once at start, with a scratch directory, and refused in one line only when the
 rename really fails (never stricter than TRL: a directory that cannot even be created is left to TRL's own error).
@@ -38,15 +38,15 @@ def check_renames(output_dir: str | os.PathLike) -> None:
     """
     where = _nearest_existing(Path(output_dir))
     scratch = where / f"{PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staged, committed = scratch / "staged", scratch / "committed"
+    partial, committed = scratch / "partial", scratch / "committed"
     try:
-        staged.mkdir(parents=True)
-        (staged / "probe").write_bytes(b"trl_ext")
+        partial.mkdir(parents=True)
+        (partial / "probe").write_bytes(b"trl_ext")
     except OSError:  # not writable at all: TRL's own save says so, as it would without trl_ext
         shutil.rmtree(scratch, ignore_errors=True)
         return
     try:
-        os.rename(staged, committed)
+        os.rename(partial, committed)
     except OSError as exc:
         reason = errno.errorcode.get(exc.errno, "") if exc.errno else ""
         raise UsageError(

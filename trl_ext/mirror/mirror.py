@@ -12,7 +12,8 @@
     Progress (a callback)         renews the lease, logs the lag, raises an uploader's own error, says when training
                                   has ended
     at exit                       what is still queued is uploaded within ``mirror_exit_grace_period`` (default
-                                  600 s), or said to be only local (staged for the next run): the process ends
+                                  600 s), or said to be only local (kept in the outbox for the next run): the process
+                                  ends
 
 Only global rank 0 uploads: a mirror needs an output directory every node shares, where rank 0 commits every
 checkpoint whole.
@@ -27,7 +28,7 @@ from transformers import TrainerCallback
 from trl_ext import errors
 from trl_ext.errors import MirrorError, TrlExtError
 from trl_ext.files import checkpoint_dirs as checkpoints
-from trl_ext.mirror import lease, options, uploader
+from trl_ext.mirror import lease, options, outbox, uploader
 from trl_ext.mirror.store import Store, first_line
 from trl_ext.process import notice
 
@@ -133,9 +134,9 @@ class Mirror:
         elif self.writer:
             try:
                 lease.claim(self.store, self.holder, resuming, notice)
-                staging = Path(self.args.output_dir) / uploader.STAGING
+                box = Path(self.args.output_dir) / outbox.DIR
                 keep = self.args.save_total_limit or None
-                self.uploader = uploader.Uploader(self.store, self.holder, staging, keep,
+                self.uploader = uploader.Uploader(self.store, self.holder, box, keep,
                                                   lambda: set(self._protected), notice, self.exit_grace,
                                                   self.grace)
                 self._finish_or_abandon()
@@ -147,16 +148,16 @@ class Mirror:
                    "in the background")
 
     def _finish_or_abandon(self) -> None:
-        """What an earlier run left: staged uploads and committed local checkpoints the mirror lacks are uploaded;
-        incomplete remote checkpoints that nothing here can finish are deleted."""
+        """What an earlier run left: uploads in the outbox and committed local checkpoints the mirror lacks are
+        uploaded; incomplete remote checkpoints that nothing here can finish are deleted."""
         up = self.uploader
         remote = self.store.checkpoints()
         complete = {s for s, done in remote.items() if done}
         up.remote_step = max(complete, default=None)
         queued = set()
-        for job in uploader.pending(up.staging_root):
+        for job in outbox.pending(up.outbox_root):
             if job.step is not None and job.step in complete:
-                shutil.rmtree(job.staged, ignore_errors=True)
+                shutil.rmtree(job.folder, ignore_errors=True)
                 continue
             notice(f"checkpoint_mirror: finishing the upload of {job.name} that an earlier run left")
             up.submit(job)
@@ -175,7 +176,7 @@ class Mirror:
                        "run left (it never completed; no checkpoint here can finish it)")
 
     def committed(self, path: str | os.PathLike, step: int) -> None:
-        """``checkpoint-<step>`` was committed locally at ``path``: its files are hard-linked into the hidden staging
+        """``checkpoint-<step>`` was committed locally at ``path``: its files are hard-linked into the outbox
         folder and queued for upload (milliseconds; training goes on). Call it on the rank that commits, before
         older checkpoints are rotated out.
 
@@ -186,7 +187,7 @@ class Mirror:
         if self.uploader is None:
             return
         name = checkpoints.name(step)
-        job = uploader.stage(Path(path), self.uploader.staging_root / name, name, step)
+        job = outbox.put(Path(path), self.uploader.outbox_root / name, name, step)
         self.uploader.submit(job)
 
     def model_saved(self, path: str | os.PathLike) -> None:
@@ -206,8 +207,8 @@ class Mirror:
                        "output_dir are)")
             return
         rel = "" if rel == "." else rel.replace(os.sep, "/")
-        staged = self.uploader.staging_root / ("model" if not rel else "model@" + rel.replace("/", "@"))
-        self.uploader.submit(uploader.stage(Path(path), staged, rel, None, top_files_only=True))
+        folder = self.uploader.outbox_root / ("model" if not rel else "model@" + rel.replace("/", "@"))
+        self.uploader.submit(outbox.put(Path(path), folder, rel, None, top_files_only=True))
 
     def protect(self, best_model_checkpoint: str | None) -> None:
         """The best model's checkpoint is kept by the remote retention, as by the local one."""
@@ -230,7 +231,7 @@ class Mirror:
                 left = self.uploader.abandon()
                 newest = self.uploader.remote_step
                 notice(f"checkpoint_mirror: the {self.grace:.0f} s grace period (mirror_grace_period) ran out: "
-                       f"{', '.join(left)} only local (staged in {self.uploader.staging_root}); the mirror's newest "
+                       f"{', '.join(left)} only local (kept in {self.uploader.outbox_root}); the mirror's newest "
                        f"complete checkpoint is {f'checkpoint-{newest}' if newest else 'none'}")
         barrier()
 

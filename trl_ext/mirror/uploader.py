@@ -1,6 +1,6 @@
-"""The uploads of a mirror, on a thread of their own: training only hard-links a committed checkpoint's files into a
-hidden folder (``.trl_ext-mirror/checkpoint-N``) and queues it; the thread uploads its files in parallel (multipart for
-large ones), then writes the manifest, last, and applies the remote retention.
+"""The uploads of a mirror, on a thread of their own: training only hard-links a committed checkpoint's files into the
+outbox (``outbox``: ``.trl_ext-mirror/checkpoint-N`` in the output directory) and queues it; the thread uploads its
+files in parallel (multipart for large ones), then writes the manifest, last, and applies the remote retention.
 
 The store's client retries each request (S3: botocore's standard mode, ``store.S3_ATTEMPTS`` attempts with backoff)
 and tells the uploader of each failed attempt, so that the log says at once that the store does not answer. A
@@ -10,36 +10,33 @@ for as long as training runs: an outage of any length is caught up. Any other ex
 sending again would only repeat: it is said once, with its type and first line, nothing more is uploaded, and the
 training side raises it at its next step (``raise_if_broken``).
 
-The hard links keep a queued checkpoint whole while local rotation (``save_total_limit``) removes its folder, and
-survive a crash: the next run on the machine finishes the upload (``pending``). The thread runs while there is work
-and ends when there is none. It is a daemon: what a process that exits still has to upload is finished by
+The outbox keeps a queued checkpoint whole while local rotation (``save_total_limit``) removes its folder, and
+survives a crash: the next run on the machine finishes the upload (``outbox.pending``). The thread runs while there is
+work and ends when there is none. It is a daemon: what a process that exits still has to upload is finished by
 ``finish_at_exit``, which runs before the interpreter joins its threads and shuts down the thread pools the uploads
 use (``process.before_exit``), for at most ``exit_grace`` seconds (``mirror_exit_grace_period``); past them, or once
 the store has not answered for ``STALL_SECONDS`` after training ended, the process exits all the same, saying in one
-line what stayed only local and where it is staged. A SIGTERM meanwhile (a scheduler ending the job, or torchrun ending
+line what stayed only local, kept in the outbox. A SIGTERM meanwhile (a scheduler ending the job, or torchrun ending
 this rank because another rank failed) is held back for at most ``signal_grace`` more seconds
 (``mirror_grace_period``), then delivered as it came (``HeldSignal``). ``abandon`` stops at once (the grace period of a
 preempted run ran out).
 """
 
 import contextlib
-import json
-import os
 import shutil
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl_ext.errors import ABANDONED, STALLED, MirrorError, TrlExtError
 from trl_ext.mirror import lease, manifest
+from trl_ext.mirror.outbox import Job
 from trl_ext.mirror.store import Store, first_line, is_store_failure
 from trl_ext.process.clean_exit import before_exit
 
-STAGING = ".trl_ext-mirror"  # in output_dir: the hard-linked files of uploads not done yet
 FILES_IN_PARALLEL = 4
 RESEND_SECONDS = 10.0  # a checkpoint the store failed, after its client's own retries, is sent again this much later
 STALL_SECONDS = 300.0  # once training has ended: give up after the store has not answered for this long
@@ -47,65 +44,6 @@ WARN_EVERY_SECONDS = 60.0
 EXIT_GRACE_SECONDS = 600.0  # at exit: the longest wait for uploads still queued (mirror_exit_grace_period)
 EXIT_JOIN_SECONDS = 5.0  # at exit, once given up: the longest wait for the request in flight to end
 SIGNAL_GRACE_SECONDS = 20.0  # at exit, after a SIGTERM: the longest wait for the uploads (mirror_grace_period)
-
-
-@dataclass
-class Job:
-    """One upload: a committed ``checkpoint-N`` or a saved model, hard-linked under ``staged``.
-
-    Args:
-        rel: the remote folder, relative to the mirror (``checkpoint-20``; ``""`` for a model saved in output_dir).
-        step: the checkpoint's step (None for a model).
-        staged: the folder of hard links.
-    """
-
-    rel: str
-    step: int | None
-    staged: str
-    sent: dict[str, tuple[int, str]] = field(default_factory=dict)  # file -> (size, checksum), in the store already
-
-    @property
-    def name(self) -> str:
-        return self.rel or "the model"
-
-    def files(self) -> list[str]:
-        root = Path(self.staged)
-        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != "job.json")
-
-
-def stage(source: Path, staging: Path, rel: str, step: int | None, top_files_only: bool = False) -> Job:
-    """Hard-link the files of ``source`` (a committed checkpoint, or a saved model: ``top_files_only``, the regular
-    files at its top) into ``staging``; copied where the file system has no hard links.
-
-    Returns:
-        The ``Job``, described in ``staging/job.json`` too (so that a later run can finish it).
-    """
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    paths = ([p for p in source.iterdir() if p.is_file() and not p.name.startswith(".")] if top_files_only
-             else [p for p in source.rglob("*") if p.is_file()])
-    for path in paths:
-        target = staging / path.relative_to(source)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:  # no hard links here (some network file systems): a copy, slower but as safe
-            shutil.copy2(path, target)
-    job = Job(rel, step, str(staging))
-    (staging / "job.json").write_text(json.dumps({"rel": rel, "step": step, "staged": str(staging)}))
-    return job
-
-
-def pending(staging_root: Path) -> list[Job]:
-    """The uploads an earlier run on this machine left unfinished, oldest checkpoint first, models last."""
-    jobs = []
-    for path in sorted(staging_root.glob("*/job.json")) if staging_root.is_dir() else []:
-        try:
-            raw = json.loads(path.read_text())
-            jobs.append(Job(raw["rel"], raw["step"], str(path.parent)))
-        except (OSError, ValueError, KeyError):
-            shutil.rmtree(path.parent, ignore_errors=True)
-    return sorted(jobs, key=lambda j: (j.step is None, j.step or 0))
 
 
 def in_parallel(calls: list[Callable[[], None]], workers: int) -> None:
@@ -212,7 +150,7 @@ class Uploader:
     Args:
         store: the mirror.
         holder: this run's lease (renewed by ``renew_if_due``, checked before every manifest).
-        staging_root: ``<output_dir>/.trl_ext-mirror``.
+        outbox_root: ``<output_dir>/.trl_ext-mirror``.
         keep: how many complete checkpoints the mirror keeps (``save_total_limit``; None: all).
         protected: the checkpoint steps retention never deletes (the best model's), asked at each retention.
         say: prints one line.
@@ -220,10 +158,10 @@ class Uploader:
         signal_grace: at exit, the longest wait in seconds after a SIGTERM (``mirror_grace_period``).
     """
 
-    def __init__(self, store: Store, holder: lease.Holder, staging_root: Path, keep: int | None,
+    def __init__(self, store: Store, holder: lease.Holder, outbox_root: Path, keep: int | None,
                  protected: Callable[[], set[int]], say: Callable[[str], None],
                  exit_grace: float = EXIT_GRACE_SECONDS, signal_grace: float = SIGNAL_GRACE_SECONDS):
-        self.store, self.holder, self.staging_root, self.keep = store, holder, staging_root, keep
+        self.store, self.holder, self.outbox_root, self.keep = store, holder, outbox_root, keep
         self.protected, self.say, self.exit_grace, self.signal_grace = protected, say, exit_grace, signal_grace
         self._queue: deque[Job] = deque()
         self._lock = threading.Condition()
@@ -250,7 +188,7 @@ class Uploader:
         """Queue ``job`` (training goes on at once); queued checkpoints that retention would delete right after they
         completed are dropped."""
         with self._lock:
-            if self.error is not None:  # stopped on an error of our own: staged for a later run, not sent
+            if self.error is not None:  # stopped on an error of our own: kept in the outbox for a later run
                 self.failed.append(job.name)
                 return
             self._queue.append(job)
@@ -260,7 +198,7 @@ class Uploader:
                 checkpoints = [j for j in self._queue if j.step is not None]
                 for old in checkpoints[:-self.keep] if len(checkpoints) > self.keep else []:
                     self._queue.remove(old)
-                    shutil.rmtree(old.staged, ignore_errors=True)
+                    shutil.rmtree(old.folder, ignore_errors=True)
             self._start()
         self._say_lag()
 
@@ -280,7 +218,7 @@ class Uploader:
             self._raised = True
             raise MirrorError(f"checkpoint_mirror {self.store.shown}: the uploads stopped on an error of trl_ext's "
                               f"own, not the store's ({first_line(self.error)}); every checkpoint is in output_dir, "
-                              f"and those not uploaded are staged in {self.staging_root} for the next run")
+                              f"and those not uploaded are kept in {self.outbox_root} for the next run")
 
     def _start(self) -> None:
         if self.error is not None:
@@ -317,7 +255,7 @@ class Uploader:
 
     def abandon(self, join: float = 30.0) -> list[str]:
         """Stop now: the upload in flight is discarded (the previous complete checkpoint stays the mirror's newest),
-        and what was queued stays staged on disk for a later run.
+        and what was queued stays in the outbox for a later run.
 
         Args:
             join: the longest wait, in seconds, for the request in flight to end (the thread is a daemon).
@@ -336,8 +274,8 @@ class Uploader:
     def finish_at_exit(self) -> None:
         """The process exits (``process.before_exit``: before the interpreter joins its threads and shuts its thread
         pools): the uploads still queued are finished within ``exit_grace`` seconds, and the lease released; past
-        them (or once the store has not answered for ``STALL_SECONDS``) what is left stays staged, said in one line,
-        and the process exits all the same."""
+        them (or once the store has not answered for ``STALL_SECONDS``) what is left stays in the outbox, said in one
+        line, and the process exits all the same."""
         if self._lost:
             return
         with self._lock:
@@ -363,8 +301,8 @@ class Uploader:
                 if thread is not None:
                     thread.join(EXIT_JOIN_SECONDS)
                 if self.failed:
-                    self.say(f"checkpoint_mirror: only local at exit: {', '.join(self.failed)} (staged in "
-                             f"{self.staging_root}; the next run with this output_dir uploads them)")
+                    self.say(f"checkpoint_mirror: only local at exit: {', '.join(self.failed)} (kept in "
+                             f"{self.outbox_root}; the next run with this output_dir uploads them)")
                 return
             left = self.abandon(join=EXIT_JOIN_SECONDS)
             silent = (f"; the store has not answered for {self.outage.seconds():.0f} s ({self.outage.error})"
@@ -372,7 +310,7 @@ class Uploader:
             ran_out = (f"{self.signal_grace:.0f} s mirror_grace_period after SIGTERM" if held.deadline(deadline) <
                        deadline else f"{self.exit_grace:.0f} s mirror_exit_grace_period")
             self.say(f"checkpoint_mirror: exiting with {', '.join(left + self.failed)} only local: the {ran_out} ran "
-                     f"out{silent}. They are staged in {self.staging_root}: the next run with this output_dir uploads "
+                     f"out{silent}. They are kept in {self.outbox_root}: the next run with this output_dir uploads "
                      "them")
 
     # --------------------------------------------------------------------------------------------- the thread
@@ -403,7 +341,7 @@ class Uploader:
                 elif exc.kind != ABANDONED and job is not None:
                     self.failed.append(f"{job.name}: {exc}")
                     self.say(f"mirror {self.store.url_of(job.rel)}: the upload failed ({exc}); it stays only local: "
-                             f"{job.staged}")
+                             f"{job.folder}")
             except Exception as exc:  # noqa: BLE001 - sorted below: the store's failure, or an error of our own
                 if not is_store_failure(exc):
                     self._broken(job, exc)
@@ -431,20 +369,21 @@ class Uploader:
             self._queue.clear()
         self.failed += left
         self.say(f"mirror {self.store.shown}: the store has not answered for {self.outage.seconds():.0f} s since "
-                 f"training ended ({self.outage.error}); only local: {', '.join(left)} (staged in "
-                 f"{self.staging_root}; the next run here finishes the upload)")
+                 f"training ended ({self.outage.error}); only local: {', '.join(left)} (kept in "
+                 f"{self.outbox_root}; the next run here finishes the upload)")
 
     def _broken(self, job: Job | None, exc: BaseException) -> None:
         """An error of our own (not the store's): said once, with its type and first line; nothing more is uploaded
-        (it would only repeat), what is left stays staged for a later run, and training raises it at its next step."""
+        (it would only repeat), what is left stays in the outbox for a later run, and training raises it at its next
+        step."""
         with self._lock:
             left = [j.name for j in ([job] if job else []) + list(self._queue)]
             self._queue.clear()
             self.error = exc
         self.failed += left
         self.say(f"checkpoint_mirror {self.store.shown}: the uploads stopped on an error of trl_ext's own, not the "
-                 f"store's ({first_line(exc)}); only local: {', '.join(left) or 'nothing yet'} (staged in "
-                 f"{self.staging_root}; the next run with this output_dir uploads them). Please report it")
+                 f"store's ({first_line(exc)}); only local: {', '.join(left) or 'nothing yet'} (kept in "
+                 f"{self.outbox_root}; the next run with this output_dir uploads them). Please report it")
 
     def _resend(self, job: Job) -> None:
         """The store failed ``job`` after its client's own retries: it goes first in the queue again, sent
@@ -490,8 +429,8 @@ class Uploader:
     def _upload(self, job: Job) -> None:
         started = time.monotonic()
         files = job.files()
-        staged = Path(job.staged)
-        sizes = {name: (staged / name).stat().st_size for name in files}
+        folder = Path(job.folder)
+        sizes = {name: (folder / name).stat().st_size for name in files}
         self._current_bytes = [sum(size for size, _ in job.sent.values()), sum(sizes.values())]
         # a manifest there describes an earlier upload of this name: it stops counting before any file changes
         self._call(lambda: self.store.delete(f"{job.rel}/{manifest.NAME}" if job.rel else manifest.NAME,
@@ -499,7 +438,7 @@ class Uploader:
 
         def one(name: str) -> None:
             rel = f"{job.rel}/{name}" if job.rel else name
-            size, digest = self._call(lambda: self.store.upload(staged / name, rel, self._cancel.is_set))
+            size, digest = self._call(lambda: self.store.upload(folder / name, rel, self._cancel.is_set))
             with self._lock:  # the files upload in parallel
                 job.sent[name] = (size, digest)
                 self._current_bytes[0] += size
@@ -523,7 +462,7 @@ class Uploader:
         self.completed.append((job.rel, seconds))
         if job.step is not None:
             self.remote_step = max(job.step, self.remote_step or 0)
-        shutil.rmtree(job.staged, ignore_errors=True)
+        shutil.rmtree(job.folder, ignore_errors=True)
         self.say(f"mirror: {job.name} complete at {self.store.url_of(job.rel)} ({len(files)} files, "
                  f"{done.total_bytes / 2**20:.1f} MiB in {seconds:.1f} s)")
         if job.step is not None:

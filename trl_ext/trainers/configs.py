@@ -74,7 +74,7 @@ class SaveOptions:
         metadata={"help": "Seconds a process that exits (a script that returned, or raised) waits for the uploads to "
                           "checkpoint_mirror still queued (the final model, the last checkpoints) before it ends; "
                           "past them, or once the store has not answered for 300 s, it ends all the same and says "
-                          "what stayed only local, staged in output_dir for the next run to upload."},
+                          "what stayed only local, kept in output_dir for the next run to upload."},
     )
 
     def __post_init__(self):
