@@ -10,6 +10,7 @@ load the base in 4-bit (bitsandbytes). Answer (a line on stdout starting with ``
 """
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -40,6 +41,21 @@ def training_kernel(model):
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     return model
+
+
+def saved_dtype(path: str):
+    """The dtype of the floating-point tensors a full-model save holds (None if mixed or none)."""
+    import glob
+
+    from safetensors import safe_open
+
+    dtypes = set()
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(file, "pt") as f:
+            dtypes.update(f.get_slice(k).get_dtype() for k in f.keys())
+    floats = {getattr(torch, {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[d]) for d in dtypes
+              if d in ("F32", "BF16", "F16")}
+    return floats.pop() if len(floats) == 1 else None
 
 
 def load_base(name: str, request: dict):
@@ -73,6 +89,8 @@ def answer(request: dict) -> dict:
         model = load_base(path, request)
     found["logits"] = probe(model, device)
     if not request.get("four_bit"):  # save_pretrained of a 4-bit model writes its quantization config too
+        if not base:  # save_pretrained writes the dtype the model is in: the saved tensors' (FSDP2 trains in fp32)
+            model = model.to(saved_dtype(path) or model.dtype)
         found["metadata"] = metadata_problems(path, model, AutoTokenizer.from_pretrained(path))
     found["seconds"] = time.perf_counter() - start
     del model

@@ -217,13 +217,14 @@ def accelerate_config(check, engine: str) -> Path:
     path = write_accelerate_config(check.work / f"config-{engine}", engine, num_processes=processes(check, engine))
     if not check.smoke:
         config = yaml.safe_load(path.read_text())
-        config["mixed_precision"] = "bf16"
-        path.write_text(yaml.safe_dump(config))
         ds = config.get("deepspeed_config", {}).get("deepspeed_config_file")
         if ds:  # the training arguments decide ("auto"), as in TRL's zero3.yaml users copy
             settings = json.loads(Path(ds).read_text())
             settings["bf16"] = {"enabled": "auto"}
             Path(ds).write_text(json.dumps(settings, indent=2))
+        else:  # accelerate refuses mixed_precision beside a DeepSpeed config file (seen on the H200, 2026-11-28)
+            config["mixed_precision"] = "bf16"
+        path.write_text(yaml.safe_dump(config))
     return path
 
 

@@ -14,7 +14,7 @@ start, so GPU work a checkpoint queued, such as copies on the compute stream, co
 ``_save_checkpoint`` call, and so how long each checkpoint held training: the gap from the end of its step to the start
 of the next, less the median gap after steps without a checkpoint (logging). Steps "in flight" are those that overlap
 a background save (its ``started`` to ``finished`` events). Also kept: the ``checkpoint/*`` costs trl_ext logs for each
-checkpoint (``trainer._checkpoints.history``), and each step's loss.
+checkpoint (``trainer.checkpoints.history``), and each step's loss.
 
 Checked: the two runs are deterministic (the same losses), each background checkpoint holds the same tensors as the
 foreground's (weights, optimizer, scheduler and RNG states) and passes trl_ext's audit, and the resumed run gives the
@@ -130,7 +130,7 @@ def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from
                                  callbacks=[clock])
     saves, reserve = [], []
     timed(trainer, "_save_checkpoint", saves)
-    checkpoints = getattr(trainer, "_checkpoints", None)
+    checkpoints = getattr(trainer, "checkpoints", None)
     if checkpoints is not None and hasattr(checkpoints, "reserve"):
         timed(checkpoints, "reserve", reserve)
     start = time.monotonic()

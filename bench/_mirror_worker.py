@@ -64,8 +64,8 @@ def main():
     trainer.train(resume_from_checkpoint=True if cli.resume else None)
     trained = time.perf_counter() - start
     waited = time.perf_counter()
-    if trainer._mirror is not None:
-        trainer._mirror.wait()
+    if trainer.mirror is not None:
+        trainer.mirror.wait()
     print("BENCH " + json.dumps({"steps": steps.times, "train_s": trained,
                                  "upload_wait_s": time.perf_counter() - waited,
                                  "start_to_first_step_s": steps.first_end - cli.started,

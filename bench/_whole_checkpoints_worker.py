@@ -54,7 +54,7 @@ def main():
     data = Dataset.from_list([{"messages": [{"role": "user", "content": "1+1"},
                                             {"role": "assistant", "content": "2"}]}] * 64)
     trainer = trl_ext.SFTTrainer(model=cli.model, args=args, train_dataset=data)
-    checkpoints, reserve = trainer._checkpoints, []
+    checkpoints, reserve = trainer.checkpoints, []
     original_reserve = checkpoints.reserve
 
     def timed_reserve():

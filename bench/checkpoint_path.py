@@ -28,7 +28,7 @@ def main():
                                  save_steps=2, save_in_background=True)
         trainer = trl_ext.SFTTrainer(model=default_model_path(), args=args, train_dataset=Dataset.from_list(ROWS))
         probe = ModulesCrossed()
-        save_checkpoint, checkpoints = trainer._save_checkpoint, trainer._checkpoints
+        save_checkpoint, checkpoints = trainer._save_checkpoint, trainer.checkpoints
 
         def only_checkpoint_2(*a, **k):  # checkpoint-3, the run's last, is written in the foreground
             probe.active = trainer.state.global_step == 2

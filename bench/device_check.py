@@ -52,8 +52,8 @@ from tests.harness import kill_tree  # noqa: E402
 STEPS = [
     ("throughput", "Throughput: TRL vs trl_ext, ~0.5B bf16, gradient checkpointing on", 140),
     ("checkpoint", "Whole checkpoints of a ~0.5B full fine-tune (AdamW): foreground vs save_in_background", 160),
-    ("zero3", "DeepSpeed ZeRO-3 (one process on a GPU): saves verify and reload", 60),
-    ("fsdp2", "FSDP2 (one process on a GPU): saves verify and reload", 50),
+    ("zero3", "DeepSpeed ZeRO-3 (one process on a GPU): saves verify and reload", 120),
+    ("fsdp2", "FSDP2 (one process on a GPU): saves verify and reload", 80),
     ("qlora", "QLoRA, bitsandbytes 4-bit: trains, saves, merges, reloads", 60),
 ]
 SMOKE_LANES = [["throughput", "qlora"], ["checkpoint", "zero3", "fsdp2"]]  # on the CPU, two at a time

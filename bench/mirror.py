@@ -60,7 +60,7 @@ def cpu_seconds(pid: int) -> float:
 def transfers(server: S3Server, repeats: int, mib: int, work: Path) -> None:
     import fsspec
 
-    from trl_ext.mirror import downloader, lease, uploader
+    from trl_ext.mirror import downloader, lease, outbox, uploader
     from trl_ext.mirror.store import Store
 
     bucket = server.bucket()
@@ -87,9 +87,9 @@ def transfers(server: S3Server, repeats: int, mib: int, work: Path) -> None:
             else:
                 run = work / f"run-{i}"
                 shutil.copytree(source, run / "checkpoint-1")
-                up_ = uploader.Uploader(store, holder, run / uploader.STAGING, None, set, lambda line: None)
+                up_ = uploader.Uploader(store, holder, run / outbox.DIR, None, set, lambda line: None)
                 start = time.perf_counter()
-                up_.submit(uploader.stage(run / "checkpoint-1", up_.staging_root / "checkpoint-1", "checkpoint-1", 1))
+                up_.submit(outbox.put(run / "checkpoint-1", up_.outbox_root / "checkpoint-1", "checkpoint-1", 1))
                 assert up_.wait(None) and not up_.failed, up_.failed
                 up = time.perf_counter() - start
                 start = time.perf_counter()

@@ -34,9 +34,8 @@ import trl  # noqa: E402
 import trl_ext  # noqa: E402
 from trl_ext.engines import gradient_checkpointing, runtime, sharded
 from trl_ext.files import audit, readback, shards
-from trl_ext.saving import gather
+from trl_ext.saving import gather, save_plan
 from trl_ext.saving import pipeline as saving
-from trl_ext.saving import plan as save_plan
 from trl_ext.trainers import configs, mixin, reward_head
 
 TRL_EXT_DIR = str(Path(trl_ext.__file__).parent)

@@ -41,13 +41,14 @@ SHARED_RUNS = "tests/distributed (shared runs)"
 SHARED_RUNS_MODULES = {"test_background_saves", "test_checkpointing", "test_merge", "test_mirror", "test_options",
                        "test_parallel_writes", "test_preemption", "test_reliability", "test_reward_head",
                        "test_saving", "test_trajectory", "test_zero_training"}
-COST_S = {SHARED_RUNS: 1160, "tests/distributed/test_launchers.py": 500,
+COST_S = {SHARED_RUNS: 1160, "tests/distributed/test_launchers.py": 515,
           "tests/test_recipes.py": 430, "tests/distributed/test_families.py": 425,
           "tests/distributed/test_fsdp2.py": 280, "tests/distributed/test_grpo.py": 230,
           "tests/distributed/test_trl_cli.py": 150, "tests/distributed/test_qlora.py": 140,
           "tests/distributed/test_resume_anywhere.py": 140, "tests/test_readme.py": 120,
           "tests/distributed/test_vlm.py": 100, "tests/distributed/test_user_configs.py": 100,
-          "tests/distributed/test_multinode.py": 90, "tests/test_device_check.py": 75,
+          "tests/distributed/test_multinode.py": 90, "tests/distributed/test_mirror_exit.py": 110,
+          "tests/test_device_check.py": 75,
           "tests/distributed/test_vllm_server.py": 70, "tests/test_formats.py": 65, "tests/test_notebook.py": 55}
 
 

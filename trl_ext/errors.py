@@ -4,10 +4,11 @@ ever matches its text.
 Each error also subclasses the built-in exception that fits its case (``RuntimeError``, ``ValueError``,
 ``FileNotFoundError``, ``SystemExit``), so that a user's ``except ValueError`` catches a bad value whether TRL or
 trl_ext refuses it.
-An error keeps its class, kind and detail when it crosses ranks (``agree``: pickled, gathered, raised on every rank).
+An error keeps its class, kind and detail when it crosses ranks (``agree``: pickled, sent, raised on every rank).
 """
 
-from trl_ext.process import env_rank, gathered
+from trl_ext.process.collectives import from_every_rank
+from trl_ext.process.ranks import env_rank
 
 # Kinds that code branches on.
 NONFINITE = "nonfinite"  # a save refused because the weights hold NaN or inf: training diverged
@@ -201,7 +202,7 @@ def across_ranks(error: TrlExtError | None, group=None, prefer: tuple[str, ...] 
     Returns:
         The agreed failure, the same on every rank, or None when every rank succeeded.
     """
-    failures = [e for e in gathered(error, group) if e is not None]
+    failures = [e for e in from_every_rank(error, group) if e is not None]
     return combined(failures, prefer) if failures else None
 
 

@@ -1,7 +1,9 @@
 """Every change trl_ext makes to another library's internals, in one place.
 
 ``PATCHES`` declares each one: what it changes, why, the upstream issue or PR, when it can go, and its guard (a
-version check or a feature probe against the installed releases). Nothing is patched on import or while a config is
+version check or a feature probe against the installed releases). Every private name of another library that trl_ext
+reads or overrides is declared there too, and read through a helper below that falls back to the library's public
+behaviour where the guard fails. Nothing is patched on import or while a config is
 built: the code that needs a patch applies it explicitly, through the helpers below, scoped to the call where it can
 be (``swapped``, ``setting``). Where a guard fails (a release that moved the internals) the patch is skipped with one
 notice and the library's own behaviour stays. ``tests/unit/test_patches.py`` lists them and checks every guard
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from packaging.version import Version
 
 from trl_ext.errors import CheckpointError
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ PATCHES: dict[str, Patch] = {
         remove_when="save_pretrained gathers ZeRO-3 partitions itself",
         guard=_has("transformers.modeling_utils.PreTrainedModel.save_pretrained", "save_directory"),
     ),
-    "staged-checkpoint-dir": Patch(
+    "partial-checkpoint-dir": Patch(
         target="transformers.Trainer._get_output_dir",
         why="Trainer builds checkpoint-N's path from _get_output_dir() and offers no hook to write it elsewhere "
             "first, so a kill mid-save leaves a checkpoint-N that looks complete",
@@ -321,6 +323,16 @@ PATCHES: dict[str, Patch] = {
                    _has("accelerate.utils.launch.prepare_multi_gpu_env", "args"),
                    _has("accelerate.utils.launch.prepare_simple_launcher_cmd_env", "args")),
     ),
+    "exit-before-thread-pools": Patch(
+        target="threading._register_atexit (process.before_exit)",
+        why="uploads still queued when a script returns must run before the interpreter shuts concurrent.futures' and "
+            "asyncio's thread pools ('cannot schedule new futures after interpreter shutdown'); atexit callbacks run "
+            "after that, and a non-daemon thread is joined after it: only threading's own exit hooks run before",
+        upstream="none: CPython has no public hook that runs before threads are joined (concurrent.futures uses this "
+                 "one since 3.9, bpo-39812)",
+        remove_when="CPython offers a public exit hook that runs before its thread pools shut down",
+        guard=_has("threading._register_atexit"),
+    ),
     "ray-fresh-cluster-view": Patch(
         target="ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator._AutoscalingCoordinatorActor"
                ".get_reserved_resources(recompute=True), called once a lost node is marked dead",
@@ -334,6 +346,77 @@ PATCHES: dict[str, Patch] = {
                         "._AutoscalingCoordinatorActor.get_reserved_resources", "requester_id", "recompute"),
                    _has("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator"
                         ".get_or_create_autoscaling_coordinator")),
+    ),
+    "checkpoint-wrapper": Patch(
+        target="torch.distributed.algorithms._checkpoint.checkpoint_wrapper (CheckpointWrapper, CheckpointImpl, "
+               "_CHECKPOINT_PREFIX), read",
+        why="FSDP's activation checkpointing (fsdp_activation_checkpointing) wraps each decoder layer in torch's "
+            "CheckpointWrapper: the save plan strips the wrapper's prefix from module names (PEFT finds adapter "
+            "weights by module name), and the FSDP check counts the layers it wraps non-reentrantly",
+        upstream="none: torch 2.13 has the wrapper in a private module only (accelerate imports it from there too)",
+        remove_when="torch makes checkpoint_wrapper public",
+        guard=_all(_has("torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX"),
+                   _has("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper"),
+                   _has("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointImpl.NO_REENTRANT")),
+    ),
+    "storage-identity": Patch(
+        target="torch.UntypedStorage._cdata, read",
+        why="a background checkpoint copies each storage once, whichever tensor meets it first; _cdata is the identity "
+            "torch.save itself keys storages by (several Python storage objects can stand for one)",
+        upstream="none: torch 2.13 gives storages no public identity (torch/serialization.py uses _cdata)",
+        remove_when="torch gives storages a public identity",
+        guard=_has("torch.UntypedStorage._cdata"),
+    ),
+    "dtensor-local-tensor": Patch(
+        target="torch.distributed.tensor.DTensor._local_tensor, read",
+        why="a background checkpoint copies an FSDP2 parameter's own shard, the same tensor object at every "
+            "checkpoint: to_local() returns a new view of a Parameter(DTensor)'s shard at every call (torch gh-166156)",
+        upstream="torch gh-166156 (to_local of a Parameter(DTensor) returns a Parameter: a fresh view in torch 2.13)",
+        remove_when="DTensor.to_local returns the shard itself for a parameter",
+        guard=_has("torch.distributed.tensor.DTensor.to_local"),  # _local_tensor is an instance slot: probed on use
+    ),
+    "module-own-tensors": Patch(
+        target="torch.nn.Module._parameters, _buffers and _non_persistent_buffers_set, read",
+        why="a module's own saved tensors read without its state-dict hooks: FSDP2's reshard the unit, so inside "
+            "FsdpUnits.unsharded they would return its shards; no public API says which buffers are persistent",
+        upstream="none: torch 2.13's public state_dict runs the hooks",
+        remove_when="torch says which buffers are persistent without running the state-dict hooks",
+        guard=lambda: all(hasattr(__import__("torch").nn.Module(), name)
+                          for name in ("_parameters", "_buffers", "_non_persistent_buffers_set")),
+    ),
+    "model-from-config": Patch(
+        target="transformers.PreTrainedModel._from_config, called",
+        why="a model of the exact class its config names, built on the meta device as from_pretrained would build it "
+            "(dtype, attention implementation); the public from_config is the Auto classes' only",
+        upstream="none: transformers 5.23 documents _from_config as the class-level equivalent of from_config",
+        remove_when="transformers gives model classes a public from_config",
+        guard=_has("transformers.modeling_utils.PreTrainedModel._from_config", "config"),
+    ),
+    "dataset-preparation-refusal": Patch(
+        target="trl.{SFT,Reward,DPO,KTO}Trainer._prepare_dataset, overridden",
+        why="TRL prepares the rows inside its constructor and raises what the tokenizer or a map says; the trainers "
+            "wrap it to say, in one line, which rows TRL cannot prepare (or prepares into nothing)",
+        upstream="none: TRL has no public dataset check",
+        remove_when="TRL says which rows it cannot prepare",
+        guard=_all(*(_has(f"trl.trainer.{module}.{cls}._prepare_dataset", "dataset")
+                     for module, cls in (("sft_trainer", "SFTTrainer"), ("reward_trainer", "RewardTrainer"),
+                                         ("dpo_trainer", "DPOTrainer"), ("kto_trainer", "KTOTrainer")))),
+    ),
+    "jit-checkpoint-sigterm-handler": Patch(
+        target="transformers.trainer_jit_checkpoint.CheckpointManager._original_sigterm_handler, read",
+        why="with enable_jit_checkpoint transformers replaces the SIGTERM handler; trl_ext's preemption replaces its "
+            "callback and must put back the handler it replaced",
+        upstream="none: transformers 5.23 keeps the replaced handler private",
+        remove_when="transformers' JIT checkpointing restores the handler when its callback is removed",
+        guard=_source_has("transformers.trainer_jit_checkpoint.CheckpointManager", "self._original_sigterm_handler"),
+    ),
+    "parser-destinations": Patch(
+        target="argparse.ArgumentParser._actions, read",
+        why="a recipe's parser is asked which options it declares (their destinations) before it parses: argparse "
+            "has no public list of them",
+        upstream="none: CPython's argparse (3.11-3.13) keeps its actions private",
+        remove_when="argparse lists a parser's actions publicly",
+        guard=lambda: isinstance(getattr(__import__("argparse").ArgumentParser(), "_actions", None), list),
     ),
 }
 
@@ -622,3 +705,87 @@ def refresh_ray_cluster_view(timeout: float = 30.0) -> None:
 
     coordinator = get_or_create_autoscaling_coordinator()
     ray.get(coordinator.get_reserved_resources.remote("trl_ext", recompute=True), timeout=timeout)
+
+
+# ------------------------------------------------------------------ the private names trl_ext reads
+
+
+def checkpoint_wrapper_prefix() -> str | None:
+    """The prefix torch's ``CheckpointWrapper`` adds to the names of the modules it wraps (patch
+    ``checkpoint-wrapper``), or None where the release moved it."""
+    if not applies("checkpoint-wrapper"):
+        return None
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return _CHECKPOINT_PREFIX
+
+
+def non_reentrant_checkpoint_wrapped(model) -> set[int] | None:
+    """The ``id`` of each module of ``model`` that torch's ``CheckpointWrapper`` wraps non-reentrantly (FSDP's
+    activation checkpointing; patch ``checkpoint-wrapper``), or None where the release moved the wrapper."""
+    if not applies("checkpoint-wrapper"):
+        return None
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+
+    return {id(m._checkpoint_wrapped_module) for m in model.modules()
+            if isinstance(m, CheckpointWrapper) and m.checkpoint_impl == CheckpointImpl.NO_REENTRANT}
+
+
+def storage_key(storage) -> int:
+    """A storage's identity, the same for every Python object that stands for it, as ``torch.save`` keys storages
+    (patch ``storage-identity``); where the release moved it, the address of its data (unique among live storages
+    that hold bytes)."""
+    return storage._cdata if applies("storage-identity") else storage.data_ptr()
+
+
+def dtensor_shard(dtensor):
+    """The local shard a DTensor holds, the same tensor object at every call (patch ``dtensor-local-tensor``);
+    where the release moved it, ``to_local()`` without autograd."""
+    local = getattr(dtensor, "_local_tensor", None)
+    if local is not None and applies("dtensor-local-tensor"):
+        return local
+    import torch
+
+    with torch.no_grad():
+        return dtensor.to_local()
+
+
+def own_tensors(module) -> tuple[dict, dict]:
+    """A module's own parameters and persistent buffers (by name, None entries left out), read without its
+    state-dict hooks (patch ``module-own-tensors``); where the release moved them, ``named_parameters`` and
+    ``named_buffers`` with every buffer taken as persistent.
+
+    Returns:
+        ``(parameters, buffers)``.
+    """
+    if not applies("module-own-tensors"):
+        return (dict(module.named_parameters(recurse=False, remove_duplicate=False)),
+                dict(module.named_buffers(recurse=False, remove_duplicate=False)))
+    return ({k: p for k, p in module._parameters.items() if p is not None},
+            {k: b for k, b in module._buffers.items() if b is not None and k not in module._non_persistent_buffers_set})
+
+
+def model_from_config(cls, config):
+    """A model of ``cls`` built from ``config``: an Auto class's public ``from_config``, else the class's
+    ``_from_config`` as ``from_pretrained`` builds it (patch ``model-from-config``), or ``cls(config)`` where the
+    release moved it."""
+    if cls.__name__.startswith("Auto"):
+        return cls.from_config(config)
+    return cls._from_config(config) if applies("model-from-config") else cls(config)
+
+
+def jit_checkpoint_sigterm_handler(callback):
+    """The SIGTERM handler transformers' ``JITCheckpointCallback`` replaced (patch
+    ``jit-checkpoint-sigterm-handler``), or None (none replaced, or the release moved it)."""
+    manager = getattr(callback, "jit_manager", None)
+    if manager is None or not applies("jit-checkpoint-sigterm-handler"):
+        return None
+    return getattr(manager, "_original_sigterm_handler", None)
+
+
+def parser_destinations(parser) -> set[str] | None:
+    """The destinations of every option ``parser`` declares (patch ``parser-destinations``), or None where the
+    release moved them."""
+    if not applies("parser-destinations"):
+        return None
+    return {action.dest for action in parser._actions}

@@ -154,7 +154,7 @@ def test_background_checkpoints_are_the_foreground_ones(engine_runs, engine):
     for step in (1, 2, 3, 4):
         report = audit(str(out / f"checkpoint-{step}"), base=default_model_path())
         assert report.ok, report.format()
-    assert not list(out.glob(".*")), "a staging directory was left behind"
+    assert not list(out.glob(".*")), "a partial directory was left behind"
 
 
 def _dcp_tensors(directory) -> dict:
@@ -195,7 +195,7 @@ def test_resume_from_a_background_checkpoint_equals_the_uninterrupted_run(engine
     out = tmp / case
     if case == "killed":
         assert digest(out / "checkpoint-2") == before, "resuming changed the checkpoint it resumed from"
-        assert not list(out.glob(".*")), "a staging directory from the interrupted save was left behind"
+        assert not list(out.glob(".*")), "a partial directory from the interrupted save was left behind"
     assert_resumed_equals_uninterrupted(reference, out, f"{engine}-{case}", steps_run_here=2)
 
 

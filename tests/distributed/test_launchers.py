@@ -5,6 +5,8 @@ DNS) is not run here; its contract, each orchestrator's variables, is.
 - Kubeflow Trainer: two pods with its ``PET_*`` variables, each running ``torchrun recipes/dpo.py --config
   accelerate_configs/zero3.yaml`` (and ``torchrun -m trl_ext dpo``): one run on every rank, with the losses of the same
   world under ``accelerate launch``, and a final save that verifies.
+- JobSet: examples/kubernetes/jobset.yaml's two pods (`replicas: 2`), their environment and command as the manifest
+  writes them: one run on both; a pod ranked by its completion index instead is refused at once.
 - SkyPilot: two VMs with its variables, each running ``python recipes/sft.py --config accelerate_configs/fsdp2.yaml``
   and a checkpoint mirror: one run on 4 ranks. Both VMs die after a checkpoint and come back as new machines with empty
   disks (a managed job's recovery, the same task id): the run resumes from the mirror by itself and completes.
@@ -25,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import SCRIPTS, run_command
+from tests.harness import REPO, SCRIPTS, run_command
 from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, free_ports, wait_for_path, wait_for_port
 from tests.s3_server import S3Server
 from trl_ext.assets import arith_model_path
@@ -110,6 +112,42 @@ def test_torchrun_runs_trl_ext_as_a_module_the_way_kubeflows_runtime_runs_trl(ku
                                                                       rel=RTOL)
     report = audit(str(out["pods-cli"]), base=arith_model_path())
     assert report.ok, report.format()
+
+
+def test_the_jobset_example_trains_one_run_on_its_pods(tmp_path):
+    """examples/kubernetes/jobset.yaml's pods as written (`replicas: 2` Jobs of one pod; each pod's environment with
+    the downward API's labels resolved; its command), on this host: the first pod's address and the port are this
+    host's, the model is the recipe's tiny one, one process per pod. A pod ranked by its completion index instead is
+    refused at once."""
+    import yaml
+
+    jobset = yaml.safe_load((REPO / "examples" / "kubernetes" / "jobset.yaml").read_text())
+    job = jobset["spec"]["replicatedJobs"][0]
+    container = job["template"]["spec"]["template"]["spec"]["containers"][0]
+    command = [sys.executable if word == "python" else word for word in container["command"]]
+    cut = command.index("--config", command.index("--config") + 1)  # the realistic recipe config: the tiny one here
+    out = tmp_path / "dpo"
+    command = [*command[:cut], *DPO, "--output_dir", str(out)]
+    port = str(free_ports())
+    pods = []
+    for index in range(job["replicas"]):
+        labels = {"jobset.sigs.k8s.io/job-index": str(index), "jobset.sigs.k8s.io/jobset-name": "dpo"}
+        env = {e["name"]: e.get("value") or labels[e["valueFrom"]["fieldRef"]["fieldPath"].split("'")[1]]
+               for e in container["env"]}
+        env.update(PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port, PET_NPROC_PER_NODE="1", JOB_COMPLETION_INDEX="0",
+                   HOSTNAME=f"dpo-workers-{index}-0", TMPDIR=str(tmp_path / f"pod-{index}"))
+        (tmp_path / f"pod-{index}").mkdir()
+        pods.append(Machine(f"jobset-{index}", command, env, tmp_path / f"jobset-{index}.log"))
+    codes = [pod.wait(900) for pod in pods]
+    assert codes == [0, 0], "\n".join(pod.output[-4000:] for pod in pods)
+    assert "Kubeflow run jobset-dpo (restart 0): 2 machine(s), this one number 0" in pods[0].output, \
+        pods[0].output[-4000:]
+    assert f"DPO model saved and verified: {out}" in pods[0].output
+    states = sorted((out / "checkpoint-4" / "global_step4").glob("*model_states.pt"))
+    assert len(states) == 2  # one run on both pods' ranks
+    wrong = run_command(command, env={k: v for k, v in {**env, "PET_NODE_RANK": ""}.items()}, timeout=120)
+    assert wrong.returncode == 1 and "is in Job 1 of JobSet dpo" in wrong.output.strip().splitlines()[-1], \
+        wrong.output[-3000:]
 
 
 def _skypilot(tmp: Path, name: str, argv: list[str], env: dict, task: str = "sky-managed-1_sft_7-0") -> list[Machine]:

@@ -22,7 +22,7 @@ from tests.distributed.test_reliability import assert_resumed_equals_uninterrupt
 from tests.harness import REPO, SCRIPTS, accelerate_launch, write_accelerate_config
 from tests.s3_server import S3Server
 from trl_ext.mirror import manifest
-from trl_ext.mirror.uploader import STAGING
+from trl_ext.mirror.outbox import DIR as OUTBOX
 
 # the first test of an engine makes its two launches (and, run alone, the engine's shared launch): beyond the suite's
 # 900 s on a loaded machine
@@ -92,7 +92,7 @@ def engine_runs(tmp_path_factory, shared_runs, s3):
         killed = [*reference_args, "--kill_during_upload", "4", "--output_dir", str(tmp / "killed"),
                   "--config_json", json.dumps({"checkpoint_mirror": urls["killed"]})]
         times, ended = {}, threading.Event()
-        watcher = _outage_when(tmp / "outage" / STAGING / "checkpoint-2", s3, times, ended)
+        watcher = _outage_when(tmp / "outage" / OUTBOX / "checkpoint-2", s3, times, ended)
         config = write_accelerate_config(tmp / "configs", engine)
         launch = accelerate_launch(SCRIPTS / "run_many.py", ["train.py", json.dumps([outage, killed])], config,
                                    timeout=600, env=s3.env)
@@ -148,7 +148,7 @@ def test_every_checkpoint_arrives_while_the_server_stops_mid_upload_and_training
     for rel in ("checkpoint-8", "final"):
         checked = verify(f"{runs['urls']['outage']}/{rel}")
         assert checked.ok and checked.headers >= 1, checked.format()
-    assert not (out / STAGING).exists() or not any((out / STAGING).iterdir())  # nothing left staged
+    assert not (out / OUTBOX).exists() or not any((out / OUTBOX).iterdir())  # nothing left in the outbox
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -92,7 +92,7 @@ def test_two_nodes_survive_a_lost_node_and_resume(tmp_path, node_local):
     assert all(r.returncode == 0 for r in resumed), (resumed[0].output + resumed[1].output)[-6000:]
     for disk in disks(tmp_path, node_local):
         assert get_last_checkpoint(str(disk)) == str(disk / "checkpoint-4")
-        assert not [p.name for p in disk.iterdir() if p.name.startswith(".")], "a staging directory was left behind"
+        assert not [p.name for p in disk.iterdir() if p.name.startswith(".")], "a partial directory was left behind"
 
     report = json.loads((disks(tmp_path, node_local)[0] / "report_rank0.json").read_text())
     assert report["global_step"] == 4 and report["steps_run_here"] == 2 and report["world_size"] == 2

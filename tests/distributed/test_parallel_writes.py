@@ -43,4 +43,4 @@ def test_every_rank_writes_a_balanced_share_and_the_save_reloads(four_ranks, bac
     index = json.loads((out / "final" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= WORLD
     assert_reload_identically(out, saves, trainer)
-    assert not list(out.glob(".*")), "staging directories were left behind"
+    assert not list(out.glob(".*")), "partial directories were left behind"

@@ -87,7 +87,7 @@ def test_saved_checkpoints_reload_with_the_trained_outputs(roundtrip, case):
     assert_reload_identically(out, saves, trainer)
     if "checkpoint-2" in saves:  # an intermediate checkpoint really is the model at step 2, not the final one
         assert not torch.allclose(recorded(out, "checkpoint-2"), recorded(out, "final"), atol=1e-4)
-    assert not list(out.glob(".*")), "staging directories were left behind"
+    assert not list(out.glob(".*")), "partial directories were left behind"
 
     if "--lora" in args:
         with safe_open(str(out / "final" / "adapter_model.safetensors"), "pt") as f:
@@ -119,4 +119,4 @@ def test_kill_during_save_keeps_the_previous_checkpoint_and_resume_picks_it(tmp_
     state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert_reload_identically(out, ["checkpoint-2", "checkpoint-3", "final"], "sft")
-    assert not list(out.glob(".*")), "the interrupted save's staging directory was not cleaned up"
+    assert not list(out.glob(".*")), "the interrupted save's partial directory was not cleaned up"

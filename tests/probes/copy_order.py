@@ -26,7 +26,7 @@ class CopyOrder(TrainerCallback):
         self.trainer, self.step, self.guarded, self.events = trainer, step, guarded, []
         self.backward_began, self.stepped = threading.Event(), threading.Event()
         self._hooked = False
-        checkpoints = trainer._checkpoints
+        checkpoints = trainer.checkpoints
         release = checkpoints._release
 
         def releasing(checkpoint, on_commit):

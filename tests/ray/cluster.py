@@ -46,7 +46,7 @@ def missing_reason() -> str | None:
         import ray.dashboard  # noqa: F401
         import ray.train  # noqa: F401
     except ImportError as exc:
-        return f"Ray is not installed ({exc}); pip install 'trl_ext[ray]' (CI: .ci/ray.sh)"
+        return f"Ray is not installed ({exc}); pip install -e '.[ray]' (CI: .ci/ray.sh)"
     return None if os.path.exists(RAY) else f"no `ray` command next to {sys.executable}"
 
 

@@ -13,7 +13,7 @@ from datasets import Dataset
 import trl_ext
 from trl_ext.assets import default_model_path
 from trl_ext.errors import MirrorError
-from trl_ext.process import env_rank
+from trl_ext.process.ranks import env_rank
 
 if __name__ == "__main__":
     out, cases = sys.argv[1], json.loads(sys.argv[2])

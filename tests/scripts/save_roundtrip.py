@@ -23,7 +23,7 @@ import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
 from trl_ext.engines import sharded
 from trl_ext.files import shards
-from trl_ext.process import env_rank
+from trl_ext.process.ranks import env_rank
 from trl_ext.saving import gather
 from trl_ext.saving.trainer_files import PartialDir
 

@@ -24,7 +24,7 @@ import trl_ext
 from trl_ext.assets import default_model_path, load_default_dataset
 from trl_ext.engines.gradient_checkpointing import layer_settings
 from trl_ext.files import shards
-from trl_ext.process import env_rank
+from trl_ext.process.ranks import env_rank
 from trl_ext.saving import deferred
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository's tests package
@@ -536,15 +536,15 @@ def main(argv: list[str] | None = None):
         report["zero_stage"] = args.deepspeed_plugin.zero_stage
     seen = record_samples(trainer)
     allocated_at_reserve = None
-    if trainer._checkpoints.snapshot is not None:  # what the first step's reserve allocated for the copies
-        reserve = trainer._checkpoints.reserve
+    if trainer.checkpoints.snapshot is not None:  # what the first step's reserve allocated for the copies
+        reserve = trainer.checkpoints.reserve
 
         def reserving():
             nonlocal allocated_at_reserve
             reserve()
-            allocated_at_reserve = trainer._checkpoints.snapshot.allocated
+            allocated_at_reserve = trainer.checkpoints.snapshot.allocated
 
-        trainer._checkpoints.reserve = reserving
+        trainer.checkpoints.reserve = reserving
     copy_order = None
     if cli.slow_copy or cli.unguarded_copy:
         copy_order = CopyOrder(trainer, cli.slow_copy or cli.unguarded_copy, guarded=bool(cli.slow_copy))
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None):
         rank = trainer.accelerator.process_index
         save_file(optim, os.path.join(cli.output_dir, f"optimizer_rank{rank}.safetensors"))
     report["checkpointing"] = recorder.seen
-    checkpoints = trainer._checkpoints
+    checkpoints = trainer.checkpoints
     if checkpoints.executor is not None:  # background saves: when each started and finished, and the CPU copies
         own = [p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
                for p in trainer.model.parameters() if p.requires_grad or not cli.lora]
@@ -615,8 +615,8 @@ def main(argv: list[str] | None = None):
             save_file(ref, os.path.join(cli.output_dir, "ref.safetensors"))
     if trainer.accelerator.is_main_process:
         save_file(weights, os.path.join(cli.output_dir, "trained.safetensors"))
-    if trainer._mirror is not None and not cli.kill_during_upload:  # what the process's exit would wait for (the
-        trainer._mirror.wait()  # next run of a shared launch must not start while this one's uploads go on)
+    if trainer.mirror is not None and not cli.kill_during_upload:  # what the process's exit would wait for (the
+        trainer.mirror.wait()  # next run of a shared launch must not start while this one's uploads go on)
     if trainer.accelerator.is_main_process:
         with open(os.path.join(cli.output_dir, f"report_rank{trainer.accelerator.process_index}.json"), "w") as f:
             json.dump(report, f)

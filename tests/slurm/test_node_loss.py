@@ -87,7 +87,7 @@ def test_a_job_on_two_nodes_waits_for_the_node_to_come_back_and_ends_with_the_un
     _first_run_lost_its_peer(log)
     assert f"Slurm job {job}, restart 1: 2 node(s) n[1-2]" in log, log[-6000:]
     assert f"Slurm job {job}, restart 1: resuming from {out}/checkpoint-{SAVE_STEPS}\n" in log, log[-6000:]
-    assert not list(out.glob(".*partial")), "the interrupted checkpoint's staging directory was left behind"
+    assert not list(out.glob(".*partial")), "the interrupted checkpoint's partial directory was left behind"
     assert_same_model(out, reference[0])
 
 

@@ -142,4 +142,4 @@ def test_every_planned_stop_is_quiet_and_the_job_ends_with_the_uninterrupted_mod
 
 def test_nothing_of_the_warnings_is_left_behind(warned_job):
     _, out, _, _ = warned_job
-    wait_for(lambda: not list(out.glob(".*partial")), 5, "no staging directory")
+    wait_for(lambda: not list(out.glob(".*partial")), 5, "no partial directory")

@@ -86,7 +86,7 @@ def test_a_step_runs_while_a_checkpoint_is_written_and_the_checkpoints_equal_the
     trainer = _trainer(tmp_path / "run", tiny_model_path, [steps], save_in_background=True)
     trainer.train()
     assert events.index(("writing", 1)) < events.index(("step_end", 2))
-    executor = trainer._checkpoints.executor
+    executor = trainer.checkpoints.executor
     assert [(kind, name) for kind, name, _ in executor.events if kind in ("started", "finished")] == [
         (kind, f"checkpoint-{s}") for s in (1, 2, 3) for kind in ("started", "finished")]
     parts = [name for kind, name, _ in executor.events if kind == "wrote"]
@@ -100,8 +100,8 @@ def test_a_step_runs_while_a_checkpoint_is_written_and_the_checkpoints_equal_the
         assert audit(str(tmp_path / "run" / name)).ok
     assert not list((tmp_path / "run").glob(".*")), "a partial directory was left behind"
     model = trainer.model
-    assert trainer._checkpoints.last.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
-    costs = trainer._checkpoints.history
+    assert trainer.checkpoints.last.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    costs = trainer.checkpoints.history
     assert len(costs) == 4 and not [h for h in trainer.state.log_history if "checkpoint/held_s" in h]
     for cost in costs:
         metrics = cost.metrics()  # what the loggers get
@@ -176,17 +176,17 @@ def test_a_failed_background_save_stops_training_and_keeps_the_last_good_checkpo
 def test_the_copies_are_allocated_once_after_the_first_step(tmp_path, tiny_model_path):
     trainer = _trainer(tmp_path / "run", tiny_model_path, save_in_background=True, save_steps=2)
     allocated = []
-    reserve = trainer._checkpoints.reserve
+    reserve = trainer.checkpoints.reserve
 
     def reserving():
         reserve()
-        allocated.append(trainer._checkpoints.snapshot.allocated)
+        allocated.append(trainer.checkpoints.snapshot.allocated)
 
-    trainer._checkpoints.reserve = reserving
+    trainer.checkpoints.reserve = reserving
     trainer.train()
-    snapshot = trainer._checkpoints.snapshot
+    snapshot = trainer.checkpoints.snapshot
     assert allocated and allocated[0] > 0 and snapshot.allocated == allocated[0]  # nothing after the reserve
-    assert allocated[0] == trainer._checkpoints.measured  # what the memory check counted is what was allocated
+    assert allocated[0] == trainer.checkpoints.measured  # what the memory check counted is what was allocated
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     moments = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
                   if isinstance(t, torch.Tensor) and t.dim())
@@ -203,7 +203,7 @@ def test_copies_that_do_not_fit_in_memory_leave_saves_in_the_foreground(tmp_path
         trainer.train()
     said = [r.message for r in caplog.records if "save_in_background" in r.message]
     assert len(said) == 1 and "their CPU copies need" in said[0] and "0.00 GiB is available" in said[0], said
-    checkpoints = trainer._checkpoints
+    checkpoints = trainer.checkpoints
     assert not checkpoints.executor.events and checkpoints.snapshot.allocated == 0  # all in the foreground
     for step in (1, 2, 3, 4):
         assert _files(tmp_path / "run" / f"checkpoint-{step}") == _files(foreground / f"checkpoint-{step}")
@@ -219,7 +219,7 @@ def test_save_only_model_writes_the_weights_only(tmp_path, tiny_model_path, in_b
                                                                                          "rng_state"))], names
     if in_background:  # the weights' copies only: no optimizer, scheduler or RNG states
         weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-        assert trainer._checkpoints.snapshot.allocated == weights
+        assert trainer.checkpoints.snapshot.allocated == weights
 
 
 def test_a_save_is_written_only_once_run_and_never_once_cancelled(tmp_path, tiny_model_path):
@@ -263,24 +263,24 @@ def test_the_copies_and_executor_threads_start_once_end_with_train_and_run_in_or
     """The copies' and the executor's threads start at the end of the first step, once: no checkpoint waits for a new
     thread to start (on a busy CPU that wait held training for most of a background checkpoint's hold); they end
     when train() ends, and a later train() starts them again."""
-    from trl_ext.saving.worker import Worker
+    from trl_ext.saving.call_thread import CallThread
 
-    worker, seen = Worker("test-worker"), []
-    results = [worker.submit(seen.append, i) for i in range(5)]
+    calls, seen = CallThread("test-worker"), []
+    results = [calls.submit(seen.append, i) for i in range(5)]
     assert [f.result(timeout=10) for f in results] == [None] * 5 and seen == list(range(5))
     reported = []
     with monkeypatch.context() as patched:
         patched.setattr(threading, "excepthook", reported.append)  # what a thread's uncaught error goes to
-        failed = worker.submit(lambda: 1 / 0)
+        failed = calls.submit(lambda: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             failed.result(timeout=10)
-        assert worker.submit(lambda: None).result(timeout=10) is None  # the thread goes on after an error
+        assert calls.submit(lambda: None).result(timeout=10) is None  # the thread goes on after an error
     assert [type(r.exc_value) for r in reported] == [ZeroDivisionError] and reported[0].thread.name == "test-worker"
-    thread = worker.submit(lambda: threading.current_thread()).result(timeout=10)
+    thread = calls.submit(lambda: threading.current_thread()).result(timeout=10)
     assert thread.daemon  # a call stuck in a collective with a dead rank never holds the exit
-    assert worker.close(timeout=10) and not thread.is_alive()
-    assert worker.submit(lambda: threading.current_thread()).result(timeout=10) is not thread  # started again
-    assert worker.close(timeout=10)
+    assert calls.close(timeout=10) and not thread.is_alive()
+    assert calls.submit(lambda: threading.current_thread()).result(timeout=10) is not thread  # started again
+    assert calls.close(timeout=10)
 
     started = []
     original = threading.Thread.start
@@ -295,5 +295,5 @@ def test_the_copies_and_executor_threads_start_once_end_with_train_and_run_in_or
         assert sorted(t.name for t in ours) == ["trl_ext-copies", "trl_ext-writes"], started
         assert not [t for t in ours if t.is_alive()], "the threads outlived train()"
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    started_saves = [name for kind, name, _ in trainer._checkpoints.executor.events if kind == "started"]
+    started_saves = [name for kind, name, _ in trainer.checkpoints.executor.events if kind == "started"]
     assert started_saves == ["checkpoint-2", "checkpoint-4"] * 2, started_saves

@@ -84,6 +84,12 @@ def test_take_option():
     assert launch.take_option(["--num_processes=3"], "num_processes") == ("3", [])
 
 
+def test_the_default_config_is_inside_the_package_and_equals_the_users_copy():
+    # an installed wheel has no accelerate_configs/ beside the package: the default lives in it
+    assert launch.DATA_PARALLEL.is_file() and REPO / "trl_ext" in launch.DATA_PARALLEL.parents
+    assert launch.DATA_PARALLEL.read_text() == (REPO / "accelerate_configs" / "ddp.yaml").read_text()
+
+
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
 def test_shipped_accelerate_configs(path):
     assert {p.name for p in ACCELERATE_CONFIGS} == {"ddp.yaml", "zero2.yaml", "zero2_offload.yaml", "zero3.yaml",

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 import trl_ext
 from trl_ext.errors import ConfigError, MirrorError
-from trl_ext.mirror import downloader, lease, manifest, options, uploader
+from trl_ext.mirror import downloader, lease, manifest, options, outbox, uploader
 from trl_ext.mirror.store import Store
 from trl_ext.mirror.verify import verify
 
@@ -49,12 +49,12 @@ def _uploader(url, tmp_path, keep=None, store=None):
     holder = lease.Holder(output_dir=str(tmp_path))
     lease.claim(store, holder, resuming=False, say=Lines())
     said = Lines()
-    return uploader.Uploader(store, holder, tmp_path / uploader.STAGING, keep, set, said), store, said
+    return uploader.Uploader(store, holder, tmp_path / outbox.DIR, keep, set, said), store, said
 
 
 def _submit(up, run_dir: Path, step: int):
     name = f"checkpoint-{step}"
-    up.submit(uploader.stage(run_dir / name, up.staging_root / name, name, step))
+    up.submit(outbox.put(run_dir / name, up.outbox_root / name, name, step))
 
 
 # --------------------------------------------------------------------------------------------------- options
@@ -86,7 +86,8 @@ def test_every_config_has_the_mirror_options(tmp_path):
     for config in (trl_ext.SFTConfig, trl_ext.RewardConfig, trl_ext.DPOConfig, trl_ext.KTOConfig,
                    trl_ext.GRPOConfig, trl_ext.RLOOConfig):
         fields = config.__dataclass_fields__
-        assert {"checkpoint_mirror", "mirror_storage_options", "mirror_grace_period"} <= set(fields), config
+        assert {"checkpoint_mirror", "mirror_storage_options", "mirror_grace_period",
+                "mirror_exit_grace_period"} <= set(fields), config
     with pytest.raises(ConfigError, match="names no bucket"):
         trl_ext.SFTConfig(output_dir=str(tmp_path), report_to="none", checkpoint_mirror="s3://")
 
@@ -200,7 +201,7 @@ def test_checkpoints_upload_with_the_manifest_last_and_retention_after_a_newer_o
     completed = order.index(next(o for o in order if o[:2] == ("manifest", "checkpoint-1")))
     first_delete = next(o for o in order[completed:] if o[0] == "delete" and o[1].startswith("checkpoint-1"))
     assert first_delete[1] == f"checkpoint-1/{manifest.NAME}" and 3 in first_delete[2]
-    assert not (tmp_path / uploader.STAGING / "checkpoint-1").exists()  # staged hard links removed once uploaded
+    assert not (tmp_path / outbox.DIR / "checkpoint-1").exists()  # the outbox's hard links removed once uploaded
     assert [line for line in said if "complete at" in line][0].startswith("mirror: checkpoint-1 complete at memory://")
 
 
@@ -249,8 +250,154 @@ def test_a_grace_period_that_runs_out_leaves_the_previous_checkpoint_complete(ur
     assert not up.wait(0.2)
     assert up.abandon() == ["checkpoint-2"]
     assert store.complete() == [1]
-    assert (tmp_path / uploader.STAGING / "checkpoint-2" / "job.json").is_file()  # a later run finishes it
-    assert [j.rel for j in uploader.pending(tmp_path / uploader.STAGING)] == ["checkpoint-2"]
+    assert (tmp_path / outbox.DIR / "checkpoint-2" / "job.json").is_file()  # a later run finishes it
+    assert [j.rel for j in outbox.pending(tmp_path / outbox.DIR)] == ["checkpoint-2"]
+
+
+def test_an_error_of_our_own_is_said_once_never_sent_again_and_stops_training_at_its_next_step(url, tmp_path,
+                                                                                               monkeypatch):
+    """The issue's hang: a RuntimeError (an executor refusing work at interpreter shutdown) had been taken for a store
+    outage and sent again forever. Only the store's failures are sent again."""
+    from trl_ext.mirror.store import is_store_failure
+
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(uploader, "RESEND_SECONDS", 0.05)
+    up, store, said = _uploader(url, tmp_path)
+    calls = []
+
+    def broken(local, rel, cancelled=lambda: False):
+        calls.append(rel)
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown\nsecond line")
+
+    monkeypatch.setattr(store, "upload", broken)
+    _checkpoint(tmp_path, 1)
+    _submit(up, tmp_path, 1)
+    assert up.wait(10)  # given up at once, not queued again
+    time.sleep(0.3)
+    assert len(calls) <= uploader.FILES_IN_PARALLEL  # each file tried once, in the one attempt
+    lines = [line for line in said if "error of trl_ext's own" in line]
+    assert len(lines) == 1 and "RuntimeError: cannot schedule new futures after interpreter shutdown" in lines[0]
+    assert "second line" not in lines[0] and "checkpoint-1" in lines[0] and str(up.outbox_root) in lines[0]
+    assert (tmp_path / outbox.DIR / "checkpoint-1" / "job.json").is_file()  # the next run finishes it
+    assert not any("has not answered" in line for line in said)  # never taken for an outage
+    _checkpoint(tmp_path, 2)
+    _submit(up, tmp_path, 2)  # in the outbox, not sent
+    assert up.failed == ["checkpoint-1", "checkpoint-2"] and up.idle()
+    with pytest.raises(MirrorError, match="error of trl_ext's own, not the store's .RuntimeError: cannot schedule"):
+        up.raise_if_broken()
+    up.raise_if_broken()  # raised once
+    assert [is_store_failure(e) for e in (ConnectionError("refused"), TimeoutError(), PermissionError("403"),
+                                          OSError(5, "Internal Error"), RuntimeError("x"), KeyError("k"),
+                                          AttributeError("a"))] == [True] * 4 + [False] * 3
+    botocore = pytest.importorskip("botocore.exceptions")
+    assert is_store_failure(botocore.EndpointConnectionError(endpoint_url="http://x"))
+    assert is_store_failure(botocore.ClientError({"Error": {"Code": "SlowDown"}}, "PutObject"))
+
+
+def test_at_exit_the_queue_is_finished_within_the_grace_period_or_left_in_the_outbox_and_said(url, tmp_path,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(lease, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(uploader, "EXIT_JOIN_SECONDS", 0.5)
+    up, store, said = _uploader(url, tmp_path)
+    upload, hold = store.upload, threading.Event()
+    monkeypatch.setattr(store, "upload", lambda local, rel, cancelled=lambda: False: (
+        time.sleep(0.3) if "checkpoint-1" in rel else hold.wait(60), upload(local, rel, cancelled))[1])
+    _checkpoint(tmp_path, 1)
+    _submit(up, tmp_path, 1)
+    up.exit_grace = 30.0
+    started = time.monotonic()
+    up.finish_at_exit()
+    assert time.monotonic() - started < 10 and store.complete() == [1]
+    assert any("finishing the upload of checkpoint-1" in line and "mirror_exit_grace_period" in line
+               for line in said), said
+    assert lease.newest(store).released  # a resuming run takes over at once
+    # a store that stops answering: the exit waits out the grace period, then says what is only local
+    up, store, said = _uploader(url + "-silent", tmp_path)
+    monkeypatch.setattr(store, "upload", lambda local, rel, cancelled=lambda: False: (
+        hold.wait(60), upload(local, rel, cancelled))[1])
+    _checkpoint(tmp_path, 2)
+    _submit(up, tmp_path, 2)
+    up.exit_grace = 0.5
+    started = time.monotonic()
+    up.finish_at_exit()
+    assert time.monotonic() - started < 0.5 + uploader.EXIT_JOIN_SECONDS + 2
+    hold.set()
+    line = [line for line in said if "only local" in line]
+    assert len(line) == 1 and "checkpoint-2" in line[0] and "0 s mirror_exit_grace_period ran out" in line[0]
+    assert str(up.outbox_root) in line[0] and "the next run with this output_dir uploads them" in line[0]
+    assert [j.rel for j in outbox.pending(tmp_path / outbox.DIR)] == ["checkpoint-2"]
+
+
+_EXITING_SCRIPT = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from trl_ext.mirror import lease, outbox, uploader
+from trl_ext.mirror.store import Store
+
+root, url, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+lease.SETTLE_SECONDS = 0.0
+store = Store(url)
+upload = store.upload
+def slow(local, rel, cancelled=lambda: False):
+    time.sleep(3600 if "silent" in mode else 0.5)  # a slow store, or one that never answers
+    return upload(local, rel, cancelled)
+store.upload = slow
+holder = lease.Holder(output_dir=str(root))
+lease.claim(store, holder, resuming=False, say=print)
+grace = {"sigterm": (30.0, 30.0), "sigterm-silent": (30.0, 1.0)}.get(mode, (3.0, 20.0))
+up = uploader.Uploader(store, holder, root / outbox.DIR, None, set, lambda line: print(line, flush=True),
+                       exit_grace=grace[0], signal_grace=grace[1])
+if mode.startswith("sigterm"):  # 0.3 s after the script returns: SIGTERM while the process finishes the upload
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.daemon = True
+checkpoint = root / "checkpoint-1"
+checkpoint.mkdir(parents=True)
+for i in range(6):
+    (checkpoint / f"part-{i}.bin").write_bytes(bytes(1000))
+up.submit(outbox.put(checkpoint, up.outbox_root / "checkpoint-1", "checkpoint-1", 1))
+print("SCRIPT END", flush=True)
+if mode.startswith("sigterm"):
+    timer.start()
+if mode == "raise":
+    raise SystemExit("the script failed after committing checkpoint-1")
+"""
+
+
+@pytest.mark.slow  # five interpreters that import transformers (~40 s)
+@pytest.mark.parametrize("mode", ["return", "raise", "silent", "sigterm", "sigterm-silent"])
+def test_a_process_that_returns_with_uploads_queued_finishes_them_and_ends(mode, tmp_path):
+    """A real interpreter exit (the file uploads run on a thread pool, which the interpreter shuts at exit): the
+    upload queued when the script returns is finished and the process ends with the script's code; a store that never
+    answers ends it after the grace period, the checkpoint said to be only local and left in the outbox. A SIGTERM
+    while it finishes (torchrun's, once another rank failed) is held back for at most mirror_grace_period, then
+    ends it."""
+    import subprocess
+    import sys
+
+    store_dir = tmp_path / "store"
+    script = tmp_path / "script.py"
+    script.write_text(_EXITING_SCRIPT)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), f"file://{store_dir}", mode],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    seconds = time.monotonic() - started
+    out = done.stdout + done.stderr
+    assert done.returncode == {"raise": 1, "sigterm": -15, "sigterm-silent": -15}.get(mode, 0), out
+    assert "SCRIPT END" in out and "cannot schedule new futures" not in out, out
+    if mode.startswith("sigterm"):  # held back, then delivered: the process ends by it
+        assert "SIGTERM while this process exits: the uploads get at most" in out, out
+    if mode == "sigterm-silent":
+        assert seconds < 1.0 + uploader.EXIT_JOIN_SECONDS + 30, seconds
+        assert "checkpoint-1 only local: the 1 s mirror_grace_period after SIGTERM ran out" in out, out
+        assert (tmp_path / "out" / outbox.DIR / "checkpoint-1" / "job.json").is_file()
+    elif mode == "silent":
+        assert seconds < 3.0 + uploader.EXIT_JOIN_SECONDS + 30, seconds
+        assert "checkpoint-1 only local" in out and "mirror_exit_grace_period ran out" in out, out
+        assert (tmp_path / "out" / outbox.DIR / "checkpoint-1" / "job.json").is_file()
+    else:
+        assert "mirror: checkpoint-1 complete at" in out, out
+        assert Store(f"file://{store_dir}").complete() == [1]
+        assert not (tmp_path / "out" / outbox.DIR / "checkpoint-1").exists()
 
 
 # ---------------------------------------------------------------------------------------- downloads and verify
@@ -291,10 +438,11 @@ def test_verify_reads_the_safetensors_headers(url, tmp_path, monkeypatch):
     assert "checkpoint-1: complete" in listing.format() and not listing.ok
 
 
-def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_cannot_finish(url, tmp_path,
+def test_the_next_run_finishes_an_upload_in_the_outbox_and_abandons_a_partial_one_it_cannot_finish(url, tmp_path,
                                                                                            monkeypatch):
-    """What a killed run left: checkpoint-2 committed and staged but not uploaded (it is finished), checkpoint-3's
-    upload begun in the mirror with no local copy to finish it from (it is deleted); a resuming run does both."""
+    """What a killed run left: checkpoint-2 committed and in the outbox but not uploaded (it is finished),
+    checkpoint-3's upload begun in the mirror with no local copy to finish it from (it is deleted); a resuming run
+    does both."""
     from types import SimpleNamespace
 
     from trl_ext.mirror.mirror import Mirror
@@ -307,16 +455,16 @@ def test_the_next_run_finishes_a_staged_upload_and_abandons_a_partial_one_it_can
     assert up.wait(30)
     lease.release(store, up.holder)  # that run has ended (killed)
     _checkpoint(tmp_path, 2)
-    uploader.stage(tmp_path / "checkpoint-2", tmp_path / uploader.STAGING / "checkpoint-2", "checkpoint-2", 2)
+    outbox.put(tmp_path / "checkpoint-2", tmp_path / outbox.DIR / "checkpoint-2", "checkpoint-2", 2)
     (tmp_path / "part.bin").write_bytes(b"x" * 100)
     store.upload(tmp_path / "part.bin", "checkpoint-3/model.safetensors")
     args = SimpleNamespace(checkpoint_mirror=url, output_dir=str(tmp_path), save_total_limit=None,
                            mirror_grace_period=5.0, process_index=0)
     mirror = Mirror(args, Store(url))
-    mirror.begin(SimpleNamespace(_storage=None), resuming=True)
+    mirror.begin(SimpleNamespace(storage=None), resuming=True)
     assert mirror.wait(30)
     assert store.checkpoints() == {1: True, 2: True}
-    assert not (tmp_path / uploader.STAGING / "checkpoint-2").exists()
+    assert not (tmp_path / outbox.DIR / "checkpoint-2").exists()
 
 
 @pytest.mark.parametrize("path", ["resume_from_checkpoint=True", "restarted run"])
@@ -331,14 +479,14 @@ def test_a_rank_that_finds_the_checkpoint_rank_0_just_downloaded_still_joins_ran
 
     (tmp_path / "checkpoint-2").mkdir()  # what rank 0 downloaded and committed a moment ago
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
-    trainer = type("T", (), {"_mirror": object(), "args": type("A", (), {"output_dir": str(tmp_path)})()})()
+    trainer = type("T", (), {"mirror": object(), "args": type("A", (), {"output_dir": str(tmp_path)})()})()
     broadcasts = []
 
     def broadcast_object_list(answer, src, group=None):
         broadcasts.append(src)
         answer[:] = ["/from/rank0/checkpoint-2", None]
 
-    monkeypatch.setattr("trl_ext.process.distributed", lambda: True)
+    monkeypatch.setattr("trl_ext.process.collectives.distributed", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
     if path == "restarted run":

@@ -15,9 +15,9 @@ import pytest
 
 from tests.harness import REPO
 from tests.machines import free_ports
-from trl_ext import process
 from trl_ext.errors import SetupError, UsageError
 from trl_ext.launching import in_process, launch, scripting
+from trl_ext.process import notices
 from trl_ext.scheduling import node, orchestrators, outcome, ownership, rendezvous
 
 ZERO3 = "accelerate_configs/zero3.yaml"
@@ -28,7 +28,7 @@ ALL = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GR
        "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS",
        "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE", "SKYPILOT_TASK_ID", "SLURM_JOB_ID", "SLURM_JOBID",
        "SLURM_RESTART_COUNT", "SLURM_NODEID", orchestrators.NODE_ENV, orchestrators.RUN_ID_ENV,
-       orchestrators.PORT_ENV, launch.RELAUNCHED, "CUDA_VISIBLE_DEVICES", ownership.RUN_ENV)
+       orchestrators.PORT_ENV, launch.RELAUNCHED, "CUDA_VISIBLE_DEVICES", ownership.RUN_ENV, "HOSTNAME")
 
 KUBEFLOW = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "auto", "PET_MASTER_PORT": "29500",
             "PET_MASTER_ADDR": "dpo-run-node-0-0.dpo-run"}
@@ -43,7 +43,7 @@ TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
 def env(monkeypatch):
     """Set a launcher's variables (none else set); returns the setter."""
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(process, "_speaks", [True])  # a launch decided here may silence this process's notices
+    monkeypatch.setattr(notices, "_speaks", [True])  # a launch decided here may silence this process's notices
     for key in ALL:
         monkeypatch.delenv(key, raising=False)
 
@@ -100,6 +100,26 @@ def test_a_jobset_that_sets_torchruns_variables(env):
     env(PET_NNODES="2", JOB_COMPLETION_INDEX="1", PET_MASTER_ADDR="10.1.0.4", JOBSET_NAME="dpo")
     job = orchestrators.current()
     assert (job.nodes, job.node_rank, job.port, job.run) == (2, 1, orchestrators.TORCHRUN_PORT, "jobset-dpo")
+
+
+def test_a_jobset_of_replicated_jobs_takes_the_job_index_or_is_refused(env):
+    # `replicas: 2` Jobs of one pod each: JOB_COMPLETION_INDEX is 0 in both; the manifest passes the Job's index
+    env(PET_NNODES="2", JOB_COMPLETION_INDEX="0", PET_NODE_RANK="1", PET_MASTER_ADDR="dpo-workers-0-0.dpo",
+        JOBSET_NAME="dpo", HOSTNAME="dpo-workers-1-0")
+    assert orchestrators.current().node_rank == 1
+    # without it, the second Job's pod says so in one line at once (not a 600 s wait at the first machine)
+    env().delenv("PET_NODE_RANK")
+    with pytest.raises(UsageError, match=r"JOB_COMPLETION_INDEX=0 .* \(dpo-workers-1-0\) is in Job 1 of JobSet dpo.* "
+                                         r"Set PET_NODE_RANK .*jobset\.sigs\.k8s\.io/job-index"):
+        orchestrators.current()
+    # without JOBSET_NAME too: the first pod's address names the replicated Job
+    env().delenv("JOBSET_NAME")
+    with pytest.raises(UsageError, match=r"\(dpo-workers-1-0\) is in Job 1 of its JobSet"):
+        orchestrators.current()
+    env(JOBSET_NAME="dpo")
+    # one Job of 2 pods (`parallelism: 2`): the completion index is the machine's
+    env(JOB_COMPLETION_INDEX="1", HOSTNAME="dpo-workers-0-1")
+    assert orchestrators.current().node_rank == 1
 
 
 def test_a_leader_worker_set_group(env):
@@ -262,8 +282,9 @@ def test_machines_meet_within_the_bound(env):
 def test_a_machine_that_never_comes_is_named_within_the_bound(env):
     env(**{rendezvous.TIMEOUT_ENV: "1"})
     job = orchestrators.Job("SkyPilot", False, nodes=3, node_rank=0, address="127.0.0.1", port=free_ports())
-    with pytest.raises(SetupError, match=r"waited 1 s for 2 of 3 machines at 127\.0\.0\.1:\d+: machine\(s\) 1, 2 "
-                                         "never arrived"):
+    # the port named is the one the machines meet on (the rendezvous port + 1), where a user would look
+    with pytest.raises(SetupError, match=rf"waited 1 s for 2 of 3 machines at 127\.0\.0\.1:{job.port + 1}: "
+                                         r"machine\(s\) 1, 2 never arrived"):
         rendezvous.gather(job, say=lambda line: None)
     second = orchestrators.Job("SkyPilot", False, nodes=2, node_rank=1, address="127.0.0.1", port=free_ports())
     with pytest.raises(SetupError, match="could not reach the first machine"):

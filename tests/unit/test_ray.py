@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from tests.harness import REPO
-from trl_ext import process
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch
+from trl_ext.process import notices
 from trl_ext.ray import cluster, failures, recipe, worker
 from trl_ext.scheduling import orchestrators, outcome, ownership
 from trl_ext.scheduling.preemption import Preemption
@@ -30,7 +30,7 @@ RAY_ENV = ("RAY_JOB_CONFIG_JSON_ENV_VAR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "L
 @pytest.fixture
 def env(monkeypatch):
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(process, "_speaks", [True])
+    monkeypatch.setattr(notices, "_speaks", [True])
     monkeypatch.setattr(launch, "_started", {})
     for key in RAY_ENV:
         monkeypatch.delenv(key, raising=False)

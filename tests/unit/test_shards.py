@@ -94,7 +94,7 @@ def test_header_is_aligned_json(tmp_path):
 
 
 def test_files_are_shared_between_writers_balanced_by_bytes():
-    from trl_ext.saving.plan import WeightSet, assign_files, split_for_writers
+    from trl_ext.saving.save_plan import WeightSet, assign_files, split_for_writers
 
     specs = [TensorSpec(f"t{i}", (n,), torch.float32) for i, n in enumerate([900, 100, 300, 300, 300, 300, 200, 600])]
     units = [types.SimpleNamespace(outputs=[s]) for s in specs]

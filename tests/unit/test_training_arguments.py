@@ -36,6 +36,7 @@ def test_conversion_matches_trls_own(tmp_path):
                               "save_in_background": ours.save_in_background,
                               "checkpoint_mirror": None, "mirror_storage_options": None,
                               "mirror_grace_period": ours.mirror_grace_period,
+                              "mirror_exit_grace_period": ours.mirror_exit_grace_period,
                               # off without an accelerator (nothing to pin for), like bf16 (runtime.adapt_to_hardware)
                               "dataloader_pin_memory": theirs.dataloader_pin_memory and has_accelerator()}
 

@@ -1,6 +1,9 @@
 """Load the bundled arithmetic datasets as a ``DatasetDict`` with ``train`` and ``test`` splits."""
 
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from datasets import DatasetDict, load_dataset
@@ -44,3 +47,37 @@ def load_dataset_by_name(name: str, config: str | None = None) -> DatasetDict:
     if name in DATASET_NAMES:
         return load_default_dataset(DATASET_NAMES[name])
     return load_dataset(name, config)
+
+
+def embedded_dataset_dir(name: str) -> str | None:
+    """A bundled dataset's name as a local directory that plain ``datasets.load_dataset(directory)`` loads into the
+    same rows and splits (one Parquet file per split, written once per machine in the asset cache), for code that
+    loads datasets itself: TRL's scripts under ``trl-ext <command>``. None for any other name.
+
+    Args:
+        name: a dataset name (``trl-ext/arithmetic-preference``, ``trl-ext/shapes-sft``, ...).
+
+    Returns:
+        The directory, or None when ``name`` is not a bundled dataset.
+    """
+    from trl_ext.assets.cache import cache_root
+    from trl_ext.assets.shapes import SHAPES_NAMES
+
+    if name not in DATASET_NAMES and name not in SHAPES_NAMES:
+        return None
+    target = cache_root() / "datasets" / name.replace("/", "--")
+    if (target / "train.parquet").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        for split, rows in load_dataset_by_name(name).items():
+            rows.to_parquet(str(tmp / f"{split}.parquet"))
+        try:
+            os.rename(tmp, target)  # one rename: a concurrent writer's finished copy is as good
+        except OSError:
+            if not (target / "train.parquet").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from trl_ext import patches
 from trl_ext.errors import DatasetError
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 PROBE_ROWS = 16  # rows prepared by TRL before the model is loaded; the rest are checked as TRL prepares them
 # What to tell the user a trainer reads when TRL cannot find its columns (TRL's dataset formats). Only the message

@@ -7,7 +7,7 @@ resuming reads each rank's own rows of trl_ext's Hub-format checkpoints (``resum
 
 import os
 
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 
 def requested(args) -> bool:

@@ -21,7 +21,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from trl_ext import patches
 from trl_ext.engines import fsdp
 from trl_ext.errors import SetupError
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 DEEPSPEED_FIX_VERSION = "0.19.3"
 
@@ -73,12 +73,11 @@ def fsdp_checkpoints(args) -> bool:
 
 def fsdp_checkpointed_layers(model) -> tuple[int, int]:
     """``(decoder layers inside a non-reentrant CheckpointWrapper, decoder layers)``, as FSDP's checkpointing left
-    them."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
-
-    wrapped = {id(m._checkpoint_wrapped_module) for m in model.modules()
-               if isinstance(m, CheckpointWrapper) and m.checkpoint_impl == CheckpointImpl.NO_REENTRANT}
+    them (the wrapped layers all of them where the release moved torch's wrapper: nothing to check)."""
+    wrapped = patches.non_reentrant_checkpoint_wrapped(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if wrapped is None:
+        return len(layers), len(layers)
     return sum(id(m) in wrapped for m in layers), len(layers)
 
 

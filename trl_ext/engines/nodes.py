@@ -1,6 +1,6 @@
 """Several nodes: is ``output_dir`` shared between them, and so which ranks write checkpoints.
 
-Every answer here is decided once for all ranks (looked at, gathered, then the same verdict everywhere): ranks that
+Every answer here is decided once for all ranks (each rank looks, then one verdict everywhere): ranks that
 look at the files on their own can disagree (NFS attribute caching, node-local disks) and then take different
 collective paths, which hangs the job (KempnerForge#49).
 """
@@ -20,7 +20,7 @@ class Storage:
     shared: bool  # every node sees the same output_dir
 
     def checkpoint_writer(self, args) -> bool:
-        """Whether this rank creates and renames the staged checkpoint directory: one rank per copy of output_dir."""
+        """Whether this rank creates and renames the partial checkpoint directory: one rank per copy of output_dir."""
         if self.shared:
             return args.process_index == 0  # save_on_each_node on shared storage would race on the rename
         return args.should_save
@@ -41,7 +41,7 @@ def detect(args) -> Storage:
     Returns:
         The storage, the same on every rank.
     """
-    from trl_ext.process import decided_on_rank0, gathered
+    from trl_ext.process.collectives import decided_on_rank0, from_every_rank
 
     if args.world_size <= 1 or _local_world_size(args) >= args.world_size:
         return Storage(multi_node=False, shared=True)
@@ -54,7 +54,7 @@ def detect(args) -> Storage:
         return marker
 
     marker = decided_on_rank0(write_marker)
-    seen = gathered(os.path.exists(marker))  # a collective: every rank has looked once it returns
+    seen = from_every_rank(os.path.exists(marker))  # a collective: every rank has looked once it returns
     if args.process_index == 0:
         os.remove(marker)
     return Storage(multi_node=True, shared=all(seen))

@@ -25,7 +25,7 @@ from peft.utils.integrations import get_bnb_param_type
 from trl_ext import patches
 from trl_ext.engines import fsdp
 from trl_ext.errors import ConfigError
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 MIN_BITSANDBYTES = "0.46"  # first release with a CPU backend; pyproject's ``qlora`` extra pins it
 _SPLITTING_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # spread a model over devices

@@ -17,7 +17,8 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_availab
 from trl_ext import patches
 from trl_ext.engines import fsdp
 from trl_ext.errors import ConfigError, SetupError
-from trl_ext.process import env_world_size, notice
+from trl_ext.process.notices import notice
+from trl_ext.process.ranks import env_world_size
 
 
 def has_accelerator() -> bool:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trl_ext import patches
+
 
 @dataclass
 class LocalCopy:
@@ -87,9 +89,9 @@ def module_tensors(module: torch.nn.Module, recurse: bool = True) -> dict[str, t
     owners = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
     for prefix, owner in owners:
         dot = f"{prefix}." if prefix else ""
-        tensors.update({dot + k: p for k, p in owner._parameters.items() if p is not None})
-        tensors.update({dot + k: b for k, b in owner._buffers.items()
-                        if b is not None and k not in owner._non_persistent_buffers_set})
+        parameters, buffers = patches.own_tensors(owner)
+        tensors.update({dot + k: p for k, p in parameters.items()})
+        tensors.update({dot + k: b for k, b in buffers.items()})
     return tensors
 
 

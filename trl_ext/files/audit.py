@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trl_ext import patches
 from trl_ext.errors import NONFINITE, CheckpointError
 from trl_ext.files.header import read_header
 from trl_ext.files.shards import PREFIX_BYTES
@@ -150,11 +151,12 @@ def _base_shapes(base: str, sequence_classification: bool, num_labels: int,
 
     config = AutoConfig.from_pretrained(base)
     recorded = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
-    auto = recorded if recorded is not None and hasattr(recorded, "_from_config") else AutoModelForCausalLM
+    is_model = isinstance(recorded, type) and issubclass(recorded, transformers.PreTrainedModel)
+    auto = recorded if is_model else AutoModelForCausalLM
     if sequence_classification:
         config.num_labels, auto = num_labels, AutoModelForSequenceClassification
     with torch.device("meta"):
-        model = auto.from_config(config) if auto.__name__.startswith("Auto") else auto._from_config(config)
+        model = patches.model_from_config(auto, config)
     if hub_layout:
         from trl_ext.files.hub_names import to_hub
 

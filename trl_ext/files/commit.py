@@ -1,8 +1,8 @@
-"""Committing saved files into place: a staging directory renamed to its target only once everything is written.
+"""Committing saved files into place: a partial directory renamed to its target only once everything is written.
 
 ``commit`` puts a verified save where ``from_pretrained`` looks (one rename, or file by file into a directory that
 holds other things, entry point last); ``replace_dir`` swaps a re-saved ``checkpoint-N``. A crash at any point leaves
-either the previous contents or the new ones, never a directory that looks complete but is not. Staging directories
+either the previous contents or the new ones, never a directory that looks complete but is not. Partial directories
 carry ``PARTIAL_SUFFIX`` and start with a dot: ``get_last_checkpoint`` and ``resume_from_checkpoint=True`` never
 pick them.
 """
@@ -13,7 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
-PARTIAL_SUFFIX = ".trl_ext-partial"  # staging directories; never matched by checkpoint-N detection
+PARTIAL_SUFFIX = ".trl_ext-partial"  # partial directories; never matched by checkpoint-N detection
 PREVIOUS_SUFFIX = ".trl_ext-previous"  # a replaced checkpoint, removed once the new one is in place
 # Files from_pretrained opens first: moved into place last, so an interrupted commit never looks complete.
 ENTRY_POINTS = ("model.safetensors.index.json", "model.safetensors", "adapter_model.safetensors")
@@ -48,7 +48,7 @@ def sync_files(directory: Path) -> None:
     (``save_pretrained``); trl_ext's own writer syncs its files as it closes them.
 
     Args:
-        directory: the staging directory.
+        directory: the partial directory.
     """
     for path in sorted(Path(directory).rglob("*")):
         if path.is_file():
@@ -56,8 +56,8 @@ def sync_files(directory: Path) -> None:
     _fsync_dir(Path(directory))
 
 
-def commit(staging: Path, target: Path) -> None:
-    """Move a fully written and verified ``staging`` directory to ``target``.
+def commit(partial: Path, target: Path) -> None:
+    """Move a fully written and verified ``partial`` directory to ``target``.
 
     A missing or empty target is replaced by one atomic rename. A directory that already holds other things (an
     output_dir with checkpoint-N folders, say) receives the files one rename each: the previous model's files are
@@ -67,29 +67,29 @@ def commit(staging: Path, target: Path) -> None:
     if target.is_dir() and not any(target.iterdir()):
         target.rmdir()
     if not target.exists():
-        staging.rename(target)
+        partial.rename(target)
         _fsync_dir(target.parent)
         return
     aside = target / PREVIOUS_SUFFIX
     shutil.rmtree(aside, ignore_errors=True)
     aside.mkdir()
-    new = sorted(os.listdir(staging))
+    new = sorted(os.listdir(partial))
     for name in os.listdir(target):
         if name != aside.name and (name in new or _WEIGHTS_FILE.match(name)):
             (target / name).rename(aside / name)
     for name in sorted(new, key=lambda n: n in ENTRY_POINTS):
-        (staging / name).rename(target / name)
+        (partial / name).rename(target / name)
     _fsync_dir(target)
-    staging.rmdir()
+    partial.rmdir()
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def replace_dir(staging: Path, target: Path) -> None:
-    """Put directory ``staging`` at ``target``, replacing an existing directory there (a re-saved checkpoint-N)."""
+def replace_dir(partial: Path, target: Path) -> None:
+    """Put directory ``partial`` at ``target``, replacing an existing directory there (a re-saved checkpoint-N)."""
     aside = target.with_name(f".{target.name}{PREVIOUS_SUFFIX}")
     shutil.rmtree(aside, ignore_errors=True)
     if target.exists():
         target.rename(aside)
-    staging.rename(target)
+    partial.rename(target)
     _fsync_dir(target.parent)
     shutil.rmtree(aside, ignore_errors=True)

@@ -42,7 +42,9 @@ ACCELERATE_KEYS = ("distributed_type", "compute_environment")
 LAUNCHER_ENV_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "PET_")
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-DATA_PARALLEL = Path(__file__).resolve().parents[2] / "accelerate_configs" / "ddp.yaml"
+# The default where no accelerate config is given: inside the package, so that an installed wheel has it too (a copy
+# of accelerate_configs/ddp.yaml, which users copy; tests/unit/test_launch.py keeps the two equal).
+DATA_PARALLEL = Path(__file__).resolve().parent / "configs" / "ddp.yaml"
 _started: dict[tuple, list[str]] = {}  # what start() decided, by its arguments: a recipe asks twice
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trl_ext.errors import UsageError
-from trl_ext.launching import launch
+from trl_ext.launching import launch, rename_probe
 from trl_ext.process import end_together, env_world_size, notice
 from trl_ext.resuming.choose import last_committed
 from trl_ext.scheduling import orchestrators, outcome, ownership
@@ -127,6 +127,7 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
                 "--output_dir, pass --resume_from_checkpoint true to continue that run, or --overwrite_output_dir."
             )
         notice(f"--overwrite_output_dir: training into '{out}'; its files are replaced as the new run saves.")
+    rename_probe.check_renames(out)  # an object-store mount would fail at the first checkpoint's commit
     if own:
         outcome.refuse_after_error(out)  # a restart of a run that ended in an error of its own: not retried
     ownership.claim(out)  # the run's directory from now on: a restarted run resumes from it

@@ -46,18 +46,40 @@ def _check_before_launch(command: str, training_script_args: list[str]) -> None:
     the script."""
     from datasets import load_dataset
 
-    from trl_ext.launching import scripting
+    from trl_ext.launching import rename_probe, scripting
 
     script = __import__(f"trl.scripts.{command}", fromlist=["make_parser"])
     parsed = script.make_parser().parse_args_and_config(training_script_args, fail_with_unknown_args=False)
     script_args, training_args, model_args = parsed[:3]
     dataset_args = parsed[3] if len(parsed) > 3 and hasattr(parsed[3], "datasets") else None
     scripting.check_model(model_args.model_name_or_path)
+    if training_args.output_dir:
+        rename_probe.check_renames(training_args.output_dir)
     scripting.check_mirror(training_args)
     if (dataset_args is not None and dataset_args.datasets) or script_args.dataset_streaming:
         return
     scripting.check_dataset(script_args, training_args, model_args, command, DATASET_KINDS.get(command),
                             load=lambda name, config: load_dataset(name, name=config))
+
+
+def _embedded_as_paths(command: str, training_script_args: list[str]) -> list[str]:
+    """The arguments with an embedded model's or dataset's name (``trl-ext/tiny-llama-arith``,
+    ``trl-ext/arithmetic-preference``) given again as its local path, last (the last value wins, over a config file's
+    too): TRL's script in every rank then loads what the check before the launch loaded, as it loads any local path."""
+    from trl_ext.assets import resolve_model
+    from trl_ext.assets.datasets import embedded_dataset_dir
+
+    script = __import__(f"trl.scripts.{command}", fromlist=["make_parser"])
+    parsed = script.make_parser().parse_args_and_config(training_script_args, fail_with_unknown_args=False)
+    script_args, model_args = parsed[0], parsed[2]
+    extra = []
+    model = getattr(model_args, "model_name_or_path", None)
+    if model and resolve_model(model) != model:
+        extra += ["--model_name_or_path", resolve_model(model)]
+    dataset = getattr(script_args, "dataset_name", None)
+    if dataset and (directory := embedded_dataset_dir(dataset)):
+        extra += ["--dataset_name", directory]
+    return [*training_script_args, *extra]
 
 
 def _launch_runner(script_name: str, launch_args: list[str], training_script_args: list[str], **kwargs) -> None:
@@ -69,6 +91,7 @@ def _launch_runner(script_name: str, launch_args: list[str], training_script_arg
     from trl_ext.scheduling import orchestrators
 
     command = script_name.removesuffix(".py")
+    training_script_args = _embedded_as_paths(command, training_script_args)
     _check_before_launch(command, training_script_args)
     num_processes, _ = launch.take_option(launch_args, "num_processes")
     job = orchestrators.current()

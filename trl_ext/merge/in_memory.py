@@ -77,16 +77,16 @@ def merge(adapter: str, out: str, base: str | None = None, dtype: str = "auto",
 def _write(model, tokenizer, out: Path, max_shard_size, num_labels: int | None) -> None:
     """``save_pretrained`` into a hidden directory beside ``out``, synced, audited, then renamed into place."""
     target = out.absolute()
-    staging = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
-    shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted merge
+    partial = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted merge
     try:
-        model.save_pretrained(staging, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(staging)
-        sync_files(staging)
-        report = audit(str(staging), num_labels=num_labels or 1)
+        model.save_pretrained(partial, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(partial)
+        sync_files(partial)
+        report = audit(str(partial), num_labels=num_labels or 1)
         if not report.ok:
             raise MergeError(f"the merged model failed verification; nothing was written:\n{report.format()}")
-        commit(staging, target)
+        commit(partial, target)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from trl_ext import patches
 from trl_ext.data.model_paths import check_model_path
 from trl_ext.errors import AdapterError, MergeError, PlanError, UnreadableCheckpoint
 from trl_ext.files import audit, commit, hub_names, readback
@@ -142,7 +143,7 @@ def _meta_model(config, sequence_classification: bool) -> torch.nn.Module:
     with torch.device("meta"):
         for cls in classes:
             try:
-                return cls.from_config(config) if cls.__name__.startswith("Auto") else cls._from_config(config)
+                return patches.model_from_config(cls, config)
             except ValueError:  # an Auto class without this model type
                 continue
     raise MergeError(f"transformers has no model class for {config.model_type} ({config.architectures})")
@@ -193,7 +194,7 @@ def _write_tensor(out: Output, writer: ShardStreamWriter, reader: SafetensorsRea
     return merger.result.worst_ratio
 
 
-def _copy_files(base: Path, adapter: Path, staging: Path, generates: bool) -> None:
+def _copy_files(base: Path, adapter: Path, partial: Path, generates: bool) -> None:
     """Everything a loader reads beside the weights: the base's files (processor, generation config, custom code,
     license) and the tokenizer, the adapter's when it was saved with one."""
     adapter_tokenizer = (adapter / "tokenizer_config.json").exists()
@@ -206,13 +207,13 @@ def _copy_files(base: Path, adapter: Path, staging: Path, generates: bool) -> No
         if name == "generation_config.json":  # written as save_pretrained writes it: stamped with this transformers
             from transformers import GenerationConfig
 
-            GenerationConfig.from_pretrained(base).save_pretrained(staging)
+            GenerationConfig.from_pretrained(base).save_pretrained(partial)
             continue
-        shutil.copyfile(path, staging / name)
+        shutil.copyfile(path, partial / name)
     if adapter_tokenizer:
         for name in TOKENIZER_FILES:
             if (adapter / name).is_file():
-                shutil.copyfile(adapter / name, staging / name)
+                shutil.copyfile(adapter / name, partial / name)
 
 
 def _merged_config(config, model, plan: MergePlan, num_labels: int | None, cast, new_dtype, tokenizer_dir: Path):
@@ -323,20 +324,20 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _write_files(job: _Inputs, staging: Path, max_shard_size, progress: bool) -> tuple[dict, ShardStreamWriter, float]:
+def _write_files(job: _Inputs, partial: Path, max_shard_size, progress: bool) -> tuple[dict, ShardStreamWriter, float]:
     """Config, tokenizer and other files, then every tensor. Returns the shard plan, the writer (its last file's
     fsync may still run) and the per-tensor checks' worst ratio to their tolerance."""
     from tqdm.auto import tqdm
 
     tokenizer_dir = job.adapter if (job.adapter / "tokenizer_config.json").exists() else job.base
     config = _merged_config(job.config, job.model, job.plan, job.num_labels, job.cast, job.new_dtype, tokenizer_dir)
-    config.save_pretrained(staging)
-    _copy_files(job.base, job.adapter, staging, generates=job.num_labels is None)
+    config.save_pretrained(partial)
+    _copy_files(job.base, job.adapter, partial, generates=job.num_labels is None)
     outputs = job.plan.outputs
     shard_plan = plan_shards([o.spec for o in outputs], max_shard_size)
     if len(shard_plan) > 1:
-        (staging / audit.FULL_INDEX).write_text(json.dumps(index_json(shard_plan), indent=2))
-    writer, worst = ShardStreamWriter(staging, shard_plan), 0.0
+        (partial / audit.FULL_INDEX).write_text(json.dumps(index_json(shard_plan), indent=2))
+    writer, worst = ShardStreamWriter(partial, shard_plan), 0.0
     try:
         bar = tqdm(total=job.plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                    desc=f"merging {len(outputs)} tensors")
@@ -378,30 +379,30 @@ def merge_streamed(adapter: str, out: str, base: str | None = None, dtype: str =
     inputs.check_out_dir(out_dir)
     job = _gather_inputs(Path(adapter), base, dtype)
     target = out_dir.absolute()
-    staging = target.with_name(f".{target.name}{commit.PARTIAL_SUFFIX}")
-    shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted merge
-    keep_staging, probe_diff = False, None
+    partial = target.with_name(f".{target.name}{commit.PARTIAL_SUFFIX}")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted merge
+    keep_partial, probe_diff = False, None
     try:
-        staging.mkdir(parents=True)
-        shard_plan, writer, worst = _write_files(job, staging, max_shard_size, progress)
-        problems = readback.check_written(str(staging), shard_plan, writer.written, None, job.num_labels or 1)
+        partial.mkdir(parents=True)
+        shard_plan, writer, worst = _write_files(job, partial, max_shard_size, progress)
+        problems = readback.check_written(str(partial), shard_plan, writer.written, None, job.num_labels or 1)
         writer.wait()  # every file on disk before the outcome is decided
         if problems:
-            keep_staging = True
+            keep_partial = True
             raise MergeError(f"the merged model failed verification; nothing was committed. The files are kept in "
-                             f"{staging} for inspection: " + "; ".join(problems))
+                             f"{partial} for inspection: " + "; ".join(problems))
         if probe or (probe is None and _base_bytes(job.reader) <= PROBE_MAX_BYTES):
             try:
-                probe_diff = _probe_outputs(job, staging)
+                probe_diff = _probe_outputs(job, partial)
             except (OSError, ValueError, RuntimeError, TypeError) as exc:  # MergeError (a difference) passes through
                 if isinstance(exc, MergeError):
                     raise
                 raise MergeError(f"the end-to-end check could not run ({type(exc).__name__}: {exc}); nothing was "
                                  "written. merge_streamed(..., probe=False) skips it".splitlines()[0]) from exc
-        commit.commit(staging, target)
+        commit.commit(partial, target)
     except BaseException:
-        if not keep_staging:
-            shutil.rmtree(staging, ignore_errors=True)
+        if not keep_partial:
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     finally:
         job.close()

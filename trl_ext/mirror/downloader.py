@@ -1,4 +1,4 @@
-"""A mirrored checkpoint brought back: its files downloaded in parallel into a hidden staging folder of the output
+"""A mirrored checkpoint brought back: its files downloaded in parallel into a hidden partial directory of the output
 directory, each checked against the manifest as it arrives, then committed as ``checkpoint-N`` (one rename). A file
 that does not match is refused, and the next older complete checkpoint is tried.
 """
@@ -46,13 +46,13 @@ def download(store: Store, step: int, output_dir: str | Path) -> Path:
     except (FileNotFoundError, ValueError) as exc:
         raise MirrorError(f"{store.url_of(rel)}: its manifest cannot be read ({first_line(exc)})",
                           detail="manifest") from None
-    staging_run = output_dir / f".{rel}{PARTIAL_SUFFIX}"
-    shutil.rmtree(staging_run, ignore_errors=True)
-    staging = staging_run / rel
-    staging.mkdir(parents=True)
+    partial_run = output_dir / f".{rel}{PARTIAL_SUFFIX}"
+    shutil.rmtree(partial_run, ignore_errors=True)
+    partial = partial_run / rel
+    partial.mkdir(parents=True)
 
     def one(name: str) -> str | None:
-        size, digest = _fetch(store, f"{rel}/{name}", staging / name)
+        size, digest = _fetch(store, f"{rel}/{name}", partial / name)
         return wanted.mismatch(name, size, digest)
 
     try:
@@ -62,10 +62,10 @@ def download(store: Store, step: int, output_dir: str | Path) -> Path:
         if problems:
             raise MirrorError(f"{store.url_of(rel)} does not match its manifest: {problems[0]}"
                               + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), detail=problems[0])
-        sync_files(staging)
-        replace_dir(staging, output_dir / rel)
+        sync_files(partial)
+        replace_dir(partial, output_dir / rel)
     finally:
-        shutil.rmtree(staging_run, ignore_errors=True)
+        shutil.rmtree(partial_run, ignore_errors=True)
     return output_dir / rel
 
 

@@ -9,7 +9,11 @@
     mirror.model_saved(path)      save_model() committed a model, on the rank that writes: the same
     mirror.status()               how far behind the mirror is (logged as ``mirror/...`` metrics)
     mirror.at_preemption(...)     the stopping checkpoint uploaded within ``mirror_grace_period``, or said to be local
-    Progress (a callback)         renews the lease, logs the lag, says when training has ended
+    Progress (a callback)         renews the lease, logs the lag, raises an uploader's own error, says when training
+                                  has ended
+    at exit                       what is still queued is uploaded within ``mirror_exit_grace_period`` (default
+                                  600 s), or said to be only local (kept in the outbox for the next run): the process
+                                  ends
 
 Only global rank 0 uploads: a mirror needs an output directory every node shares, where rank 0 commits every
 checkpoint whole.
@@ -23,8 +27,8 @@ from transformers import TrainerCallback
 
 from trl_ext import errors
 from trl_ext.errors import MirrorError, TrlExtError
-from trl_ext.files import checkpoints
-from trl_ext.mirror import lease, options, uploader
+from trl_ext.files import checkpoint_dirs as checkpoints
+from trl_ext.mirror import lease, options, outbox, uploader
 from trl_ext.mirror.store import Store, first_line
 from trl_ext.process import notice
 
@@ -68,6 +72,7 @@ class Mirror:
         self.args, self.store = args, store
         self.url = options.shown(options.check_url(args.checkpoint_mirror))
         self.grace = float(getattr(args, "mirror_grace_period", DEFAULT_GRACE_SECONDS))
+        self.exit_grace = float(getattr(args, "mirror_exit_grace_period", uploader.EXIT_GRACE_SECONDS))
         self.holder = lease.Holder(output_dir=os.path.abspath(args.output_dir))
         self.uploader: uploader.Uploader | None = None
         self._protected: set[int] = set()
@@ -100,7 +105,7 @@ class Mirror:
         """Join ``trainer``'s loop (``Progress``: the lease renewed, the lag logged before TensorBoard's callback
         writes the step's metrics)."""
         self.args = trainer.args
-        trainer.callback_handler.callbacks.insert(0, Progress(self))
+        trainer.join(Progress(self), first=True, committed=self.committed)
 
     @property
     def writer(self) -> bool:
@@ -121,7 +126,7 @@ class Mirror:
         if self.uploader is not None:  # a second train() of the same trainer
             return
         error = None
-        storage = getattr(trainer, "_storage", None)
+        storage = getattr(trainer, "storage", None)
         if storage is not None and storage.multi_node and not storage.shared:
             error = MirrorError(f"checkpoint_mirror {self.url} needs an output_dir that every node shares (each "
                                 "node's own output_dir holds only its ranks' parts of a checkpoint): put output_dir on "
@@ -129,10 +134,11 @@ class Mirror:
         elif self.writer:
             try:
                 lease.claim(self.store, self.holder, resuming, notice)
-                staging = Path(self.args.output_dir) / uploader.STAGING
+                box = Path(self.args.output_dir) / outbox.DIR
                 keep = self.args.save_total_limit or None
-                self.uploader = uploader.Uploader(self.store, self.holder, staging, keep,
-                                                  lambda: set(self._protected), notice)
+                self.uploader = uploader.Uploader(self.store, self.holder, box, keep,
+                                                  lambda: set(self._protected), notice, self.exit_grace,
+                                                  self.grace)
                 self._finish_or_abandon()
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = _as_error(exc)
@@ -142,16 +148,16 @@ class Mirror:
                    "in the background")
 
     def _finish_or_abandon(self) -> None:
-        """What an earlier run left: staged uploads and committed local checkpoints the mirror lacks are uploaded;
-        incomplete remote checkpoints that nothing here can finish are deleted."""
+        """What an earlier run left: uploads in the outbox and committed local checkpoints the mirror lacks are
+        uploaded; incomplete remote checkpoints that nothing here can finish are deleted."""
         up = self.uploader
         remote = self.store.checkpoints()
         complete = {s for s, done in remote.items() if done}
         up.remote_step = max(complete, default=None)
         queued = set()
-        for job in uploader.pending(up.staging_root):
+        for job in outbox.pending(up.outbox_root):
             if job.step is not None and job.step in complete:
-                shutil.rmtree(job.staged, ignore_errors=True)
+                shutil.rmtree(job.folder, ignore_errors=True)
                 continue
             notice(f"checkpoint_mirror: finishing the upload of {job.name} that an earlier run left")
             up.submit(job)
@@ -170,7 +176,7 @@ class Mirror:
                        "run left (it never completed; no checkpoint here can finish it)")
 
     def committed(self, path: str | os.PathLike, step: int) -> None:
-        """``checkpoint-<step>`` was committed locally at ``path``: its files are hard-linked into the hidden staging
+        """``checkpoint-<step>`` was committed locally at ``path``: its files are hard-linked into the outbox
         folder and queued for upload (milliseconds; training goes on). Call it on the rank that commits, before
         older checkpoints are rotated out.
 
@@ -181,7 +187,7 @@ class Mirror:
         if self.uploader is None:
             return
         name = checkpoints.name(step)
-        job = uploader.stage(Path(path), self.uploader.staging_root / name, name, step)
+        job = outbox.put(Path(path), self.uploader.outbox_root / name, name, step)
         self.uploader.submit(job)
 
     def model_saved(self, path: str | os.PathLike) -> None:
@@ -201,8 +207,8 @@ class Mirror:
                        "output_dir are)")
             return
         rel = "" if rel == "." else rel.replace(os.sep, "/")
-        staged = self.uploader.staging_root / ("model" if not rel else "model@" + rel.replace("/", "@"))
-        self.uploader.submit(uploader.stage(Path(path), staged, rel, None, top_files_only=True))
+        folder = self.uploader.outbox_root / ("model" if not rel else "model@" + rel.replace("/", "@"))
+        self.uploader.submit(outbox.put(Path(path), folder, rel, None, top_files_only=True))
 
     def protect(self, best_model_checkpoint: str | None) -> None:
         """The best model's checkpoint is kept by the remote retention, as by the local one."""
@@ -225,13 +231,14 @@ class Mirror:
                 left = self.uploader.abandon()
                 newest = self.uploader.remote_step
                 notice(f"checkpoint_mirror: the {self.grace:.0f} s grace period (mirror_grace_period) ran out: "
-                       f"{', '.join(left)} only local (staged in {self.uploader.staging_root}); the mirror's newest "
+                       f"{', '.join(left)} only local (kept in {self.uploader.outbox_root}); the mirror's newest "
                        f"complete checkpoint is {f'checkpoint-{newest}' if newest else 'none'}")
         barrier()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every committed checkpoint and saved model queued so far is in the mirror (or given up on). A
-        process waits for them as it exits anyway; this is for a script that wants to know.
+        process waits for them as it exits anyway (at most ``mirror_exit_grace_period``); this is for a script that
+        wants to know.
 
         Args:
             timeout: seconds (None: as long as the uploads take).
@@ -242,7 +249,8 @@ class Mirror:
         return self.uploader.wait(timeout) if self.uploader is not None else True
 
     def close(self) -> None:
-        """Training has ended (uploads go on until done; the process waits for them as it exits)."""
+        """Training has ended (uploads go on until done; the process waits for them as it exits, at most
+        ``mirror_exit_grace_period``)."""
         if self.uploader is not None:
             self.uploader.close()
 
@@ -256,6 +264,7 @@ class Progress(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.mirror.uploader is not None:
+            self.mirror.uploader.raise_if_broken()  # an error of our own: training stops, visibly (rank 0)
             self.mirror.uploader.renew_if_due()
 
     def on_save(self, args, state, control, **kwargs):

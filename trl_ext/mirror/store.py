@@ -20,7 +20,7 @@ from pathlib import Path
 from fsspec.callbacks import Callback
 
 from trl_ext.errors import ABANDONED, LOCAL_FILE, MirrorError
-from trl_ext.files import checkpoints
+from trl_ext.files import checkpoint_dirs as checkpoints
 from trl_ext.mirror import manifest, options
 
 PART_BYTES = 32 * 2**20  # a download's ranged read
@@ -67,7 +67,7 @@ class Store:
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **kwargs)
         except ImportError as exc:
-            extra = "pip install 'trl_ext[mirror]'" if protocol in _S3 else "install its fsspec package"
+            extra = "pip install s3fs" if protocol in _S3 else "install its fsspec package"
             raise MirrorError(f"checkpoint_mirror {self.shown}: {first_line(exc)} ({extra})") from None
         except (ValueError, TypeError) as exc:
             raise MirrorError(f"checkpoint_mirror {self.shown}: {first_line(exc)}") from None
@@ -351,6 +351,28 @@ class Store:
 
     def size(self, rel: str) -> int:
         return int(self.fs.info(self.path(rel))["size"])
+
+
+# the store clients' own exception modules: what they raise is the store's (the network, the server), not ours
+_CLIENT_MODULES = ("botocore", "aiobotocore", "s3fs", "aiohttp", "urllib3", "requests", "httpx", "google", "gcsfs",
+                   "azure", "adlfs", "huggingface_hub")
+
+
+def is_store_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the store's failure (a connection refused or reset, a timeout, a 5xx or throttling answer
+    after its client's own retries, a refusal such as expired credentials), which a later attempt may get past, rather
+    than an error in the code that called it (``RuntimeError``, ``AttributeError``...), which would only repeat.
+
+    Args:
+        exc: what a call to the store raised.
+
+    Returns:
+        True for the store's own kinds: ``OSError`` (connection errors, timeouts, and what s3fs translates S3's errors
+        into) and the exceptions of the store clients' modules (botocore, aiohttp, gcsfs, azure...).
+    """
+    if isinstance(exc, OSError):
+        return True
+    return any(kind.__module__.split(".")[0] in _CLIENT_MODULES for kind in type(exc).__mro__)
 
 
 def _hash(local: Path, cancelled: Callable[[], bool], rel: str) -> tuple[int, str]:

@@ -1,99 +1,85 @@
-"""The uploads of a mirror, on a thread of their own: training only hard-links a committed checkpoint's files into a
-hidden folder (``.trl_ext-mirror/checkpoint-N``) and queues it; the thread uploads its files in parallel (multipart for
-large ones), then writes the manifest, last, and applies the remote retention.
+"""The uploads of a mirror, on a thread of their own: training only hard-links a committed checkpoint's files into the
+outbox (``outbox``: ``.trl_ext-mirror/checkpoint-N`` in the output directory) and queues it; the thread uploads its
+files in parallel (multipart for large ones), then writes the manifest, last, and applies the remote retention.
 
 The store's client retries each request (S3: botocore's standard mode, ``store.S3_ATTEMPTS`` attempts with backoff)
 and tells the uploader of each failed attempt, so that the log says at once that the store does not answer. A
-checkpoint whose upload still fails stays first in the queue and is sent again ``RESEND_SECONDS`` later (the files it
-already sent are kept), for as long as training runs: an outage of any length is caught up.
+checkpoint whose upload still fails that way (``store.is_store_failure``: connection errors, timeouts, 5xx,
+throttling) stays first in the queue and is sent again ``RESEND_SECONDS`` later (the files it already sent are kept),
+for as long as training runs: an outage of any length is caught up. Any other exception is an error of our own, which
+sending again would only repeat: it is said once, with its type and first line, nothing more is uploaded, and the
+training side raises it at its next step (``raise_if_broken``).
 
-The hard links keep a queued checkpoint whole while local rotation (``save_total_limit``) removes its folder, and
-survive a crash: the next run on the machine finishes the upload (``pending``). The thread runs while there is work
-and ends when there is none; it is not a daemon, so a process that ends waits for the checkpoints it committed,
-except after ``abandon`` (the grace period of a preempted run ran out) or, once training has ended, when the store has
-not answered for ``STALL_SECONDS``.
+The outbox keeps a queued checkpoint whole while local rotation (``save_total_limit``) removes its folder, and
+survives a crash: the next run on the machine finishes the upload (``outbox.pending``). The thread runs while there is
+work and ends when there is none. It is a daemon: what a process that exits still has to upload is finished by
+``finish_at_exit``, which runs before the interpreter joins its threads and shuts down the thread pools the uploads
+use (``process.before_exit``), for at most ``exit_grace`` seconds (``mirror_exit_grace_period``); past them, or once
+the store has not answered for ``STALL_SECONDS`` after training ended, the process exits all the same, saying in one
+line what stayed only local, kept in the outbox. A SIGTERM meanwhile (a scheduler ending the job, or torchrun ending
+this rank because another rank failed) is held back for at most ``signal_grace`` more seconds
+(``mirror_grace_period``), then delivered as it came (``HeldSignal``). ``abandon`` stops at once (the grace period of a
+preempted run ran out).
 """
 
 import contextlib
-import json
-import os
 import shutil
+import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl_ext.errors import ABANDONED, STALLED, MirrorError, TrlExtError
 from trl_ext.mirror import lease, manifest
-from trl_ext.mirror.store import Store, first_line
+from trl_ext.mirror.outbox import Job
+from trl_ext.mirror.store import Store, first_line, is_store_failure
+from trl_ext.process.clean_exit import before_exit
 
-STAGING = ".trl_ext-mirror"  # in output_dir: the hard-linked files of uploads not done yet
 FILES_IN_PARALLEL = 4
 RESEND_SECONDS = 10.0  # a checkpoint the store failed, after its client's own retries, is sent again this much later
 STALL_SECONDS = 300.0  # once training has ended: give up after the store has not answered for this long
 WARN_EVERY_SECONDS = 60.0
+EXIT_GRACE_SECONDS = 600.0  # at exit: the longest wait for uploads still queued (mirror_exit_grace_period)
+EXIT_JOIN_SECONDS = 5.0  # at exit, once given up: the longest wait for the request in flight to end
+SIGNAL_GRACE_SECONDS = 20.0  # at exit, after a SIGTERM: the longest wait for the uploads (mirror_grace_period)
 
 
-@dataclass
-class Job:
-    """One upload: a committed ``checkpoint-N`` or a saved model, hard-linked under ``staged``.
+def in_parallel(calls: list[Callable[[], None]], workers: int) -> None:
+    """Run ``calls`` on up to ``workers`` daemon threads of our own, and wait for them; the first exception is raised
+    once they have stopped (no call starts after one failed).
+
+    Own threads rather than a ``ThreadPoolExecutor``: the interpreter joins a pool's threads at exit, without bound (a
+    request to a store that stopped answering would keep a finished process alive), and its pools refuse new work
+    once it exits.
 
     Args:
-        rel: the remote folder, relative to the mirror (``checkpoint-20``; ``""`` for a model saved in output_dir).
-        step: the checkpoint's step (None for a model).
-        staged: the folder of hard links.
+        calls: what to run, each without arguments.
+        workers: the most threads at once.
     """
+    todo, failures, lock = deque(calls), [], threading.Lock()
 
-    rel: str
-    step: int | None
-    staged: str
-    sent: dict[str, tuple[int, str]] = field(default_factory=dict)  # file -> (size, checksum), in the store already
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo or failures:
+                    return
+                call = todo.popleft()
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - raised on the calling thread below
+                with lock:
+                    failures.append(exc)
 
-    @property
-    def name(self) -> str:
-        return self.rel or "the model"
-
-    def files(self) -> list[str]:
-        root = Path(self.staged)
-        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != "job.json")
-
-
-def stage(source: Path, staging: Path, rel: str, step: int | None, top_files_only: bool = False) -> Job:
-    """Hard-link the files of ``source`` (a committed checkpoint, or a saved model: ``top_files_only``, the regular
-    files at its top) into ``staging``; copied where the file system has no hard links.
-
-    Returns:
-        The ``Job``, described in ``staging/job.json`` too (so that a later run can finish it).
-    """
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    paths = ([p for p in source.iterdir() if p.is_file() and not p.name.startswith(".")] if top_files_only
-             else [p for p in source.rglob("*") if p.is_file()])
-    for path in paths:
-        target = staging / path.relative_to(source)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:  # no hard links here (some network file systems): a copy, slower but as safe
-            shutil.copy2(path, target)
-    job = Job(rel, step, str(staging))
-    (staging / "job.json").write_text(json.dumps({"rel": rel, "step": step, "staged": str(staging)}))
-    return job
-
-
-def pending(staging_root: Path) -> list[Job]:
-    """The uploads an earlier run on this machine left unfinished, oldest checkpoint first, models last."""
-    jobs = []
-    for path in sorted(staging_root.glob("*/job.json")) if staging_root.is_dir() else []:
-        try:
-            raw = json.loads(path.read_text())
-            jobs.append(Job(raw["rel"], raw["step"], str(path.parent)))
-        except (OSError, ValueError, KeyError):
-            shutil.rmtree(path.parent, ignore_errors=True)
-    return sorted(jobs, key=lambda j: (j.step is None, j.step or 0))
+    threads = [threading.Thread(target=work, name="trl_ext-mirror-file", daemon=True)
+               for _ in range(min(workers, len(calls)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
 
 
 class Outage:
@@ -120,22 +106,63 @@ class Outage:
         return 0.0 if since is None else time.monotonic() - since
 
 
+class HeldSignal:
+    """While the process exits and its uploads finish: a SIGTERM is recorded, not acted on, and delivered as it came
+    once they are done (the process then ends by it, as it would have), at most ``grace`` seconds after it came.
+
+    Why: under torchrun, a rank that fails makes the launcher send SIGTERM to the others, and SIGKILL 30 s later; rank
+    0, finishing the final model's upload at exit, would die at once and the model would never reach the mirror. A
+    scheduler's SIGTERM gets ``mirror_grace_period``, as during training. Only on the main thread, and only where
+    SIGTERM's handler is Python's to change (not ignored).
+
+    Args:
+        grace: the most seconds the uploads go on after the signal.
+    """
+
+    def __init__(self, grace: float):
+        self.grace, self.since, self._previous = grace, None, None
+
+    def __enter__(self) -> "HeldSignal":
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous is not None and previous is not signal.SIG_IGN:
+                self._previous = previous
+                signal.signal(signal.SIGTERM, self._record)
+        return self
+
+    def _record(self, signum, frame) -> None:
+        self.since = self.since or time.monotonic()
+
+    def deadline(self, deadline: float) -> float:
+        """``deadline`` (a ``time.monotonic`` reading), brought forward to ``grace`` seconds after a signal."""
+        return deadline if self.since is None else min(deadline, self.since + self.grace)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            if self.since is not None:
+                signal.raise_signal(signal.SIGTERM)
+
+
 class Uploader:
     """Uploads queued checkpoints and models, one at a time, each file in parallel; see the module's docstring.
 
     Args:
         store: the mirror.
         holder: this run's lease (renewed by ``renew_if_due``, checked before every manifest).
-        staging_root: ``<output_dir>/.trl_ext-mirror``.
+        outbox_root: ``<output_dir>/.trl_ext-mirror``.
         keep: how many complete checkpoints the mirror keeps (``save_total_limit``; None: all).
         protected: the checkpoint steps retention never deletes (the best model's), asked at each retention.
         say: prints one line.
+        exit_grace: at exit, the longest wait in seconds for the uploads still queued (``finish_at_exit``).
+        signal_grace: at exit, the longest wait in seconds after a SIGTERM (``mirror_grace_period``).
     """
 
-    def __init__(self, store: Store, holder: lease.Holder, staging_root: Path, keep: int | None,
-                 protected: Callable[[], set[int]], say: Callable[[str], None]):
-        self.store, self.holder, self.staging_root, self.keep = store, holder, staging_root, keep
-        self.protected, self.say = protected, say
+    def __init__(self, store: Store, holder: lease.Holder, outbox_root: Path, keep: int | None,
+                 protected: Callable[[], set[int]], say: Callable[[str], None],
+                 exit_grace: float = EXIT_GRACE_SECONDS, signal_grace: float = SIGNAL_GRACE_SECONDS):
+        self.store, self.holder, self.outbox_root, self.keep = store, holder, outbox_root, keep
+        self.protected, self.say, self.exit_grace, self.signal_grace = protected, say, exit_grace, signal_grace
         self._queue: deque[Job] = deque()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -151,13 +178,19 @@ class Uploader:
         self.remote_step: int | None = None  # the newest checkpoint complete in the mirror
         self.completed: list[tuple[str, float]] = []  # (rel, seconds) of each finished upload, for tests and benches
         self.failed: list[str] = []  # what could not be uploaded (only local), one line each
+        self.error: BaseException | None = None  # an error of our own that stopped the uploads (never sent again)
+        self._raised = False
         store.on_retry(self._store_failed)
+        before_exit(self.finish_at_exit)
 
     # ------------------------------------------------------------------------------------------- training side
     def submit(self, job: Job) -> None:
         """Queue ``job`` (training goes on at once); queued checkpoints that retention would delete right after they
         completed are dropped."""
         with self._lock:
+            if self.error is not None:  # stopped on an error of our own: kept in the outbox for a later run
+                self.failed.append(job.name)
+                return
             self._queue.append(job)
             if job.step is not None:
                 self.local_step = max(job.step, self.local_step or 0)
@@ -165,7 +198,7 @@ class Uploader:
                 checkpoints = [j for j in self._queue if j.step is not None]
                 for old in checkpoints[:-self.keep] if len(checkpoints) > self.keep else []:
                     self._queue.remove(old)
-                    shutil.rmtree(old.staged, ignore_errors=True)
+                    shutil.rmtree(old.folder, ignore_errors=True)
             self._start()
         self._say_lag()
 
@@ -175,10 +208,25 @@ class Uploader:
             with self._lock:
                 self._start()
 
+    def raise_if_broken(self) -> None:
+        """On the training side: raise the error of our own that stopped the uploads (once).
+
+        Raises:
+            MirrorError: the uploads stopped on an error that is not the store's.
+        """
+        if self.error is not None and not self._raised:
+            self._raised = True
+            raise MirrorError(f"checkpoint_mirror {self.store.shown}: the uploads stopped on an error of trl_ext's "
+                              f"own, not the store's ({first_line(self.error)}); every checkpoint is in output_dir, "
+                              f"and those not uploaded are kept in {self.outbox_root} for the next run")
+
     def _start(self) -> None:
+        if self.error is not None:
+            return
         if self._thread is None or not self._thread.is_alive():
             self._cancel.clear()
-            self._thread = threading.Thread(target=self._run, name="trl_ext-mirror", daemon=False)
+            # a daemon: finish_at_exit waits for the uploads, within its bound, before the interpreter ends
+            self._thread = threading.Thread(target=self._run, name="trl_ext-mirror", daemon=True)
             self._thread.start()
 
     def status(self) -> dict[str, float]:
@@ -205,16 +253,65 @@ class Uploader:
                 self._lock.wait(timeout=min(left, 1.0) if left is not None else 1.0)
         return True
 
-    def abandon(self) -> list[str]:
+    def abandon(self, join: float = 30.0) -> list[str]:
         """Stop now: the upload in flight is discarded (the previous complete checkpoint stays the mirror's newest),
-        and what was queued stays staged on disk for a later run. Returns the names left only local."""
+        and what was queued stays in the outbox for a later run.
+
+        Args:
+            join: the longest wait, in seconds, for the request in flight to end (the thread is a daemon).
+
+        Returns:
+            The names left only local.
+        """
         with self._lock:
             left = [j.name for j in ([self._current] if self._current else []) + list(self._queue)]
             self._queue.clear()
         self._cancel.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=join)
         return left
+
+    def finish_at_exit(self) -> None:
+        """The process exits (``process.before_exit``: before the interpreter joins its threads and shuts its thread
+        pools): the uploads still queued are finished within ``exit_grace`` seconds, and the lease released; past
+        them (or once the store has not answered for ``STALL_SECONDS``) what is left stays in the outbox, said in one
+        line, and the process exits all the same."""
+        if self._lost:
+            return
+        with self._lock:
+            left = [j.name for j in ([self._current] if self._current else []) + list(self._queue)]
+        self.closing = True
+        if left:
+            self.say(f"checkpoint_mirror: finishing the upload of {', '.join(left)} to {self.store.shown} before this "
+                     f"process exits (at most {self.exit_grace:.0f} s: mirror_exit_grace_period)")
+        with self._lock:
+            self._start()  # with nothing left, the thread releases the lease and ends
+        thread = self._thread
+        deadline = time.monotonic() + self.exit_grace
+        with HeldSignal(self.signal_grace) as held:  # a SIGTERM now is delivered once this block ends
+            said = False
+            while not (done := self.wait(max(0.0, min(held.deadline(deadline) - time.monotonic(), 0.5)))):
+                if held.since is not None and not said:
+                    said = True
+                    self.say(f"checkpoint_mirror: SIGTERM while this process exits: the uploads get at most "
+                             f"{self.signal_grace:.0f} s more (mirror_grace_period), then it ends")
+                if time.monotonic() >= held.deadline(deadline):
+                    break
+            if done:
+                if thread is not None:
+                    thread.join(EXIT_JOIN_SECONDS)
+                if self.failed:
+                    self.say(f"checkpoint_mirror: only local at exit: {', '.join(self.failed)} (kept in "
+                             f"{self.outbox_root}; the next run with this output_dir uploads them)")
+                return
+            left = self.abandon(join=EXIT_JOIN_SECONDS)
+            silent = (f"; the store has not answered for {self.outage.seconds():.0f} s ({self.outage.error})"
+                      if self.outage.since is not None else "")
+            ran_out = (f"{self.signal_grace:.0f} s mirror_grace_period after SIGTERM" if held.deadline(deadline) <
+                       deadline else f"{self.exit_grace:.0f} s mirror_exit_grace_period")
+            self.say(f"checkpoint_mirror: exiting with {', '.join(left + self.failed)} only local: the {ran_out} ran "
+                     f"out{silent}. They are kept in {self.outbox_root}: the next run with this output_dir uploads "
+                     "them")
 
     # --------------------------------------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -244,9 +341,11 @@ class Uploader:
                 elif exc.kind != ABANDONED and job is not None:
                     self.failed.append(f"{job.name}: {exc}")
                     self.say(f"mirror {self.store.url_of(job.rel)}: the upload failed ({exc}); it stays only local: "
-                             f"{job.staged}")
-            except Exception:  # noqa: BLE001 - the store, after its client's own retries (said): never into training
-                if job is not None:
+                             f"{job.folder}")
+            except Exception as exc:  # noqa: BLE001 - sorted below: the store's failure, or an error of our own
+                if not is_store_failure(exc):
+                    self._broken(job, exc)
+                elif job is not None:  # the store, after its client's own retries (said): sent again later
                     self._resend(job)
             finally:
                 with self._lock:
@@ -270,8 +369,21 @@ class Uploader:
             self._queue.clear()
         self.failed += left
         self.say(f"mirror {self.store.shown}: the store has not answered for {self.outage.seconds():.0f} s since "
-                 f"training ended ({self.outage.error}); only local: {', '.join(left)} (staged in "
-                 f"{self.staging_root}; the next run here finishes the upload)")
+                 f"training ended ({self.outage.error}); only local: {', '.join(left)} (kept in "
+                 f"{self.outbox_root}; the next run here finishes the upload)")
+
+    def _broken(self, job: Job | None, exc: BaseException) -> None:
+        """An error of our own (not the store's): said once, with its type and first line; nothing more is uploaded
+        (it would only repeat), what is left stays in the outbox for a later run, and training raises it at its next
+        step."""
+        with self._lock:
+            left = [j.name for j in ([job] if job else []) + list(self._queue)]
+            self._queue.clear()
+            self.error = exc
+        self.failed += left
+        self.say(f"checkpoint_mirror {self.store.shown}: the uploads stopped on an error of trl_ext's own, not the "
+                 f"store's ({first_line(exc)}); only local: {', '.join(left) or 'nothing yet'} (kept in "
+                 f"{self.outbox_root}; the next run with this output_dir uploads them). Please report it")
 
     def _resend(self, job: Job) -> None:
         """The store failed ``job`` after its client's own retries: it goes first in the queue again, sent
@@ -304,8 +416,9 @@ class Uploader:
             result = call()
         except TrlExtError:  # ours: a local file, a stop on purpose
             raise
-        except Exception as exc:  # noqa: BLE001 - the store's own kinds
-            self._store_failed(exc)
+        except Exception as exc:  # noqa: BLE001 - the store's own kinds count as an outage; ours are raised as they are
+            if is_store_failure(exc):
+                self._store_failed(exc)
             raise
         silent = self.outage.answered()
         if silent is not None:
@@ -316,8 +429,8 @@ class Uploader:
     def _upload(self, job: Job) -> None:
         started = time.monotonic()
         files = job.files()
-        staged = Path(job.staged)
-        sizes = {name: (staged / name).stat().st_size for name in files}
+        folder = Path(job.folder)
+        sizes = {name: (folder / name).stat().st_size for name in files}
         self._current_bytes = [sum(size for size, _ in job.sent.values()), sum(sizes.values())]
         # a manifest there describes an earlier upload of this name: it stops counting before any file changes
         self._call(lambda: self.store.delete(f"{job.rel}/{manifest.NAME}" if job.rel else manifest.NAME,
@@ -325,18 +438,17 @@ class Uploader:
 
         def one(name: str) -> None:
             rel = f"{job.rel}/{name}" if job.rel else name
-            size, digest = self._call(lambda: self.store.upload(staged / name, rel, self._cancel.is_set))
+            size, digest = self._call(lambda: self.store.upload(folder / name, rel, self._cancel.is_set))
             with self._lock:  # the files upload in parallel
                 job.sent[name] = (size, digest)
                 self._current_bytes[0] += size
 
-        with ThreadPoolExecutor(max_workers=FILES_IN_PARALLEL, thread_name_prefix="trl_ext-mirror-file") as pool:
-            # files of an earlier upload of this checkpoint that this one does not have: listed while these upload
-            found = pool.submit(self._call, lambda: self.store.files(job.rel)) if job.step is not None else None
-            todo = sorted((n for n in files if n not in job.sent), key=lambda n: -sizes[n])  # sent before an outage
-            for future in [pool.submit(one, name) for name in todo]:
-                future.result()
-            extra = set(found.result() if found is not None else []) - set(files) - {manifest.NAME}
+        # files of an earlier upload of this checkpoint that this one does not have: listed while these upload
+        found: list[str] = []
+        listing = [lambda: found.extend(self._call(lambda: self.store.files(job.rel)))] if job.step is not None else []
+        todo = sorted((n for n in files if n not in job.sent), key=lambda n: -sizes[n])  # sent before an outage
+        in_parallel(listing + [lambda n=name: one(n) for name in todo], FILES_IN_PARALLEL)
+        extra = set(found) - set(files) - {manifest.NAME}
         for name in extra:
             self._call(lambda n=name: self.store.delete(f"{job.rel}/{n}", recursive=False))
         done = manifest.Manifest(step=job.step, run=self.holder.run)
@@ -350,7 +462,7 @@ class Uploader:
         self.completed.append((job.rel, seconds))
         if job.step is not None:
             self.remote_step = max(job.step, self.remote_step or 0)
-        shutil.rmtree(job.staged, ignore_errors=True)
+        shutil.rmtree(job.folder, ignore_errors=True)
         self.say(f"mirror: {job.name} complete at {self.store.url_of(job.rel)} ({len(files)} files, "
                  f"{done.total_bytes / 2**20:.1f} MiB in {seconds:.1f} s)")
         if job.step is not None:

@@ -1,5 +1,5 @@
-"""trl_ext on a Ray cluster (optional: ``pip install 'trl_ext[ray]'``): the ranks of a run as a Ray Train worker
-group. Importing this package does not import Ray; calling into it does.
+"""trl_ext on a Ray cluster (optional: ``pip install -e '.[ray]'`` in a checkout): the ranks of a run as a Ray Train
+worker group. Importing this package does not import Ray; calling into it does.
 
 From the command line, a recipe or ``trl-ext <command>`` started by ``ray job submit`` does it by itself::
 

@@ -13,7 +13,7 @@ import threading
 
 from transformers import TrainerCallback
 
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 from trl_ext.ray import cluster
 
 CHECK_SECONDS = 10.0
@@ -23,7 +23,7 @@ class Growth(TrainerCallback):
     """Rank 0's watch for room to grow.
 
     Args:
-        trainer: the trainer (its ``_preemption`` stops every rank with a checkpoint).
+        trainer: the trainer (its ``preemption`` stops every rank with a checkpoint).
         workers: the group's size now.
         most: the range's maximum.
         per_worker: each worker's resources.
@@ -34,7 +34,7 @@ class Growth(TrainerCallback):
         self.done = threading.Event()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if getattr(self.trainer, "_preemption", None) is None:
+        if self.trainer.preemption is None:
             notice("save_on_preemption is off: the Ray worker group cannot save before it grows, so it stays at "
                    f"{self.workers} worker(s)")
             return
@@ -49,11 +49,15 @@ class Growth(TrainerCallback):
         while not self.done.wait(CHECK_SECONDS):
             try:
                 free = cluster.room([ray.available_resources()], self.per_worker)
-            except Exception:  # noqa: BLE001 - the cluster not answering now is not a reason to stop
+            except (ConnectionError, TimeoutError, ray.exceptions.RayError):  # the cluster not answering now: next time
                 continue
+            except Exception as exc:  # noqa: BLE001 - an error of our own would only repeat: said once, watch ends
+                notice(f"Ray: the watch for room to grow stopped ({type(exc).__name__}: {exc}); the worker group "
+                       f"stays at {self.workers} worker(s)")
+                return
             if free > 0:
                 more = min(free, self.most - self.workers)
                 notice(f"Ray: room for {more} more worker(s) (the range's maximum is {self.most}): the worker group "
                        "stops at the next step with a checkpoint, and starts again larger")
-                self.trainer._preemption.request_stop("Ray: growing the worker group")
+                self.trainer.preemption.request_stop("Ray: growing the worker group")
                 return

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from trl_ext.errors import RunFailed, UsageError
 from trl_ext.launching.launch import RELAUNCHED
-from trl_ext.process import HOSTED
+from trl_ext.process.hosted import HOSTED
 from trl_ext.ray import cluster, group
 from trl_ext.ray.worker import Task
 from trl_ext.scheduling import orchestrators, ownership

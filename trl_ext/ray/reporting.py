@@ -16,20 +16,29 @@ import threading
 
 from transformers import TrainerCallback
 
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 
 class RayReport(TrainerCallback):
-    """The trainer's reports to Ray.
+    """The trainer's reports to Ray (``join`` adds one to a trainer)."""
 
-    Args:
-        trainer: the trainer (its committed checkpoints are heard on rank 0, the writer).
-    """
-
-    def __init__(self, trainer):
+    def __init__(self):
         self.metrics = {}
         self.pending = None  # rank 0: the newest committed checkpoint not reported yet
-        trainer._checkpoints.after_commit.append(self._committed)
+
+    @classmethod
+    def join(cls, trainer) -> "RayReport":
+        """A report for ``trainer``, joined to its loop; its committed checkpoints are heard on rank 0, the writer.
+
+        Args:
+            trainer: a trl_ext trainer.
+
+        Returns:
+            The report.
+        """
+        report = cls()
+        trainer.join(report, committed=report._committed)
+        return report
 
     def _committed(self, path, step) -> None:  # on the rank that writes, where the checkpoint is committed
         self.pending = str(path)

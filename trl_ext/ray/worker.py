@@ -24,7 +24,8 @@ import sys
 import traceback
 from dataclasses import dataclass, field, replace
 
-from trl_ext.process import HOSTED, max_over_ranks
+from trl_ext.process.collectives import max_over_ranks
+from trl_ext.process.hosted import HOSTED
 from trl_ext.ray.failures import RankError, first_line
 from trl_ext.scheduling import orchestrators, outcome, ownership
 
@@ -87,17 +88,23 @@ def train(config: dict):
     _enter(task)
     job = _job(task, context)
     from trl_ext.ray import growth, reporting
-    from trl_ext.trainers.mixin import TrlExtMixin
+    from trl_ext.trainers.components import joining
 
     built = []
-    TrlExtMixin.callback_factories.append(lambda trainer: built.append(trainer) or reporting.RayReport(trainer))
-    if task.most > context.get_world_size() and rank == 0:
-        TrlExtMixin.callback_factories.append(
-            lambda trainer: growth.Growth(trainer, context.get_world_size(), task.most, task.per_worker))
+
+    def report(trainer) -> None:
+        built.append(trainer)
+        reporting.RayReport.join(trainer)
+
+    def grow(trainer) -> None:
+        trainer.join(growth.Growth(trainer, context.get_world_size(), task.most, task.per_worker))
+
+    grows = task.most > context.get_world_size() and rank == 0
     try:
-        value = _run(task, job)
+        with joining(report, *([grow] if grows else [])):  # every trainer the run builds (step 4 above)
+            value = _run(task, job)
     except BaseException as exc:  # noqa: BLE001 - every ending is told to Ray, as a value or as a RankError
-        stopped = [t.state.global_step for t in built if getattr(t, "_preemption", None) and t._preemption.stopping]
+        stopped = [t.state.global_step for t in built if t.preemption is not None and t.preemption.stopping]
         if isinstance(exc, SystemExit) and stopped:  # the planned stop: every rank agreed on it, with a checkpoint
             reporting.flush()
             return {GROW: stopped[-1]}
@@ -119,7 +126,7 @@ def _enter(task: Task) -> None:
 def _job(task: Task, context) -> orchestrators.Job:
     """This rank's view of the run (``TRL_EXT_NODE``), its restart counted on rank 0 in the run's record and given to
     every rank."""
-    from trl_ext.process import decided_on_rank0
+    from trl_ext.process.collectives import decided_on_rank0
 
     node_rank = context.get_node_rank()
     nodes = _nodes(node_rank)
@@ -146,7 +153,7 @@ def _run(task: Task, job: orchestrators.Job):
     if task.function is not None:
         if task.accelerate_config:
             from trl_ext.launching import in_process
-            from trl_ext.process import notice
+            from trl_ext.process.notices import notice
 
             notice(f"{job.describe()}; {task.accelerate_config} applied in each process "
                    f"({in_process.apply(task.accelerate_config, job)})")

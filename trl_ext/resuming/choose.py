@@ -4,7 +4,7 @@ orchestrator restarted (a requeued Slurm job, torchrun's restart, recreated pods
 newest committed checkpoint its earlier attempt left, without being asked (``after_restart``), in the run's own
 directory only (``scheduling.ownership``): a fresh run never resumes another run's directory by itself.
 
-Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden staging directory
+Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden partial directory
 (``.checkpoint-N.trl_ext-partial``) until it is complete and checked, and ``get_last_checkpoint`` never matches it.
 Every answer is decided on rank 0 and broadcast: ranks that look at the files on their own can disagree (NFS attribute
 caching, node-local disks) and then take different collective paths, which hangs the job (KempnerForge#49).
@@ -44,12 +44,12 @@ def checkpoint_to_resume(args, wanted) -> str | None:
     Raises:
         ResumeError: the checkpoint is missing where some rank runs.
     """
-    from trl_ext.process import decided_on_rank0, gathered
+    from trl_ext.process.collectives import decided_on_rank0, from_every_rank
 
     path = decided_on_rank0(lambda: last_committed(args.output_dir) if wanted is True else wanted)
     if path is None or args.world_size <= 1:  # one process: the checkpoint's own audit says what is missing
         return path
-    missing = [rank for rank, seen in enumerate(gathered(os.path.isdir(path))) if not seen]
+    missing = [rank for rank, seen in enumerate(from_every_rank(os.path.isdir(path))) if not seen]
     if missing:
         raise ResumeError(f"checkpoint {path} (the one rank 0 resumes) is missing where rank {missing[0]} runs: give "
                           "every node a copy of it, or resume from a checkpoint all nodes have.")
@@ -87,7 +87,8 @@ def restarted_checkpoint(args) -> str | None:
     Returns:
         The checkpoint to resume, the same on every rank, or None.
     """
-    from trl_ext.process import decided_on_rank0, notice
+    from trl_ext.process.collectives import decided_on_rank0
+    from trl_ext.process.notices import notice
 
     def decide():
         restarted = after_restart(args.output_dir)

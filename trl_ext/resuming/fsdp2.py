@@ -16,7 +16,7 @@ import torch
 from trl_ext.engines import sharded
 from trl_ext.errors import ResumeError
 from trl_ext.files.reader import SafetensorsReader, checkpoint_files
-from trl_ext.saving import plan as save_plan
+from trl_ext.saving import save_plan
 
 
 def load_checkpoint_weights(model, checkpoint: str) -> None:

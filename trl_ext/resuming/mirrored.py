@@ -10,7 +10,8 @@ raised on every rank.
 from trl_ext.errors import MirrorError, TrlExtError
 from trl_ext.mirror import downloader, lease
 from trl_ext.mirror.store import first_line
-from trl_ext.process import decided_on_rank0, notice
+from trl_ext.process.collectives import decided_on_rank0
+from trl_ext.process.notices import notice
 from trl_ext.resuming.choose import last_committed
 from trl_ext.scheduling import orchestrators
 
@@ -31,7 +32,7 @@ def _from_rank0(decide) -> str | None:
 
 
 def _download(trainer) -> str | None:
-    store = trainer._mirror.store
+    store = trainer.mirror.store
     notice(f"{trainer.args.output_dir} holds no committed checkpoint: looking in the mirror {store.shown}")
     path = downloader.newest(store, trainer.args.output_dir, notice)
     if path is None:
@@ -44,7 +45,7 @@ def download_if_missing(trainer) -> str | None:
     newest complete mirrored one, downloaded, checked and committed there. Collective.
 
     Args:
-        trainer: the trainer (its ``_mirror``; the download runs on global rank 0, which writes the shared output
+        trainer: the trainer (its ``mirror``; the download runs on global rank 0, which writes the shared output
             directory).
 
     Returns:
@@ -54,7 +55,7 @@ def download_if_missing(trainer) -> str | None:
     Raises:
         MirrorError: the store failed while downloading.
     """
-    if getattr(trainer, "_mirror", None) is None:
+    if getattr(trainer, "mirror", None) is None:
         return None
     # The local check is rank 0's too: its download commits a checkpoint that a slower rank would otherwise find, and
     # skip the broadcast rank 0 waits in (a collective mismatch, seen in a 2-process FSDP2 run).
@@ -75,7 +76,7 @@ def restarted(trainer) -> str | None:
         The local checkpoint to resume, the same on every rank, or None.
     """
     job = orchestrators.current()
-    mirror = getattr(trainer, "_mirror", None)
+    mirror = getattr(trainer, "mirror", None)
     if mirror is None or job is None or job.run is None:
         return None
 
@@ -102,8 +103,8 @@ def start_fresh(trainer) -> bool:
     Returns:
         Whether the run starts from the beginning.
     """
-    if getattr(trainer, "_mirror", None) is None:
+    if getattr(trainer, "mirror", None) is None:
         return False
-    notice(f"resume_from_checkpoint=True: neither {trainer.args.output_dir} nor the mirror {trainer._mirror.url} "
+    notice(f"resume_from_checkpoint=True: neither {trainer.args.output_dir} nor the mirror {trainer.mirror.url} "
            "holds a complete checkpoint yet; starting a new run")
     return True

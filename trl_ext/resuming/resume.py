@@ -21,7 +21,8 @@ from transformers import set_seed
 from trl_ext.engines import fsdp
 from trl_ext.errors import ResumeError
 from trl_ext.files import hub_names
-from trl_ext.process import decided_on_rank0, notice
+from trl_ext.process.collectives import decided_on_rank0
+from trl_ext.process.notices import notice
 from trl_ext.resuming import checks, choose, fsdp2, mirrored, rng, universal, world_size
 from trl_ext.saving import supports
 from trl_ext.scheduling import ownership

@@ -39,19 +39,19 @@ def convert_to_universal(checkpoint: str | os.PathLike, tag: str) -> None:
     checkpoint = Path(checkpoint)
     final = folder(checkpoint, tag)
     if not final.is_dir():
-        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=checkpoint))
-        options = Namespace(input_folder=str(checkpoint / tag), output_folder=str(staging), num_extract_workers=1,
+        partial = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=checkpoint))
+        options = Namespace(input_folder=str(checkpoint / tag), output_folder=str(partial), num_extract_workers=1,
                             num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # its progress report is per parameter
                 ds_to_universal.main(options)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(partial, ignore_errors=True)
             raise
-        staging.chmod(0o755)
-        os.replace(staging, final)
+        partial.chmod(0o755)
+        os.replace(partial, final)
     # What load_universal reads instead of ``latest``. Always rewritten: ds_to_universal writes one naming its
-    # output folder, here the staging directory.
+    # output folder, here the partial directory.
     tmp = checkpoint / f".latest_universal.{os.getpid()}"
     tmp.write_text(final.name)
     os.replace(tmp, checkpoint / "latest_universal")

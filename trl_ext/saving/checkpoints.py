@@ -13,8 +13,30 @@
 - ``close``: at the end of ``train()`` (and at exit), the copies' and the executor's threads ended.
 - ``abandon``: training stopped with an error; the checkpoint in flight is not committed.
 
-Each checkpoint's cost (``cost.Cost``) is logged as training metrics; the copies are reserved at the end of the first
-step (``memory``).
+One background checkpoint, step by step, with the module of ``saving`` that does each step:
+
+    once, at the end of the first step: the copies measured, checked, allocated   reserve.reserve_copies
+    on the training thread, in take():
+      1. the previous checkpoint's outcome; a hidden partial directory            trainer_files.PartialDir
+      2. Trainer's _save_checkpoint runs; nothing is written, every part staged   executor.BackgroundCheckpoint
+         (its CPU copies) and queued: the weights                                 pipeline.save(into=...)
+         and the files Trainer, DeepSpeed and accelerate write                    deferred
+         into buffers kept from one checkpoint to the next                        snapshot.Snapshot
+      3. the copies start beside the next forward and backward                    snapshot (a CUDA stream or a thread)
+      4. before the next optimizer step, the copies complete (wait_for_copies)    mode.OptimizerHooks
+    on the executor's thread (its own gloo group):                                executor.Executor
+      5. every part written, synced and read back                                 write, gather, files.readback
+      6. every rank's outcome agreed on                                           errors.agree
+      7. the weights renamed into the checkpoint, the checkpoint into place,      save_plan.SaveJob.commit_save,
+         the after_commit hooks run (the mirror, Ray's reports), older ones       trainer_files.commit_checkpoint
+         rotated out
+    back on the training thread, at a step boundary (poll) or wait_for_writes:
+      8. the outcome on every rank (a failure raised on all of them), its cost    cost.Cost
+    throughout: foreground or background, and why (Where: FOREGROUND,             mode.Mode
+    BACKGROUND, BACKGROUND_COPIED_FIRST); what a BackgroundCheckpoint is for      executor.Purpose
+    (WRITE; RESERVE and MEASURE for the reserve)
+
+The words are the glossary's (``saving/__init__.py``).
 """
 
 import contextlib
@@ -26,20 +48,22 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from trl_ext import errors
-from trl_ext.saving import deferred, memory
+from trl_ext import errors, patches
+from trl_ext.saving import deferred
 from trl_ext.saving.cost import Cost, max_over_ranks
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, as_failure
 from trl_ext.saving.mode import Mode, OptimizerHooks, Where, say_cpu_cost
+from trl_ext.saving.reserve import reserve_copies
 from trl_ext.saving.snapshot import Snapshot
-from trl_ext.saving.trainer_files import ModelCard, PartialDir, commit, fix_trainer_files
+from trl_ext.saving.trainer_files import ModelCard, PartialDir, commit_checkpoint, fix_trainer_files
 
 
 class Checkpoints:
     """A trainer's checkpoints (see the module docstring). Create one per trainer, on every rank.
 
     Args:
-        trainer: the trainer (its ``args.save_in_background`` decides; its ``_writes_files`` says which ranks write).
+        trainer: the trainer (its ``args.save_in_background`` decides; its ``writes_files()`` says which ranks
+            write). It adds ``callback`` to its loop (``trainer.join``).
     """
 
     def __init__(self, trainer):
@@ -58,14 +82,14 @@ class Checkpoints:
         self._reserved = False
         self._taking = False
         self._said_cpu_cost = False
-        trainer.add_callback(CheckpointCallback(self))
+        self.callback = CheckpointCallback(self)  # the lifecycle at the points of Trainer's loop
 
     # The lifecycle
 
     def take(self, name: str, trainer_save: Callable[[str], None]) -> None:
-        """One checkpoint, on every rank: ``trainer_save(run_dir)`` (Trainer's ``_save_checkpoint``, told to write
-        under the hidden directory) runs now; in the background its files are staged there and written once it
-        returns. The checkpoint is renamed to ``name`` once complete, and older ones rotated out.
+        """One checkpoint, on every rank: ``trainer_save(partial_dir)`` (Trainer's ``_save_checkpoint``, told to write
+        under the hidden directory) runs now; in the background its files are staged (their CPU copies) and written
+        once it returns. The checkpoint is renamed to ``name`` once complete, and older ones rotated out.
 
         Args:
             name: ``checkpoint-N``.
@@ -74,27 +98,27 @@ class Checkpoints:
         trainer = self.trainer
         previous = self.wait_for_writes()
         start = time.monotonic()
-        partial = PartialDir(trainer.args.output_dir, name, trainer._writes_files())
+        partial = PartialDir(trainer.args.output_dir, name, trainer.writes_files())
         checkpoint = self._collect(partial.final) if self._in_background() else None
         try:
             partial.create()
             trainer.accelerator.wait_for_everyone()
             self._taking = True
             with deferred.deferred_writes(checkpoint) if checkpoint is not None else contextlib.nullcontext():
-                trainer_save(str(partial.run_dir))
+                trainer_save(str(partial.path))
             fix_trainer_files(trainer, partial)
             trainer.accelerator.wait_for_everyone()  # every rank has written its files (RNG state, optimizer shards)
         finally:
             self.collecting, self._taking = None, False
         if checkpoint is None:
-            written = commit(trainer, partial, self.after_commit)
+            written = commit_checkpoint(trainer, partial, self.after_commit)
             trainer.accelerator.wait_for_everyone()
             held = time.monotonic() - start
             self._record(Cost(held_save_s=held, held_previous_s=previous, write_s=held, bytes=written))
             return
 
         def committed() -> None:  # on the executor's thread, once every rank's every part succeeded
-            checkpoint.cost.bytes = commit(trainer, partial, self.after_commit)
+            checkpoint.cost.bytes = commit_checkpoint(trainer, partial, self.after_commit)
 
         checkpoint.cost.held_previous_s = previous
         self._release(checkpoint, committed)
@@ -184,7 +208,7 @@ class Checkpoints:
         """A background checkpoint of ``target``, collected from now on (``collecting``), on every rank."""
         self.snapshot.begin()
         # the model's buffers: a forward pass may change them before the next optimizer step
-        self.snapshot.copy_at_once = {b.untyped_storage()._cdata for b in self.trainer.model.buffers()}
+        self.snapshot.copy_at_once = {patches.storage_key(b.untyped_storage()) for b in self.trainer.model.buffers()}
         checkpoint = BackgroundCheckpoint(target, self.executor, self.snapshot)
         checkpoint.say_foreground = self._go_foreground
         self.collecting = checkpoint
@@ -235,17 +259,17 @@ class Checkpoints:
             return
         self.mode = Mode(self._hooks.hook(self.trainer), self.mode.why)
         if self._reserved:
-            self.snapshot.worker.start()
-            self.executor.worker.start()
+            self.snapshot.thread.start()
+            self.executor.thread.start()
 
     def reserve(self) -> None:
         """Once, at the end of the first training step, on every rank: the copies a checkpoint needs, measured,
-        checked against each machine's available memory and allocated (``memory.reserve``); where they cannot be,
-        checkpoints go to the foreground, said in one line."""
+        checked against each machine's available memory and allocated (``reserve.reserve_copies``); where they cannot
+        be, checkpoints go to the foreground, said in one line."""
         if not self.mode.background or self._reserved:
             return
         self._reserved = True
-        self.measured, why = memory.reserve(self.trainer, self.executor, self.snapshot)
+        self.measured, why = reserve_copies(self.trainer, self.executor, self.snapshot)
         if why is not None:
             self._go_foreground(why)
 

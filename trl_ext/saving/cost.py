@@ -4,7 +4,7 @@ from dataclasses import astuple, dataclass, fields
 
 import torch
 
-from trl_ext.process import max_over_ranks
+from trl_ext.process.collectives import max_over_ranks
 
 PREFIX = "checkpoint/"  # the metrics' names: checkpoint/held_s, checkpoint/held_save_s, ...
 

@@ -2,7 +2,7 @@
 
 A ``BackgroundCheckpoint`` is collected on the training thread: its parts are staged (``stage``: their CPU copies in
 the snapshot) and queued (``add``), the weights by ``pipeline.save`` and the files other libraries write by
-``deferred``. ``Executor.run`` then runs it on the executor's thread (started once, ``worker``), on every rank: it
+``deferred``. ``Executor.run`` then runs it on the executor's thread (started once, ``thread``), on every rank: it
 waits until the copies are complete, writes and checks every part, agrees on every rank's outcome over a gloo process
 group of its own (so that its collectives never interleave with training's), and runs the commits (the weights renamed
 into the checkpoint, the checkpoint renamed into place, retention). A failure on any rank commits nothing, on every
@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from trl_ext import errors
 from trl_ext.errors import CheckpointError
-from trl_ext.process import distributed
+from trl_ext.process.ranks import distributed
+from trl_ext.saving.call_thread import CallThread
 from trl_ext.saving.cost import Cost
 from trl_ext.saving.snapshot import Snapshot
-from trl_ext.saving.worker import Worker
 from trl_ext.saving.write import failed
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # as the default group's: one transfer or agreement of a checkpoint
@@ -115,7 +115,7 @@ class Executor:
 
     def __init__(self):
         self._group = None
-        self.worker = Worker("trl_ext-writes")
+        self.thread = CallThread("trl_ext-writes")
         self._running: Future | None = None
         self._layouts: dict = {}
         self.events: list[tuple[str, str, float]] = []
@@ -143,7 +143,7 @@ class Executor:
             raise CheckpointError("a background checkpoint is already in flight: wait for it first", kind="in-flight")
         self.group()  # created here, at the same point on every rank
         self.events.append(("started", checkpoint.name, time.monotonic()))
-        self._running = self.worker.submit(self._run, checkpoint)
+        self._running = self.thread.submit(self._run, checkpoint)
 
     def _run(self, checkpoint: BackgroundCheckpoint) -> None:
         """The executor's thread: the copies, every part, the agreement, the commits."""
@@ -180,4 +180,4 @@ class Executor:
     def close(self, timeout: float | None = None) -> bool:
         """The thread ended once the checkpoint in flight (if any) is done, waiting at most ``timeout`` seconds; a
         later ``run`` starts it again. No collective call. Returns whether it has ended."""
-        return self.worker.close(timeout)
+        return self.thread.close(timeout)

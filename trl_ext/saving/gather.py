@@ -60,7 +60,7 @@ def _stream_partitions(param, sink: Sink | None, writer_rank: int, device: torch
 
 
 def _all_gather_whole(param, device: torch.device, group=None) -> torch.Tensor:
-    """``param``'s full contents on every rank, from every rank's part with one all-gather (for one copy of the
+    """``param``'s full contents on every rank, from every rank's part with one all-gather (for one replica of the
     checkpoint per node, where each node's writer needs every tensor of its files). Built from the parts, not with
     DeepSpeed's ``GatheredParameters``, which on DeepSpeed 0.19.2 can hand back an unfilled buffer for a parameter
     whose prefetch is in flight."""
@@ -89,7 +89,7 @@ def stream(named: list[tuple[str, torch.Tensor]], sink: Sink | None, collective:
 
     Call on every rank. ``sink``: None on ranks that do not write. ``collective``: the model is ZeRO-3 partitioned,
     so every rank takes part. ``writer_rank``: the one writing rank, or None when several ranks write the same file
-    (one copy per node: every rank then receives each whole tensor). ``group``: the process group of the transfers
+    (one replica per node: every rank then receives each whole tensor). ``group``: the process group of the transfers
     (default: the default one).
     """
     if not collective:

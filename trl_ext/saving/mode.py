@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 CPU_COST = ("the copies and writes of each checkpoint run on the cores training uses, so they slow the steps after "
             "it: on 2 cores, runs with background checkpoints took {ratio} the time of the same runs with foreground "

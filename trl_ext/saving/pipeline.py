@@ -1,21 +1,21 @@
 """The one save path: plan, write the weights, check, agree, commit.
 
 Used by the trainers for the final save and for every checkpoint's weights. ``save`` plans the layout once per model
-(``plan_layout``: the weight sets, which rank writes which file of which copy) and makes the save a ``SaveJob``;
+(``plan_layout``: the weight sets, which rank writes which file of which replica) and makes the save a ``SaveJob``;
 ``run`` then reads top to bottom, on every rank:
 
-1. ``_create_partial``: the copy's first rank creates the partial directory beside the target, with the configuration
+1. ``_create_partial``: the replica's first rank creates the partial directory beside the target, with the configuration
    files;
 2. ``write.write_weights``: the weights streamed from ZeRO-3 partitions or FSDP2 shards to the rank that writes their
    file, which writes them as they arrive, then fsyncs them (``write.synced``);
 3. ``_check_own_files``: each rank re-reads its own files against what it wrote (``files.readback``);
-4. ``_check_directory``: the copy's first rank checks the directory as a whole (``files.audit``);
+4. ``_check_directory``: the replica's first rank checks the directory as a whole (``files.audit``);
 5. ``errors.agree``: every rank learns every rank's outcome; a failure is raised on all of them, with its kind;
 6. the commit: the partial directory renamed into place (``files.commit``).
 
 Each step returns its error instead of raising, so that every rank reaches the agreement: a failure on one rank never
-hangs the others. Under ZeRO-3 and FSDP2 every rank writes: one copy of the checkpoint is shared by all ranks
-(storage every node sees), or each node's ranks write that node's copy (node-local storage, ``save_on_each_node``).
+hangs the others. Under ZeRO-3 and FSDP2 every rank writes: one replica of the checkpoint is shared by all ranks
+(storage every node sees), or each node's ranks write that node's replica (node-local storage, ``save_on_each_node``).
 In a background checkpoint (``into``, an ``executor.BackgroundCheckpoint``), steps 1-6 run on the executor's thread,
 on each rank's CPU copy of its parts.
 """
@@ -32,10 +32,11 @@ from trl_ext import errors
 from trl_ext.engines.sharded import LocalCopy, is_partitioned, local_copy
 from trl_ext.errors import NONFINITE, VERIFICATION, CheckpointError
 from trl_ext.files import readback
-from trl_ext.process import distributed, gathered
+from trl_ext.process.collectives import from_every_rank
+from trl_ext.process.ranks import distributed
 from trl_ext.saving import write
 from trl_ext.saving.executor import BackgroundCheckpoint
-from trl_ext.saving.plan import (
+from trl_ext.saving.save_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     Layout,
     SaveJob,
@@ -50,32 +51,33 @@ logger = logging.getLogger("trl_ext")
 
 
 def _ranks_where(flag: bool) -> list[int]:
-    return [rank for rank, f in enumerate(gathered(flag)) if f]
+    return [rank for rank, f in enumerate(from_every_rank(flag)) if f]
 
 
-def _copies(leaders: list[int], world: int) -> list[list[int]]:
-    """The ranks that write each copy of the checkpoint: all ranks for one copy; with one copy per node (each led by
-    the node's first rank, as torchrun numbers ranks), each leader and the ranks after it up to the next leader."""
+def _replicas(leaders: list[int], world: int) -> list[list[int]]:
+    """The ranks that write each replica of the checkpoint: all ranks for one replica; with one replica per node (each
+    led by the node's first rank, as torchrun numbers ranks), each leader and the ranks after it up to the next
+    leader."""
     bounds = [0, *leaders[1:], world]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(len(leaders))]
 
 
 def plan_layout(model, max_shard_size, is_writer: bool, collective: bool) -> Layout:
-    """Who writes which copy, what is written (the weight sets, split for the writers) and which rank writes each
+    """Who writes which replica, what is written (the weight sets, split for the writers) and which rank writes each
     file: the same on every rank (a collective when ``collective``).
 
     Raises:
         CheckpointError: a dtype safetensors cannot store, on every rank, before anything is written.
     """
-    copies = _copies(_ranks_where(is_writer), torch.distributed.get_world_size()) if collective else [[0]]
-    if not copies:
+    replicas = _replicas(_ranks_where(is_writer), torch.distributed.get_world_size()) if collective else [[0]]
+    if not replicas:
         return Layout([], [], [])
-    per_copy = min(len(ranks) for ranks in copies)  # the same plan on every rank, whatever its copy
-    weight_sets = [split_for_writers(ws, per_copy, max_shard_size)
+    per_replica = min(len(ranks) for ranks in replicas)  # the same plan on every rank, whatever its replica
+    weight_sets = [split_for_writers(ws, per_replica, max_shard_size)
                    for ws in plan_weight_sets(model, max_shard_size)]
     check_dtypes(weight_sets)  # the same plan on every rank: all refuse together, with no collective call
-    owners = [[assign_files(ws.plan, ranks) for ranks in copies] for ws in weight_sets]
-    return Layout(copies, weight_sets, owners)
+    owners = [[assign_files(ws.plan, ranks) for ranks in replicas] for ws in weight_sets]
+    return Layout(replicas, weight_sets, owners)
 
 
 def save(model, output_dir: str, *, processing_class=None, training_args=None,
@@ -98,7 +100,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             writing rank when ``is_writer`` is None.
         max_shard_size: the largest safetensors file of a full model, as in ``save_pretrained``. Under ZeRO-3 and
             FSDP2 files may be smaller, so that every rank has some to write (``split_for_writers``).
-        is_writer: whether this rank leads a copy of the checkpoint: creates its partial directory, writes its
+        is_writer: whether this rank leads a replica of the checkpoint: creates its partial directory, writes its
             configuration files and commits it (default: ``training_args.should_save``, else rank 0).
         into: a checkpoint written in the background (``executor.BackgroundCheckpoint``, on every rank): this call
             returns once each rank has staged its own part of the weights, which the checkpoint writes with its other
@@ -115,7 +117,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             not distributed() or torch.distributed.get_rank() == 0)
     target = Path(output_dir).absolute()
     collective, layout = _planned(model, max_shard_size, is_writer, into)
-    if layout is None or not layout.copies:  # this rank takes no part, or no rank saves (should_save everywhere False)
+    if layout is None or not layout.replicas:  # this rank takes no part, or no rank saves (no should_save)
         return
     job = SaveJob(model, target, layout, torch.distributed.get_rank() if collective else 0, is_writer, collective,
                   processing_class, training_args, weight_sets=layout.weight_sets)
@@ -126,7 +128,7 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
             if is_writer:  # the caller writes the rest of the checkpoint there while the weights are written
                 target.mkdir(parents=True, exist_ok=True)
             job = job.on(copied, into.group() if collective else None)
-            into.add(target.name, lambda: write_and_check(job), commit=job.commit if is_writer else None)
+            into.add(target.name, lambda: write_and_check(job), commit=job.commit_save if is_writer else None)
             return
         into.say_foreground(CANNOT_COPY)
     run(job)
@@ -166,7 +168,7 @@ def stage_weights(weight_sets, into: BackgroundCheckpoint):
     return copied
 
 
-def reserve(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint) -> int | None:
+def reserve_weights(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint) -> int | None:
     """The CPU copy a background checkpoint's weights take on this rank, planned (the layout ``save`` reuses) and
     staged in ``into`` (a reserve: allocated and filled once; or a measure). Call on every rank, at the same point
     (planning is collective).
@@ -189,7 +191,7 @@ def reserve(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint) 
 
 def _planned(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint | None):
     """Whether the save is collective, and its layout: planned once and kept by the executor (``save`` and
-    ``reserve`` find the same one), or planned now; None when this rank takes no part (whole parameters, not the
+    ``reserve_weights`` find the same one), or planned now; None when this rank takes no part (whole parameters, not the
     writer)."""
     # Partitioned parameters need every rank at every transfer; whole ones are read by the writer alone.
     collective = distributed() and any(is_partitioned(p) for p in model.parameters())
@@ -217,7 +219,7 @@ def run(job: SaveJob) -> None:
         errors.agree(error, job.group, prefer=(NONFINITE,))
     elif error is not None:
         raise error
-    job.commit()
+    job.commit_save()
     if job.collective:
         torch.distributed.barrier(group=job.group)  # nobody reads the checkpoint before it is in place
 
@@ -228,7 +230,7 @@ def write_and_check(job: SaveJob) -> CheckpointError | None:
     is.
 
     Returns:
-        This rank's failure (the copy's first rank: its copy's), or None; the files of a failed save are removed,
+        This rank's failure (the replica's first rank: its replica's), or None; the files of a failed save are removed,
         except those that failed verification (kept for inspection).
     """
     error = _create_partial(job) if job.is_writer else None
@@ -241,7 +243,7 @@ def write_and_check(job: SaveJob) -> CheckpointError | None:
     checked = {}
     if error is None:
         error, checked = _check_own_files(job, writers)
-    if job.collective:  # every rank's files and their checks, on the rank that leads its copy
+    if job.collective:  # every rank's files and their checks, on the rank that leads its replica
         error, checked = _collect_checks(job, error, checked)
     if job.is_writer and error is None:
         error = _check_directory(job, checked)
@@ -251,7 +253,7 @@ def write_and_check(job: SaveJob) -> CheckpointError | None:
 
 
 def _create_partial(job: SaveJob) -> CheckpointError | None:
-    """A copy's first rank: an empty partial directory beside the target, with the configuration files."""
+    """A replica's first rank: an empty partial directory beside the target, with the configuration files."""
     try:
         shutil.rmtree(job.partial, ignore_errors=True)  # left by an interrupted save
         for ws in job.weight_sets:
@@ -283,8 +285,9 @@ def _check_own_files(job: SaveJob, writers) -> tuple[CheckpointError | None, dic
 
 def _collect_checks(job: SaveJob, error: CheckpointError | None, checked: dict) -> tuple[CheckpointError | None,
                                                                                         dict]:
-    """Every rank's outcome and checks, gathered; the copy's first rank keeps its copy's (the others keep theirs)."""
-    everyone = gathered((error, checked), group=job.group)
+    """Every rank's outcome and checks, on every rank; the replica's first rank keeps its replica's (the others keep
+    theirs)."""
+    everyone = from_every_rank((error, checked), group=job.group)
     if not job.is_writer or error is not None:
         return error, checked
     error = next((everyone[r][0] for r in job.mine if everyone[r][0] is not None), None)
@@ -298,7 +301,7 @@ def _collect_checks(job: SaveJob, error: CheckpointError | None, checked: dict) 
 
 
 def _check_directory(job: SaveJob, checked: dict) -> CheckpointError | None:
-    """A copy's first rank, once every file passed its writer's check: each directory as a whole, against the plan
+    """A replica's first rank, once every file passed its writer's check: each directory as a whole, against the plan
     and the trained model (``checked``: every file's tensors, per directory)."""
     config = job.model.get_base_model().config if is_peft_model(job.model) else job.model.config
     problems = []

@@ -48,7 +48,8 @@ from concurrent import futures
 
 import torch
 
-from trl_ext.saving.worker import Worker
+from trl_ext import patches
+from trl_ext.saving.call_thread import CallThread
 
 SMALL_BYTES = 4 << 10  # at most this, a tensor is copied at once (counters, scalars): a queued copy costs more
 
@@ -65,7 +66,7 @@ class _Copies:
     """One checkpoint's queued copies, running beside training: GPU sources on ``stream``, CPU ones on a thread."""
 
     def __init__(self, queued: list[tuple[torch.UntypedStorage, torch.UntypedStorage]], stream,
-                 on_copies: Callable[[str], None] | None, worker: Worker):
+                 on_copies: Callable[[str], None] | None, thread: CallThread):
         # ``stream`` is None unless some source is on the GPU (the small ones were copied on the compute stream)
         self.error: BaseException | None = None
         self.started = time.monotonic()
@@ -83,7 +84,7 @@ class _Copies:
                     target.copy_(source, non_blocking=True)
             self._event = torch.cuda.Event(enable_timing=True)
             self._event.record(stream)
-        self._copying = worker.submit(self._copy, cpu, on_copies) if cpu or on_copies is not None else None
+        self._copying = thread.submit(self._copy, cpu, on_copies) if cpu or on_copies is not None else None
 
     def _copy(self, pairs, on_copies) -> None:
         try:
@@ -139,8 +140,8 @@ class Snapshot:
         self.allocated = 0  # bytes allocated so far: after the first checkpoint (or a reserve), nothing more
         self.nbytes = 0  # the bytes this checkpoint's copies take
         self.on_copies: Callable[[str], None] | None = None  # tests: called on the copies' thread ("start", "end")
-        self.copy_at_once: set[int] = set()  # storages (``_cdata``) that change outside the optimizer step
-        self.worker = Worker("trl_ext-copies")
+        self.copy_at_once: set[int] = set()  # storages (``patches.storage_key``) that change outside the optimizer step
+        self.thread = CallThread("trl_ext-copies")
         self._stream = None
         # The copies' tensors, kept from one checkpoint to the next: a copy is a view of a buffer with the source's
         # geometry, so the same buffer and geometry give the same tensor, reused rather than built again at every
@@ -186,11 +187,11 @@ class Snapshot:
         def walk(o):
             nonlocal total
             if dtensor is not None and isinstance(o, dtensor):
-                o = o._local_tensor
+                o = patches.dtensor_shard(o)
             if isinstance(o, torch.Tensor):
                 storage = o.untyped_storage()
-                if storage._cdata not in seen:
-                    seen.add(storage._cdata)
+                if patches.storage_key(storage) not in seen:
+                    seen.add(patches.storage_key(storage))
                     total += storage.nbytes()
             elif isinstance(o, dict):
                 for v in o.values():
@@ -203,17 +204,18 @@ class Snapshot:
         return total
 
     def _storage_copy(self, source: torch.UntypedStorage, key: str, at_once: bool) -> torch.UntypedStorage:
-        found = self._storages.get(source._cdata)
+        identity = patches.storage_key(source)
+        found = self._storages.get(identity)
         if found is not None:
             return found[1]
         count = self._counts.get(key, 0)
         self._counts[key] = count + 1
         target = self._buffer((key, count), source.nbytes())
-        self._storages[source._cdata] = (source, target)
+        self._storages[identity] = (source, target)
         self.nbytes += source.nbytes()
         self._on_gpu = self._on_gpu or source.device.type != "cpu"
         if source.nbytes():
-            if at_once or source.nbytes() <= SMALL_BYTES or source._cdata in self.copy_at_once:
+            if at_once or source.nbytes() <= SMALL_BYTES or identity in self.copy_at_once:
                 # on a GPU, in the compute stream's order: before the next forward changes a buffer
                 target.copy_(source, non_blocking=self.pinned and source.device.type != "cpu")
             else:
@@ -271,7 +273,7 @@ class Snapshot:
             if id(o) in memo:
                 return memo[id(o)]
             if dtensor is not None and isinstance(o, dtensor):  # FSDP2: this rank's shard, as placed
-                local = tensor(o._local_tensor)
+                local = tensor(patches.dtensor_shard(o))
                 placed = ("dtensor", id(local), o.device_mesh, tuple(o.placements), tuple(o.shape), tuple(o.stride()))
                 copied = self._view(placed, lambda: dtensor.from_local(
                     local, o.device_mesh, o.placements, run_check=False, shape=o.shape, stride=o.stride()))
@@ -304,7 +306,7 @@ class Snapshot:
             return
         if self._on_gpu and self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._copies = _Copies(self._queued, self._stream if self._on_gpu else None, self.on_copies, self.worker)
+        self._copies = _Copies(self._queued, self._stream if self._on_gpu else None, self.on_copies, self.thread)
         self._queued = []
 
     def wait_for_copies(self) -> float:
@@ -342,4 +344,4 @@ class Snapshot:
     def close(self, timeout: float | None = None) -> bool:
         """The copies' thread ended once the copies started are done (waiting at most ``timeout`` seconds); a later
         ``start`` starts it again. Returns whether it has ended."""
-        return self.worker.close(timeout)
+        return self.thread.close(timeout)

@@ -1,6 +1,6 @@
 """The directory of a Trainer ``checkpoint-N`` around what saving writes into it: the hidden partial directory it is
 written in (``PartialDir``), the fix-ups Trainer's files need there (``fix_trainer_files``), the commit with the
-``after_commit`` hooks and retention (``commit``); and TRL's model card, written beside the checkpoints
+``after_commit`` hooks and retention (``commit_checkpoint``); and TRL's model card, written beside the checkpoints
 (``ModelCard``).
 """
 
@@ -11,16 +11,16 @@ from pathlib import Path
 from transformers.trainer_utils import rotate_checkpoints
 
 from trl_ext.files.commit import PARTIAL_SUFFIX, replace_dir
-from trl_ext.process import logger
+from trl_ext.process.notices import logger
 
 
 class PartialDir:
     """A whole Trainer checkpoint written in a hidden directory and renamed to ``checkpoint-N`` only once complete.
 
     Everything the Trainer writes lands in ``<output_dir>/.checkpoint-N.trl_ext-partial/checkpoint-N`` first
-    (``run_dir`` is what Trainer is given as its output directory). A crash or kill mid-save leaves only that hidden
-    directory, which ``get_last_checkpoint`` and ``resume_from_checkpoint=True`` never pick, and which the next
-    checkpoint removes.
+    (``path``, the partial directory, is what Trainer is given as its output directory). A crash or kill mid-save
+    leaves only that hidden directory, which ``get_last_checkpoint`` and ``resume_from_checkpoint=True`` never pick,
+    and which the next checkpoint removes.
 
     Args:
         output_dir: the run's output directory.
@@ -30,7 +30,7 @@ class PartialDir:
 
     def __init__(self, output_dir: str, name: str, is_writer: bool):
         self.output_dir, self.name, self.is_writer = Path(output_dir), name, is_writer
-        self.run_dir = self.output_dir / f".{name}{PARTIAL_SUFFIX}"
+        self.path = self.output_dir / f".{name}{PARTIAL_SUFFIX}"
         self.final = self.output_dir / name
 
     @property
@@ -43,25 +43,25 @@ class PartialDir:
         if self.is_writer:
             for stale in self.output_dir.glob(f".checkpoint-*{PARTIAL_SUFFIX}"):
                 shutil.rmtree(stale, ignore_errors=True)
-            self.run_dir.mkdir(parents=True)
+            self.path.mkdir(parents=True)
 
     def holds(self, path: str | None) -> bool:
         """Whether ``path`` lies in the hidden directory."""
-        return bool(path) and Path(path).absolute().is_relative_to(self.run_dir.absolute())
+        return bool(path) and Path(path).absolute().is_relative_to(self.path.absolute())
 
     def put_in_place(self) -> None:
         """The writer: the complete checkpoint renamed to ``checkpoint-N``."""
-        replace_dir(self.run_dir / self.name, self.final)
-        self.run_dir.rmdir()
+        replace_dir(self.path / self.name, self.final)
+        self.path.rmdir()
 
 
 def fix_trainer_files(trainer, partial: PartialDir) -> None:
     """Trainer's files in the partial directory, as they must be once it is renamed into place: DeepSpeed's ``latest``
-    tag on each node's copy, and the trainer state's best checkpoint under its final name."""
-    written = partial.run_dir / partial.name
-    storage = trainer._storage
+    tag on each node's replica, and the trainer state's best checkpoint under its final name."""
+    written = partial.path / partial.name
+    storage = trainer.storage
     if storage and not storage.shared and partial.is_writer and trainer.is_deepspeed_enabled:
-        # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's copy needs its own
+        # DeepSpeed writes its ``latest`` tag on global rank 0 only: each node's replica needs its own
         (written / "latest").write_text(f"global_step{trainer.state.global_step}")
     if partial.holds(trainer.state.best_model_checkpoint):  # this checkpoint is the best so far
         trainer.state.best_model_checkpoint = str(partial.final)
@@ -69,7 +69,7 @@ def fix_trainer_files(trainer, partial: PartialDir) -> None:
             trainer.state.save_to_json(str(written / "trainer_state.json"))
 
 
-def commit(trainer, partial: PartialDir, after_commit: list[Callable[[Path, int], None]]) -> int:
+def commit_checkpoint(trainer, partial: PartialDir, after_commit: list[Callable[[Path, int], None]]) -> int:
     """The writer: the checkpoint renamed into place, the ``after_commit`` hooks run (the mirror; a hook's failure is
     said, never undoes the commit), then older checkpoints rotated out (``save_total_limit``). The other ranks: nothing.
 

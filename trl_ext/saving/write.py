@@ -25,7 +25,7 @@ from trl_ext.errors import CheckpointError
 from trl_ext.files import hub_names
 from trl_ext.files.shards import ShardStreamWriter, TensorSpec, index_json
 from trl_ext.saving import gather
-from trl_ext.saving.plan import SaveJob
+from trl_ext.saving.save_plan import SaveJob
 
 WRITE_FIX = ("nothing was committed and earlier saves are intact; free disk space or fix permissions there, then "
              "save again (or resume from the last checkpoint)")
@@ -85,8 +85,8 @@ def write_metadata(model, directory: Path, weight_sets, processing_class=None, t
     Args:
         model: the model saved (a transformers model or a PEFT model around one, possibly sharded).
         directory: the save's partial directory.
-        weight_sets: the save's plan (``plan.WeightSet``s): an index for each set of several files, an adapter config
-            for each adapter.
+        weight_sets: the save's plan (``save_plan.WeightSet``s): an index for each set of several files, an adapter
+            config for each adapter.
         processing_class: a tokenizer or processor to save beside the weights (optional).
         training_args: saved as ``training_args.bin`` (optional).
     """
@@ -209,8 +209,8 @@ def _units_by_file(ws) -> dict[str, list]:
 
 
 def write_weights(job: SaveJob) -> tuple[CheckpointError | None, list[tuple[ShardStreamWriter, dict]]]:
-    """Every rank: each file's tensors streamed to the rank that writes it (with one copy, only to that rank; with a
-    copy per node, gathered whole by each node's writer). A writer that already failed keeps taking part, writing
+    """Every rank: each file's tensors streamed to the rank that writes it (with one replica, only to that rank; with a
+    replica per node, gathered whole by each node's writer). A writer that already failed keeps taking part, writing
     nothing.
 
     Args:
@@ -221,7 +221,7 @@ def write_weights(job: SaveJob) -> tuple[CheckpointError | None, list[tuple[Shar
     """
     error, writers = None, []
     for ws, ws_owners in zip(job.weight_sets, job.layout.owners):
-        files = {f: specs for f, specs in ws.plan.items() if ws_owners[job.copy_index][f] == job.rank}
+        files = {f: specs for f, specs in ws.plan.items() if ws_owners[job.replica_index][f] == job.rank}
         writer = ShardStreamWriter(job.partial / ws.subdir, files) if files else None
         sink = _Guarded(writer, error) if writer is not None else None
         for filename, units in _units_by_file(ws).items():

@@ -21,6 +21,7 @@ import ipaddress
 import json
 import os
 import re
+import socket
 import zlib
 from dataclasses import asdict, dataclass, replace
 
@@ -188,6 +189,8 @@ def _kubeflow() -> Job | None:
     nodes = _integer("PET_NNODES", nodes_text, minimum=1)
     rank_name = "PET_NODE_RANK" if _env("PET_NODE_RANK") else "JOB_COMPLETION_INDEX"
     node_rank = _node_rank(rank_name, _env(rank_name), nodes, "PET_NNODES")
+    if rank_name == "JOB_COMPLETION_INDEX" and nodes > 1:
+        _refuse_jobset_replicas(node_rank, _env("PET_MASTER_ADDR") or _env("MASTER_ADDR"))
     address = _env("PET_MASTER_ADDR") or _env("MASTER_ADDR")
     if nodes > 1 and not address:
         raise UsageError("PET_MASTER_ADDR is not set: with PET_NNODES > 1 every pod needs the first pod's address.",
@@ -197,6 +200,28 @@ def _kubeflow() -> Job | None:
     return Job("Kubeflow", per_rank=False, nodes=nodes, node_rank=node_rank, address=address, port=port,
                per_node=_per_node("PET_NPROC_PER_NODE", _env("PET_NPROC_PER_NODE")), run=_kubernetes_run(address),
                source="PET_NNODES, " + rank_name)
+
+
+def _refuse_jobset_replicas(completion_index: int, address: str | None) -> None:
+    """A JobSet of ``replicas: N`` Jobs of one pod each gives every pod ``JOB_COMPLETION_INDEX=0`` (its index in its
+    own Job): every pod would act as machine 0 and the first would wait for the others in vain. JobSet names each pod's
+    host ``<jobset>-<replicatedJob>-<job index>-<pod index>``, and the first pod's address is one of them: a pod of
+    another Job than the first's is refused in one line (the first pod then fails with the JobSet)."""
+    host = _env("HOSTNAME") or socket.gethostname()
+    jobset = _env("JOBSET_NAME")
+    prefixes = [rf"{re.escape(jobset)}-.+"] if jobset else []
+    first = re.match(r"^(?P<prefix>.+)-(?P<job>\d+)-\d+$", (address or "").split(".")[0])
+    if first:  # the same replicated Job as the first pod's, which is in Job 0 (or whichever its address names)
+        prefixes.append(re.escape(first.group("prefix")))
+    for prefix in prefixes:
+        match = re.match(rf"^{prefix}-(?P<job>\d+)-\d+$", host)
+        if match and match.group("job") != (first.group("job") if first else "0"):
+            raise UsageError(
+                f"JOB_COMPLETION_INDEX={completion_index} is this pod's index in its own Job, but the pod ({host}) is "
+                f"in Job {match.group('job')} of {f'JobSet {jobset}' if jobset else 'its JobSet'}: with `replicas: N` "
+                "every Job's pods count from 0. Set PET_NODE_RANK from the Job's index in the pod's env (valueFrom: "
+                "{fieldRef: {fieldPath: \"metadata.labels['jobset.sigs.k8s.io/job-index']\"}}), as "
+                "examples/kubernetes/jobset.yaml does.", every_rank=True)
 
 
 def _leader_worker_set() -> Job | None:

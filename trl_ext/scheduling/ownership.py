@@ -17,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from trl_ext.files import checkpoints
+from trl_ext.files import checkpoint_dirs as checkpoints
 from trl_ext.scheduling import orchestrators
 
 RUN_MARKER = ".trl_ext-run"  # in an output directory: the run that trains into it, and its record

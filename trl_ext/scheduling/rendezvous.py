@@ -82,7 +82,7 @@ def gather(job, say=print) -> float:
         if not missing:
             break
         now = time.monotonic()
-        where = f"{job.address}:{job.port}"
+        where = f"{job.address}:{port}"  # the meeting's own port (the rendezvous port + 1)
         if now >= deadline:
             raise SetupError(f"waited {bound:.0f} s for {len(missing)} of {job.nodes} machines at {where}: machine(s) "
                              f"{', '.join(map(str, missing))} never arrived ({TIMEOUT_ENV} sets the bound)")

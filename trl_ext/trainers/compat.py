@@ -15,7 +15,7 @@ from packaging.version import Version
 from transformers import set_seed
 
 from trl_ext.errors import SetupError
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 TRL_VERSION = Version(trl.__version__)
 SEEDS_BEFORE_MODEL = Version("1.15")  # first TRL that seeds before building the model (and the PEFT adapter)

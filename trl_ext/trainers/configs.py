@@ -3,7 +3,8 @@ the hardware before validation (``HardwareAware``, see ``runtime.adapt_to_hardwa
 
 They are subclasses: every field, default and CLI flag is TRL's, and ``isinstance(cfg, trl.DPOConfig)`` holds.
 Fields added: ``max_shard_size`` for trl_ext's save path, ``save_in_background``, ``save_on_preemption`` and the
-checkpoint mirror's ``checkpoint_mirror``, ``mirror_storage_options`` and ``mirror_grace_period`` (every config), and
+checkpoint mirror's ``checkpoint_mirror``, ``mirror_storage_options``, ``mirror_grace_period`` and
+``mirror_exit_grace_period`` (every config), and
 ``vllm_request_timeout``, ``vllm_check_sync_every`` and ``vllm_check_sync_atol`` (GRPO, RLOO).
 """
 
@@ -53,7 +54,7 @@ class SaveOptions:
                           "parallel, a manifest of sizes and checksums written last, save_total_limit applied there "
                           "too. resume_from_checkpoint=True on a machine whose output_dir holds no checkpoint "
                           "downloads the newest complete one, checked, and resumes. Needs s3fs for s3:// "
-                          "(pip install 'trl_ext[mirror]')."},
+                          "(pip install s3fs)."},
     )
     mirror_storage_options: dict | str | None = field(
         default=None,
@@ -65,7 +66,15 @@ class SaveOptions:
         default=20.0,
         metadata={"help": "Seconds a preempted run (SIGTERM, SIGUSR1) waits for its stopping checkpoint to reach "
                           "checkpoint_mirror before it exits; past them the log says the checkpoint is only local. "
-                          "Keep it below the scheduler's grace period less the save."},
+                          "A process that gets SIGTERM while it finishes its uploads at exit waits as long. Keep it "
+                          "below the scheduler's grace period less the save."},
+    )
+    mirror_exit_grace_period: float = field(
+        default=600.0,
+        metadata={"help": "Seconds a process that exits (a script that returned, or raised) waits for the uploads to "
+                          "checkpoint_mirror still queued (the final model, the last checkpoints) before it ends; "
+                          "past them, or once the store has not answered for 300 s, it ends all the same and says "
+                          "what stayed only local, kept in output_dir for the next run to upload."},
     )
 
     def __post_init__(self):

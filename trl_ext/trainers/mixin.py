@@ -7,6 +7,8 @@ import functools
 import inspect
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -24,23 +26,23 @@ from trl_ext.engines import (
 )
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
 from trl_ext.mirror import Mirror
-from trl_ext.process import destroy_gloo_group_at_exit, warning_filter
+from trl_ext.process import warning_filter
+from trl_ext.process.clean_exit import destroy_gloo_group_at_exit
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
 from trl_ext.scheduling import outcome, ownership, preemption
-from trl_ext.trainers import compat, configs
+from trl_ext.trainers import compat, components, configs
 
 
 class TrlExtMixin:
     """Behaviour shared by every trainer (SFT, reward, DPO, KTO, GRPO, RLOO). Overrides call ``super()`` and keep TRL's
-    signatures."""
+    signatures. What joins the trainer (checkpoints, the mirror, preemption, an orchestrator's own) joins through
+    ``join``, in the order ``trl_ext.trainers.components`` states, and reads it through ``checkpoints``, ``mirror``,
+    ``preemption``, ``storage`` and ``writes_files()``."""
 
     _config_class: type  # the trl_ext config used when the caller passes no ``args``
     _default_run_suffix: str
     _fused_lm_head = True  # TRL computes this trainer's loss through its fused LM head (trl >= 1.15)
-    # An orchestrator's own callbacks, made for every trainer of this process (trl_ext.ray: what Ray sees, a node that
-    # joins): functions of the trainer that return a TrainerCallback.
-    callback_factories: list = []
 
     def __init__(self, *args, **kwargs):
         warning_filter.quiet_known_noise()  # third-party warnings raised every step about calls the user did not make
@@ -76,7 +78,7 @@ class TrlExtMixin:
         with (self._around_trl_init(bound), rank0_loading.rank0_loading(trl_module, training_args),
               runtime.fsdp_on_cpu(training_args)):
             super().__init__(*bound.args, **bound.kwargs)
-        destroy_gloo_group_at_exit()  # the process group exists now; see process.py
+        destroy_gloo_group_at_exit()  # the process group exists now; see process/clean_exit.py
         rank0_loading.give_meta_parameters_storage(self.model)  # left on meta on the ranks that do not read
         fsdp.wrap_layers_the_model_has(self.accelerator, self.model)
         quantization.match_adapter_dtype(self.args, self.model)
@@ -99,18 +101,62 @@ class TrlExtMixin:
             self.add_callback(gradient_checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
             guard_save_pretrained(self.model)
+        self._join_components()
+
+    def _join_components(self) -> None:
+        """The components, in the order ``components`` states: checkpoints, the mirror, preemption, the
+        orchestrator's own."""
         self._checkpoints = Checkpoints(self)  # each checkpoint-N; with save_in_background, written meanwhile
+        self.join(self._checkpoints.callback)
         if self._mirror is not None:
-            self._mirror.attach(self)
-            self._checkpoints.after_commit.append(self._mirror.committed)  # each checkpoint-N, once committed
+            self._mirror.attach(self)  # joins first of all callbacks; uploads each checkpoint-N once committed
         self._preemption = None
         if preemption.wanted(self.args):  # SIGTERM/SIGUSR1: every rank stops at a step boundary, with a checkpoint
             preemption.replace_jit_checkpoint(self)
             self._preemption = preemption.Preemption(self._checkpoints)  # its writes count in a stop's time
             self._preemption.before_exit = self._before_preempted_exit
-            self.add_callback(self._preemption)
-        for make in TrlExtMixin.callback_factories:
-            self.add_callback(make(self))
+            self.join(self._preemption)
+        for make in components.orchestrators_own():
+            make(self)
+
+    def join(self, callback=None, *, first: bool = False, committed: Callable[[Path, int], None] | None = None) -> None:
+        """The one way a component joins this trainer: trl_ext's checkpoints, mirror and preemption, and an
+        orchestrator's own (``components.joining``), in the order ``trl_ext.trainers.components`` states.
+
+        Args:
+            callback: the component's ``TrainerCallback`` (None: it has none), added after those joined before it.
+            first: the callback runs before every other one, TRL's loggers included (the mirror's progress).
+            committed: called as ``committed(path, step)`` on the rank that writes, once each ``checkpoint-N`` is
+                committed, after those joined before it.
+        """
+        if callback is not None:
+            if first:
+                self.callback_handler.callbacks.insert(0, callback)
+            else:
+                self.add_callback(callback)
+        if committed is not None:
+            self._checkpoints.after_commit.append(committed)
+
+    @property
+    def checkpoints(self) -> Checkpoints:
+        """This trainer's ``checkpoint-N``s (``saving.checkpoints.Checkpoints``): the one in flight, each one's cost."""
+        return self._checkpoints
+
+    @property
+    def mirror(self) -> Mirror | None:
+        """The checkpoint mirror (``checkpoint_mirror``), or None without one."""
+        return self._mirror
+
+    @property
+    def preemption(self) -> preemption.Preemption | None:
+        """The stop at a step boundary on SIGTERM or SIGUSR1, with a checkpoint (``save_on_preemption``), or None
+        when it is off."""
+        return self._preemption
+
+    @property
+    def storage(self) -> nodes.Storage | None:
+        """``output_dir``'s storage across nodes (whether it is shared), known once ``train()`` starts; None before."""
+        return self._storage
 
     def _before_preempted_exit(self) -> None:
         """On every rank, before a preempted run exits: the checkpoint in flight committed, then the stopping
@@ -139,8 +185,11 @@ class TrlExtMixin:
                                     self._dataset_kind)
 
     def _prepare_dataset(self, dataset, *args, **kwargs):
-        """TRL's dataset preparation; rows it cannot prepare (or prepares into nothing) are refused in one line."""
+        """TRL's dataset preparation; rows it cannot prepare (or prepares into nothing) are refused in one line (patch
+        ``dataset-preparation-refusal``)."""
         prepare = super()._prepare_dataset
+        if not patches.applies("dataset-preparation-refusal"):
+            return prepare(dataset, *args, **kwargs)
         bound = inspect.signature(prepare).bind(dataset, *args, **kwargs)
         return input_checks.prepare_or_explain(
             lambda rows: prepare(rows, *args, **kwargs), dataset,
@@ -222,21 +271,35 @@ class TrlExtMixin:
             saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
                         training_args=self.args,
                         max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE),
-                        is_writer=self._writes_files(), into=self._checkpoints.collecting)
+                        is_writer=self.writes_files(), into=self._checkpoints.collecting)
         except CheckpointError as exc:
             diverged = self._diverged(exc)
             if diverged is None:
                 raise
             raise diverged from exc
-        if self._mirror is not None and not _internal_call and self._writes_files():  # a checkpoint's own: committed()
+        if self._mirror is not None and not _internal_call and self.writes_files():  # a checkpoint's own: committed()
             self._mirror.model_saved(output_dir or self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def _writes_files(self) -> bool:
+    def writes_files(self) -> bool:
         """Whether this rank writes saved files: the main process, or on several nodes without shared storage, each
-        node's first process (every copy of output_dir needs its own files)."""
+        node's first process (every copy of output_dir needs its own files).
+
+        Returns:
+            True on the ranks that create, commit and rotate checkpoints and saved models.
+        """
         return self._storage.checkpoint_writer(self.args) if self._storage else self.args.should_save
+
+    def write_states(self, directory: str) -> None:
+        """Write what a checkpoint holds besides the weights, as Trainer writes it there: the optimizer and scheduler
+        states and this rank's RNG state (the background checkpoints' reserve measures and copies them).
+
+        Args:
+            directory: where to write them.
+        """
+        self._save_optimizer_and_scheduler(directory)
+        self._save_rng_state(directory)
 
     def _diverged(self, exc: CheckpointError) -> CheckpointError | None:
         """A save refused because the weights hold NaN or inf means training diverged: say when, and what to resume."""
@@ -253,12 +316,12 @@ class TrlExtMixin:
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint save, written into a hidden directory and renamed to checkpoint-N once complete; with
         ``save_in_background``, its files copied here and written while training goes on (``saving.checkpoints``)."""
-        if trial is not None or self.hp_search_backend is not None or not patches.applies("staged-checkpoint-dir"):
+        if trial is not None or self.hp_search_backend is not None or not patches.applies("partial-checkpoint-dir"):
             return super()._save_checkpoint(model, trial)
 
-        def save_checkpoint(run_dir: str) -> None:
+        def save_checkpoint(partial_dir: str) -> None:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the hidden partial directory.
-            with patches.swapped("staged-checkpoint-dir", self, "_get_output_dir", lambda trial=None: run_dir):
+            with patches.swapped("partial-checkpoint-dir", self, "_get_output_dir", lambda trial=None: partial_dir):
                 super(TrlExtMixin, self)._save_checkpoint(model, trial)
 
         self._checkpoints.take(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint)

@@ -14,7 +14,7 @@ import torch
 
 from trl_ext import patches
 from trl_ext.errors import ConfigError
-from trl_ext.process import notice
+from trl_ext.process.notices import notice
 
 
 def head_names(model: torch.nn.Module) -> list[str]:

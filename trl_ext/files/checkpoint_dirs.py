@@ -1,5 +1,5 @@
 """An output directory's ``checkpoint-N`` folders: their one name pattern (transformers' ``PREFIX_CHECKPOINT_DIR``),
-and the committed ones listed. A checkpoint being written lives in a hidden staging folder
+and the committed ones listed. A checkpoint being written lives in a hidden partial directory
 (``.checkpoint-N.trl_ext-partial``) until it is complete and checked, so only committed ones match. Nothing here
 imports torch or transformers: the Slurm batch script and the mirror read it too."""
 

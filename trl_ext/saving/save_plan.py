@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from accelerate.utils import is_peft_model
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
+from trl_ext import patches
 from trl_ext.engines.sharded import full_shape, state_tensors
 from trl_ext.errors import CheckpointError
 from trl_ext.files import hub_names
@@ -38,15 +38,15 @@ def _adapter_weight_sets(model) -> list[WeightSet]:
     name, ``modules_to_save`` under the plain module name. One set per adapter, laid out as PEFT does."""
     from peft import get_peft_model_state_dict
 
-    live, wrapper = model.state_dict(keep_vars=True), _CHECKPOINT_PREFIX
-    if any(wrapper in name for name, _ in model.named_modules()):
+    live, wrapper = model.state_dict(keep_vars=True), patches.checkpoint_wrapper_prefix() or ""
+    if wrapper and any(wrapper in name for name, _ in model.named_modules()):
         # Activation-checkpoint wrappers (FSDP's fsdp_activation_checkpointing) strip their prefix from state_dict
         # keys but not from module names, and PEFT finds adapter weights by module name: it would drop every LoRA
         # weight. Map with the module names, write without the wrapper's prefix.
         live = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     sets = []
     for adapter, config in model.peft_config.items():
-        mapped = {name.replace(wrapper, ""): tensor for name, tensor in
+        mapped = {name.replace(wrapper, "") if wrapper else name: tensor for name, tensor in
                   get_peft_model_state_dict(model, state_dict=live, adapter_name=adapter).items()}
         # PEFT's keys are what PeftModel.from_pretrained takes: no conversion (PEFT's own save reverts none either)
         units = [hub_names.Unit([(n, t)], [TensorSpec(n, full_shape(t), t.dtype)]) for n, t in mapped.items()]
@@ -113,7 +113,7 @@ def split_for_writers(ws: WeightSet, writers: int, max_shard_size: int | str = D
 
     Args:
         ws: a weight set from ``plan_weight_sets``.
-        writers: the ranks that write this copy of the checkpoint.
+        writers: the ranks that write this replica of the checkpoint.
         max_shard_size: the user's largest file; files are never larger.
         min_shard_size: files are not made smaller than this to add writers (bytes).
 
@@ -133,7 +133,7 @@ def assign_files(plan: dict[str, list[TensorSpec]], ranks: list[int]) -> dict[st
 
     Args:
         plan: file name -> its tensors.
-        ranks: the writing ranks of one copy of the checkpoint.
+        ranks: the writing ranks of one replica of the checkpoint.
 
     Returns:
         file name -> the rank that writes it.
@@ -153,12 +153,13 @@ class Layout:
     """Who writes what, the same on every rank, planned once per model (``pipeline.plan_layout``).
 
     Args:
-        copies: the ranks that write each copy of the checkpoint (one copy, or one per node), each led by its first.
+        replicas: the ranks that write each replica of the checkpoint (one replica, or one per node), each led by its
+            first.
         weight_sets: what is written (``WeightSet``: the adapters, or the full model in the Hub's layout).
-        owners: per weight set, per copy, file name -> the rank that writes it.
+        owners: per weight set, per replica, file name -> the rank that writes it.
     """
 
-    copies: list[list[int]]
+    replicas: list[list[int]]
     weight_sets: list
     owners: list[list[dict[str, int]]]
 
@@ -172,7 +173,7 @@ class SaveJob:
         target: the directory committed at the end.
         layout: who writes what (``Layout``).
         rank: this rank (0 when the save is not collective).
-        is_writer: this rank leads its copy: creates its partial directory, writes the configuration files, checks
+        is_writer: this rank leads its replica: creates its partial directory, writes the configuration files, checks
             and commits it.
         collective: partitioned parameters: every rank takes part in every transfer and agreement.
         processing_class: the tokenizer or processor saved beside the weights (or None).
@@ -201,15 +202,15 @@ class SaveJob:
 
     @property
     def mine(self) -> list[int]:
-        """The ranks that write this rank's copy of the checkpoint."""
-        return next(ranks for ranks in self.layout.copies if self.rank in ranks)
+        """The ranks that write this rank's replica of the checkpoint."""
+        return next(ranks for ranks in self.layout.replicas if self.rank in ranks)
 
     @property
-    def copy_index(self) -> int:
-        return self.layout.copies.index(self.mine)
+    def replica_index(self) -> int:
+        return self.layout.replicas.index(self.mine)
 
-    def commit(self) -> None:
-        """The checked partial directory renamed into place, on the copy's first rank (the others: nothing)."""
+    def commit_save(self) -> None:
+        """The checked partial directory renamed into place, on the replica's first rank (the others: nothing)."""
         if self.is_writer:
             commit(self.partial, self.target)
             logger.info(f"[trl_ext] saved and verified {self.target} in {time.monotonic() - self.started:.1f}s")

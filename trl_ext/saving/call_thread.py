@@ -19,7 +19,7 @@ EXIT_TIMEOUT_S = 60.0  # at exit, how long the calls still queued may take befor
 _STOP = object()  # queued by close: the thread ends once the calls before it are done
 
 
-class Worker:
+class CallThread:
     """One daemon thread, started on first use (or by ``start``), running submitted calls in order.
 
     Args:

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import psutil
 
-from trl_ext.process import gathered
+from trl_ext.process.collectives import from_every_rank
 from trl_ext.saving import deferred, pipeline
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, Purpose
 from trl_ext.saving.snapshot import Snapshot
 
 
-def reserve(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str | None]:
+def reserve_copies(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str | None]:
     """On every rank, at the same point (planning the weights' layout is collective): every copy a checkpoint of
     ``trainer`` needs, measured, checked and allocated; the copies' and the executor's threads and the executor's
     process group started, so that no checkpoint waits for them.
@@ -32,20 +32,20 @@ def reserve(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str |
     """
     if not pipeline.supports(trainer.model):
         return 0, None
-    settings = (getattr(trainer.args, "max_shard_size", pipeline.DEFAULT_MAX_SHARD_SIZE), trainer._writes_files())
+    settings = (getattr(trainer.args, "max_shard_size", pipeline.DEFAULT_MAX_SHARD_SIZE), trainer.writes_files())
     measure = BackgroundCheckpoint(Path(), executor, snapshot, Purpose.MEASURE)
-    if pipeline.reserve(trainer.model, *settings, measure) is None:
+    if pipeline.reserve_weights(trainer.model, *settings, measure) is None:
         return 0, pipeline.CANNOT_COPY
     _other_files(trainer, measure)
     short = _short(measure.measured)
     if short:
         return measure.measured, f"their CPU copies need {short}"
     snapshot.begin()
-    snapshot.worker.start()
-    executor.worker.start()
+    snapshot.thread.start()
+    executor.thread.start()
     executor.group()  # created here, where every rank is, rather than by the first checkpoint
     allocate = BackgroundCheckpoint(Path(), executor, snapshot, Purpose.RESERVE)
-    pipeline.reserve(trainer.model, *settings, allocate)
+    pipeline.reserve_weights(trainer.model, *settings, allocate)
     _other_files(trainer, allocate)
     snapshot.begin()  # what the reserve copied is not kept alive until the first checkpoint
     return measure.measured, None
@@ -56,14 +56,13 @@ def _other_files(trainer, checkpoint: BackgroundCheckpoint) -> None:
     if trainer.args.save_only_model:
         return
     with tempfile.TemporaryDirectory(prefix="trl_ext-reserve-") as scratch, deferred.deferred_writes(checkpoint):
-        trainer._save_optimizer_and_scheduler(scratch)
-        trainer._save_rng_state(scratch)
+        trainer.write_states(scratch)
 
 
 def _short(need: int) -> str:
     """Where the CPU copies do not fit in a machine's available memory (its ranks added up), the same on every rank:
     one line saying how much was needed where; empty if they fit everywhere."""
-    everyone = gathered((socket.gethostname(), need, psutil.virtual_memory().available))
+    everyone = from_every_rank((socket.gethostname(), need, psutil.virtual_memory().available))
     short = []
     for host in sorted({h for h, _, _ in everyone}):
         needed = sum(n for h, n, _ in everyone if h == host)
