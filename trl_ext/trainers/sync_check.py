@@ -68,6 +68,18 @@ def _differ(a: tuple[float, float], b: tuple[float, float] | None) -> bool:
     return b is None or any(abs(x - y) > 1e-9 * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))
 
 
+def _largest_on_any_rank(value: float) -> float:
+    """The largest ``value`` over the ranks (each checks its own engine): every rank passes or fails together, so the
+    naming walk, a collective under ZeRO-3 and FSDP2, runs on all of them."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor[0])
+
+
 class SyncCheck:
     """Decides which syncs are checked, checks them, and remembers the last sync that passed.
 
@@ -125,7 +137,7 @@ class SyncCheck:
         ours = trainer_logprobs(model, self.tokens, device)
         theirs = engine_logprobs(llm, self.tokens)
         self.seconds.append(time.perf_counter() - start)
-        diff = float((ours - theirs).abs().max())
+        diff = _largest_on_any_rank(float((ours - theirs).abs().max()))
         if diff <= self.atol:
             self.landed = sent
             return diff
@@ -138,7 +150,7 @@ class SyncCheck:
         else:
             names = sorted(n for n in sent if self.landed is None or _differ(sent[n], self.landed.get(n)))
             why = ("vLLM did not apply them; these changed since the last sync that passed" if self.landed
-                   else "vLLM did not apply them (first sync: every tensor sent)")
+                   else "vLLM did not apply them (no earlier sync passed a check: every tensor sent)")
         shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
         raise SyncError(f"The weight sync into vLLM did not land {where}: vLLM's prompt log-probabilities differ from "
                         f"the trainer's by {diff:.3g} (vllm_check_sync_atol={self.atol:g}); {why}: {shown}. Training "
