@@ -6,13 +6,14 @@ every sync (vLLM's prompt log-probabilities against the trainer's, 1e-3), then s
 log-probabilities. Here, in a fresh process with plain transformers and peft, the saved model gives vLLM's numbers
 within 1e-3, and the untrained model does not. The runs are module-scoped: each starts vLLM once for all its checks.
 
-Two runs break the second sync on purpose: one sends a stale ``lm_head.weight`` (a broken walk), one streams the
-weights without loading them (vLLM keeps its old ones, as trl#5312's sleep mode did). Each stops with a SyncError that
-names the tensors.
+Three runs break the second sync on purpose: one sends a stale ``lm_head.weight`` (a broken walk), one streams the
+weights without loading them (vLLM keeps its old ones, as trl#5312's sleep mode did), in one process and under
+2-process ZeRO-3. Each stops with a SyncError that names the tensors, on every rank.
 """
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +136,14 @@ def test_vllm_cpu_runs_an_fp32_checkpoint_in_bf16_unless_told():
     result = run_command([sys.executable, "-c", DEFAULT_DTYPE], timeout=300, env=env)
     assert result.returncode == 0, result.output[-4000:]
     assert "engine dtype: torch.bfloat16" in result.output, "vLLM keeps fp32 now: the patch can go"
+
+
+def test_under_zero3_every_rank_stops_together_naming_the_tensors(tmp_path_factory):
+    """Each rank checks its own engine; the ranks agree on the largest difference, so they stop together."""
+    report, run = _run(tmp_path_factory, "not-applied-zero3", "--trainer", "grpo", "--lora", "--fault", "not-applied",
+                       backend="zero3")
+    other = json.loads((Path(run) / "report_rank1.json").read_text())
+    for rank in (report, other):
+        assert rank["kind"] == "sync" and rank["global_step"] == 1, rank
+        assert "did not land at training step 2" in rank["error"] and "lm_head.weight" in rank["error"]
+    assert report["error"] == other["error"]
