@@ -31,6 +31,7 @@ from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 from trl_ext import patches
 from trl_ext.errors import ServerError
 from trl_ext.merge.weights import iter_merged_weights
+from trl_ext.process.clean_exit import before_exit
 from trl_ext.trainers.configs import VLLM_REQUEST_TIMEOUT
 from trl_ext.trainers.sync_check import SyncCheck, checksums
 
@@ -113,6 +114,8 @@ class BoundedVLLMGeneration(VLLMGeneration):
         return "before training" if step is None else f"at training step {step}"
 
     def _init_vllm(self):
+        if self.mode == "colocate":
+            before_exit(self._shut_down_colocated)
         if self.mode == "colocate" and self.accelerator.device.type == "cpu":
             # vLLM's CPU build runs fp32 checkpoints in bf16 unless told: the engine gets the policy's dtype
             module = sys.modules[VLLMGeneration.__module__]
@@ -127,6 +130,14 @@ class BoundedVLLMGeneration(VLLMGeneration):
         with (patches.swapped("bounded-vllm-client", sys.modules[VLLMGeneration.__module__], "VLLMClient", client),
               self._bounded("joining the server's weight-transfer group", nccl=True)):
             return super()._init_vllm()
+
+    def _shut_down_colocated(self) -> None:
+        """As the process exits, before trl_ext's exit hooks destroy the process group: the colocated engine shut down
+        through its own ``shutdown`` (which tears down vLLM's groups and the default one). Left to vLLM's finalizer,
+        which runs after those hooks, it printed a traceback at every exit ("Invalid process group specified")."""
+        client = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        if callable(getattr(client, "shutdown", None)):
+            client.shutdown()
 
     @contextlib.contextmanager
     def _bounded(self, doing: str, nccl: bool = False):
