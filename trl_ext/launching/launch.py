@@ -32,16 +32,14 @@ import yaml
 from trl_ext import process
 from trl_ext.errors import UsageError
 from trl_ext.process import notice
-from trl_ext.scheduling import node, orchestrators
+from trl_ext.scheduling import orchestrators
+from trl_ext.scheduling.orchestrators import torchrun
 
 RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
 ACCELERATE_RUN = "trl_ext.launching.accelerate_run"  # accelerate's launch, ending with the ranks' own exit code
 ACCELERATE_KEYS = ("distributed_type", "compute_environment")
-# The launcher's own variables: a new `accelerate launch` must start from a clean slate. torchrun reads PET_<OPTION> as
-# its options, so a Kubernetes pod's PET_NNODES would turn a launch on this machine into a wait for other machines.
-LAUNCHER_ENV_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "PET_")
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# accelerate's own variables: a new `accelerate launch` starts from a clean slate (torchrun's too: is_launchers)
+ACCELERATE_ENV_PREFIX = "ACCELERATE_"
 # The default where no accelerate config is given: inside the package, so that an installed wheel has it too (a copy
 # of accelerate_configs/ddp.yaml, which users copy; tests/unit/test_launch.py keeps the two equal).
 DATA_PARALLEL = Path(__file__).resolve().parent / "configs" / "ddp.yaml"
@@ -114,9 +112,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def default_num_processes() -> int:
-    """One process per visible GPU; 2 CPU processes (gloo) on a machine without one."""
-    return node.local_gpus() or node.CPU_PROCESSES_PER_NODE
+def default_num_processes(job: orchestrators.Job | None = None) -> int:
+    """One process per GPU of this machine; 2 CPU processes (gloo) on a machine without one."""
+    return orchestrators.default_per_node(job)
 
 
 def _processes(value: str | None) -> int | None:
@@ -152,7 +150,7 @@ def machine_args(job: orchestrators.Job, num_processes: int | None = None) -> tu
     Raises:
         UsageError: ``--num_processes`` that does not divide among the machines.
     """
-    per_node = job.per_node or default_num_processes()
+    per_node = job.per_node or default_num_processes(job)
     total = num_processes or per_node * job.nodes
     if total % job.nodes:
         raise UsageError(f"--num_processes {total} does not divide among {job.nodes} machines; give a multiple of "
@@ -170,10 +168,10 @@ def machine_args(job: orchestrators.Job, num_processes: int | None = None) -> tu
 def _exec(cmd: list[str], set_env: dict[str, str], strip_launcher: bool = True) -> None:
     env = dict(os.environ)
     if strip_launcher:
-        env = {k: v for k, v in env.items() if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIXES)}
+        env = {k: v for k, v in env.items() if not k.startswith(ACCELERATE_ENV_PREFIX) and not torchrun.is_launchers(k)}
     env.update(set_env)
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway, announcing it in a 4-line banner
-    env.setdefault(*node.AGENT_LOG_LEVEL)  # the ranks say how they ended; torchrun's agents' log says it again
+    env.setdefault(*torchrun.AGENT_LOG_LEVEL)  # the ranks say how they ended; torchrun's agents' log says it again
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)
@@ -204,7 +202,7 @@ def start(script: str, argv: list[str]) -> list[str]:
     if job is not None and job.orchestrator == "Ray" and not job.per_rank:  # a Ray job's driver: a worker group
         _exec([sys.executable, "-m", "trl_ext.ray", script, *argv], {}, strip_launcher=False)
     asked = _processes(num_processes)
-    process.speaks_here(job is None or job.per_rank or job.node_rank == 0)  # one machine says what all would say
+    process.speaks_here(orchestrators.machine_speaks(job))  # one machine says what all would say
     relaunched = os.environ.get(RELAUNCHED)
     if accelerate_config and relaunched:
         raise UsageError(f"already re-launched under {relaunched}, and an accelerate config is still on the command "
@@ -223,17 +221,17 @@ def start(script: str, argv: list[str]) -> list[str]:
             _warn_shared_store()
         _started[key] = rest
         return rest
-    if job is not None and os.environ.get(orchestrators.NODE_ENV):  # the node launcher's child: this machine's ranks
+    if job is not None and job.node_launched:  # the node launcher's child: this machine's ranks
         config = accelerate_config or str(DATA_PARALLEL)
         if accelerate_config is None:
             notice(f"no accelerate config on {job.orchestrator}: {os.path.relpath(config)} (data parallel)")
         machines, line = machine_args(job, asked)
         notice(line)
         cmd = [sys.executable, "-m", ACCELERATE_RUN, "--config_file", config, *machines, script, *rest]
-        _exec(cmd, {RELAUNCHED: config, **dict([node.TORCHRUN_SIGNALS])})
+        _exec(cmd, {RELAUNCHED: config, **dict([torchrun.SIGNALS_OPTION])})
     under_node_launcher([script, *argv], job)
     if accelerate_config:
-        n = asked or default_num_processes()
+        n = asked or default_num_processes(job)
         print(f"[trl_ext] running under {accelerate_config} with {n} processes: accelerate launch --config_file "
               f"{accelerate_config} --num_processes {n} {script} ...", file=sys.stderr, flush=True)
         _exec(relaunch_command(accelerate_config, script, rest, n), {RELAUNCHED: accelerate_config})
@@ -247,9 +245,7 @@ def _warn_shared_store() -> None:
     """torchrun's agents share their TCP store with the ranks unless told not to; a restarted attempt's ranks then read
     the previous attempt's addresses and hang setting up their process group (pytorch#135712), and a machine joining an
     elastic job waits for an address nobody publishes (pytorch#147064). Said once, where restarts can happen."""
-    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-    if (restarts.isdigit() and int(restarts) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"):
+    if torchrun.restarts_share_store():
         notice("torchrun may restart this job (--max-restarts), and its agents share their TCP store with the ranks: "
                "a restarted attempt would hang setting up its processes (pytorch#135712). Start torchrun with "
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (docs/launchers.md).")
@@ -265,7 +261,7 @@ def under_node_launcher(command: list[str], job: orchestrators.Job | None = None
         job: this process's job (default: read now).
     """
     job = orchestrators.current() if job is None else job
-    if job is not None and not job.per_rank and job.nodes > 1 and not os.environ.get(orchestrators.NODE_ENV):
+    if job is not None and not job.per_rank and job.nodes > 1 and not job.node_launched:
         _exec([sys.executable, "-m", "trl_ext.scheduling.node", *command], {}, strip_launcher=False)
 
 

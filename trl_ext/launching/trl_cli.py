@@ -113,7 +113,7 @@ def _launch_runner(script_name: str, launch_args: list[str], training_script_arg
 
     from trl_ext.launching import accelerate_run
 
-    if job is not None and os.environ.get(orchestrators.NODE_ENV):  # the orchestrator's machines
+    if job is not None and job.node_launched:  # the orchestrator's machines
         machines, line = launch.machine_args(job, int(num_processes) if num_processes else None)
         launch_args = [*launch_args, *machines]  # later options win
         notice(line)

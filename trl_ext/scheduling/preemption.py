@@ -120,14 +120,14 @@ class Preemption(TrainerCallback):
 
     def _due(self, state) -> bool:
         """Rank 0: whether the warned run must stop now."""
-        from trl_ext.scheduling import slurm  # the time-limit warning's timing is Slurm's
+        from trl_ext.scheduling.orchestrators import slurm  # the time-limit warning's timing is Slurm's
 
-        job = slurm.current()
-        if job is None:
+        job_id = slurm.job_id()
+        if job_id is None:
             return True  # nothing says how much time is left: stop now
         now = self._clock()
         if self._deadline is None or now - self._asked >= REASK_SECONDS:
-            left = deadline.time_left(job.job_id)
+            left = deadline.time_left(job_id)
             self._asked = now
             self._deadline = None if left is None else now + left
             if left is None:
