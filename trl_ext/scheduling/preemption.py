@@ -23,6 +23,7 @@ import time
 
 from transformers import TrainerCallback
 
+from trl_ext import patches
 from trl_ext.process import HOSTED, decided_on_rank0, end_together, max_over_ranks, notice
 from trl_ext.scheduling import deadline, outcome, ownership
 
@@ -46,7 +47,7 @@ def replace_jit_checkpoint(trainer) -> None:
     replaced: ``Preemption`` saves instead, once, on every rank together, so the two never both save."""
     for callback in list(trainer.callback_handler.callbacks):
         if type(callback).__name__ == "JITCheckpointCallback":
-            original = getattr(getattr(callback, "jit_manager", None), "_original_sigterm_handler", None)
+            original = patches.jit_checkpoint_sigterm_handler(callback)
             if original is not None:
                 signal.signal(signal.SIGTERM, original)
             trainer.remove_callback(callback)
