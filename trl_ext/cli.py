@@ -91,9 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in trl_cli.COMMANDS:  # TRL's command line, TRL's parser: everything after the name is TRL's
         from trl_ext.launching import launch
+        from trl_ext.launching.decision import Become, decide
+        from trl_ext.scheduling import orchestrators
 
-        launch.under_node_launcher(["trl-ext", *argv])  # one machine of several: its launcher starts its ranks
-        return trl_cli.run(argv[0], argv[1:])
+        job = orchestrators.current()
+        decision = decide(job, accelerate=True)  # once: what this process becomes
+        if decision.become is Become.NODE_LAUNCHER:  # one machine of several: its launcher starts its ranks
+            launch.become_node_launcher(["trl-ext", *argv])
+        return trl_cli.run(argv[0], argv[1:], job=job, decision=decision)
     parser = argparse.ArgumentParser(prog="trl-ext", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     for name in trl_cli.COMMANDS:

@@ -333,6 +333,15 @@ PATCHES: dict[str, Patch] = {
         remove_when="CPython offers a public exit hook that runs before its thread pools shut down",
         guard=_has("threading._register_atexit"),
     ),
+    "exit-callbacks-now": Patch(
+        target="atexit._run_exitfuncs (process.end_together)",
+        why="a gloo rank ends with os._exit(0), skipping the interpreter's teardown, where gloo can abort and fail a "
+            "launch whose work is done (pytorch#190489); atexit's callbacks (logging's flush, trackers' finish) must "
+            "run first, and atexit has no public function that runs them",
+        upstream="pytorch#190489 (gloo's abort at shutdown); none for atexit: CPython runs its callbacks only at exit",
+        remove_when="pytorch#190489 is fixed, so that a gloo rank can exit as the interpreter does",
+        guard=_has("atexit._run_exitfuncs"),
+    ),
     "ray-fresh-cluster-view": Patch(
         target="ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator._AutoscalingCoordinatorActor"
                ".get_reserved_resources(recompute=True), called once a lost node is marked dead",

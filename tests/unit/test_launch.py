@@ -9,7 +9,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 from tests.harness import REPO
 from trl_ext.errors import UsageError
-from trl_ext.launching import launch
+from trl_ext.launching import decision, launch
 
 ACCELERATE_CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 ZERO3, DPO_CONFIG = "accelerate_configs/zero3.yaml", "recipes/configs/dpo.yaml"
@@ -18,7 +18,7 @@ ZERO3, DPO_CONFIG = "accelerate_configs/zero3.yaml", "recipes/configs/dpo.yaml"
 @pytest.fixture(autouse=True)
 def _in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.RELAUNCHED):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", decision.LAUNCH_ENV):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -73,7 +73,7 @@ def test_process_count_follows_the_machine(monkeypatch):
 
 
 def test_relaunch_loop_is_refused(monkeypatch):
-    monkeypatch.setenv(launch.RELAUNCHED, ZERO3)
+    monkeypatch.setenv(decision.LAUNCH_ENV, "accelerate:1")  # what accelerate's launch hands its ranks
     with pytest.raises(UsageError, match="already re-launched"):
         launch.start("recipes/dpo.py", ["--config", ZERO3])
 
@@ -142,3 +142,33 @@ def test_the_failure_that_ended_a_launch_is_the_ranks_own_not_torchruns_sigterm_
     # two ranks' own errors: the earliest, then the lowest rank
     assert _cause({0: failure(2, 101), 1: failure(1, 100)})[0] == 1
     assert _cause({0: failure(1, 100), 1: failure(1, 100)})[0] == 0
+
+
+_MACHINE = {"orchestrator": "SkyPilot", "per_rank": False, "nodes": 2}
+
+
+@pytest.mark.parametrize("job, accelerate, carried, become, started_by", [
+    (dict(orchestrator="Ray", per_rank=False), False, None, "RAY_DRIVER", None),
+    (dict(orchestrator="torchrun", per_rank=True, world_size=2), True, None, "RANK", None),
+    (dict(_MACHINE, node_launched=True), False, None, "MACHINE", None),  # Slurm's sbatch starts the node launcher
+    (_MACHINE, True, None, "NODE_LAUNCHER", None),
+    (dict(_MACHINE, nodes=1), True, None, "ACCELERATE", None),
+    (None, True, None, "ACCELERATE", None),
+    (None, False, None, "RANK", None),
+    (dict(_MACHINE, node_launched=True), True, "node-launcher:1", "MACHINE", "NODE_LAUNCHER"),
+    (dict(orchestrator="SkyPilot", per_rank=True, world_size=4), False, "machine:1", "RANK", "MACHINE"),
+    (None, False, "accelerate:1", "RANK", "ACCELERATE"),  # accelerate's one process sets no RANK
+    (None, True, "rank:1", "ACCELERATE", None),  # another process's decision to train: this one decides
+])
+def test_the_launch_is_one_decision_and_what_it_starts_follows_it(monkeypatch, job, accelerate, carried, become,
+                                                                  started_by):
+    from trl_ext.launching.decision import Become
+    from trl_ext.scheduling.orchestrators import Job
+
+    if carried:
+        monkeypatch.setenv(decision.LAUNCH_ENV, carried)
+    made = decision.decide(Job(**job) if job else None, accelerate)
+    assert (made.become, made.started_by, made.decided_before) == (
+        Become[become], Become[started_by] if started_by else None, False)
+    decision.decided_here()  # this process trains: its next ask is answered, whatever it would decide
+    assert decision.decide(None, accelerate=True) == decision.Decision(Become.RANK, decided_before=True)

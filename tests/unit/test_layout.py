@@ -3,6 +3,7 @@ layer imports neither saving nor merging; merging imports nothing of the save pi
 (nothing under tests/ imports bench/)."""
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,3 +80,65 @@ def test_nothing_under_tests_imports_bench():
                     and "bench" in ast.unparse(node):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno} puts bench/ on sys.path")
     assert not found, found
+
+
+def _names_an_orchestrators_variable(text) -> bool:
+    from trl_ext.scheduling import orchestrators
+
+    return isinstance(text, str) and bool(re.fullmatch(r"[A-Z][A-Z0-9_]*", text)) and (
+        text in orchestrators.VARIABLES or text.startswith(orchestrators.PREFIXES))
+
+
+def _environ_keys(tree: ast.AST) -> list[tuple[int, ast.expr]]:
+    """Every key this code reads from (or sets in) the environment: ``os.environ.get(KEY)``, ``os.environ[KEY]``,
+    ``os.getenv(KEY)``, ``KEY in os.environ``, ``os.environ.pop/setdefault(KEY)``."""
+    def is_environ(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ" or isinstance(node, ast.Name) and \
+            node.id == "environ"
+
+    keys = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute) and (
+                (node.func.attr in ("get", "pop", "setdefault") and is_environ(node.func.value))
+                or node.func.attr == "getenv"):
+            keys.append((node.lineno, node.args[0]))
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            keys.append((node.lineno, node.slice))
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and \
+                any(is_environ(c) for c in node.comparators):
+            keys.append((node.lineno, node.left))
+    return keys
+
+
+def _orchestrator_variables_named(source: str, where: str) -> list[str]:
+    """Where ``source`` names an orchestrator's variable: as a string (a read, a write, a list of them), or as the key
+    of an environment read through a name (``os.environ.get(orchestrators.NODE_ENV)``)."""
+    from trl_ext.scheduling import orchestrators
+
+    tree = ast.parse(source)
+    found = [(node.lineno, node.value) for node in ast.walk(tree)
+             if isinstance(node, ast.Constant) and _names_an_orchestrators_variable(node.value)]
+    for line, key in _environ_keys(tree):
+        name = key.attr if isinstance(key, ast.Attribute) else key.id if isinstance(key, ast.Name) else None
+        if name is not None and _names_an_orchestrators_variable(getattr(orchestrators, name, None)):
+            found.append((line, f"{ast.unparse(key)} ({getattr(orchestrators, name)})"))
+    return [f"{where}:{line} names {text}" for line, text in sorted(found)]
+
+
+def test_only_the_orchestrators_reader_names_their_variables():
+    """Every orchestrator's variable (``orchestrators.VARIABLES`` and ``PREFIXES``: Slurm's, torchrun's and
+    TorchElastic's, Kubeflow's ``PET_*``, JobSet's, LeaderWorkerSet's, SkyPilot's, Ray's job, ``TRL_EXT_RUN_ID``...) is
+    named, and so read or set, in ``scheduling/orchestrators/`` only: everything else asks the ``Job`` it reads."""
+    reader = PACKAGE / "scheduling" / "orchestrators"
+    found = [line for path in sorted(PACKAGE.rglob("*.py")) if reader not in path.parents
+             for line in _orchestrator_variables_named(path.read_text(), str(path.relative_to(REPO)))]
+    assert not found, "\n".join(found)
+
+
+def test_the_orchestrators_variable_scan_sees_every_kind_of_read():
+    source = ('import os\nfrom trl_ext.scheduling import orchestrators\nrank = os.environ.get("SLURM_NODEID")\n'
+              'port = os.environ["MASTER_PORT"]\nnode = os.environ.get(orchestrators.NODE_ENV)\n'
+              'here = "RANK" in os.environ\nhome = os.environ.get("HOME")\n')
+    found = _orchestrator_variables_named(source, "probe.py")
+    assert found == ["probe.py:3 names SLURM_NODEID", "probe.py:4 names MASTER_PORT",
+                     "probe.py:5 names orchestrators.NODE_ENV (TRL_EXT_NODE)", "probe.py:6 names RANK"], found

@@ -16,7 +16,7 @@ import pytest
 from tests.harness import REPO
 from tests.machines import free_ports
 from trl_ext.errors import SetupError, UsageError
-from trl_ext.launching import in_process, launch, scripting
+from trl_ext.launching import decision, in_process, launch, scripting
 from trl_ext.process import notices
 from trl_ext.scheduling import node, orchestrators, outcome, ownership, rendezvous
 
@@ -28,7 +28,7 @@ ALL = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GR
        "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS",
        "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE", "SKYPILOT_TASK_ID", "SLURM_JOB_ID", "SLURM_JOBID",
        "SLURM_RESTART_COUNT", "SLURM_NODEID", orchestrators.NODE_ENV, orchestrators.RUN_ID_ENV,
-       orchestrators.PORT_ENV, launch.RELAUNCHED, "CUDA_VISIBLE_DEVICES", ownership.RUN_ENV, "HOSTNAME")
+       orchestrators.PORT_ENV, decision.LAUNCH_ENV, "CUDA_VISIBLE_DEVICES", ownership.RUN_ENV, "HOSTNAME")
 
 KUBEFLOW = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "auto", "PET_MASTER_PORT": "29500",
             "PET_MASTER_ADDR": "dpo-run-node-0-0.dpo-run"}
@@ -183,7 +183,6 @@ def execs(monkeypatch):
         raise Exec(argv, environment)
 
     monkeypatch.setattr(os, "execve", execve)
-    monkeypatch.setattr(launch, "_started", {})
 
 
 def _exec_of(call):
@@ -199,8 +198,10 @@ def test_a_rank_applies_the_accelerate_config_here_and_is_never_relaunched(env, 
     assert rest == ["--max_steps", "3"]
     assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "true" and os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
     assert "ACCELERATE_USE_FSDP" not in os.environ and "FSDP_VERSION" not in os.environ
+    assert launch.start("recipes/dpo.py", ["--config", ZERO3, "--max_steps", "3"]) == rest  # the recipe's second ask
+    assert decision.decide(orchestrators.current(), accelerate=True).decided_before
+    os.environ.pop(decision.LAUNCH_ENV)  # another process's first ask
     with pytest.raises(UsageError, match="the launcher started 4 processes"):
-        launch._started.clear()
         launch.start("recipes/dpo.py", ["--config", ZERO3, "--num_processes", "2"])
 
 
@@ -222,14 +223,15 @@ def test_one_machine_re_launches_under_accelerate(env, execs):
     argv, environment = _exec_of(lambda: launch.start("recipes/dpo.py", ["--config", ZERO3, "--max_steps", "3"]))
     assert argv[:5] == [sys.executable, "-m", "trl_ext.launching.accelerate_run", "--config_file", ZERO3]
     assert argv[argv.index("--num_processes") + 1] == "2" and argv[-3:] == ["recipes/dpo.py", "--max_steps", "3"]
-    assert environment[launch.RELAUNCHED] == ZERO3
+    assert environment[decision.LAUNCH_ENV] == f"accelerate:{os.getpid()}"  # the ranks train, never re-decide
 
 
 def test_one_process_per_machine_starts_the_node_launcher_then_the_machines_ranks(env, execs):
     env(**SKYPILOT, PET_NNODES="9")  # a pod's torchrun variables must not reach the machine's own torchrun
-    argv, _ = _exec_of(lambda: launch.start("recipes/sft.py", ["--config", ZERO3]))
+    argv, environment = _exec_of(lambda: launch.start("recipes/sft.py", ["--config", ZERO3]))
     assert argv == [sys.executable, "-m", "trl_ext.scheduling.node", "recipes/sft.py", "--config", ZERO3]
-    env(**{orchestrators.NODE_ENV: orchestrators.current().to_env()})  # what the node launcher hands the recipe
+    env(**{orchestrators.NODE_ENV: orchestrators.current().to_env(),  # what the node launcher hands the recipe
+           decision.LAUNCH_ENV: environment[decision.LAUNCH_ENV]})
     argv, environment = _exec_of(lambda: launch.start("recipes/sft.py", ["--config", ZERO3, "--x"]))
     options = dict(zip(argv, argv[1:]))
     assert (options["--num_machines"], options["--machine_rank"], options["--main_process_ip"],

@@ -13,7 +13,7 @@ import pytest
 
 from tests.harness import REPO
 from trl_ext.errors import UsageError
-from trl_ext.launching import launch
+from trl_ext.launching import decision, launch
 from trl_ext.process import notices
 from trl_ext.ray import cluster, failures, recipe, worker
 from trl_ext.scheduling import orchestrators, outcome, ownership
@@ -24,14 +24,13 @@ SUBMITTED = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(
 RAY_ENV = ("RAY_JOB_CONFIG_JSON_ENV_VAR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
            "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
            "SLURM_JOB_ID", "SLURM_JOBID", "PET_NNODES", "SKYPILOT_NODE_RANK", "LWS_LEADER_ADDRESS",
-           orchestrators.NODE_ENV, orchestrators.RUN_ID_ENV, launch.RELAUNCHED)
+           orchestrators.NODE_ENV, orchestrators.RUN_ID_ENV, decision.LAUNCH_ENV)
 
 
 @pytest.fixture
 def env(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(notices, "_speaks", [True])
-    monkeypatch.setattr(launch, "_started", {})
     for key in RAY_ENV:
         monkeypatch.delenv(key, raising=False)
 

@@ -3,6 +3,7 @@ command Slurm's decisions make, the output directory named by the job and resume
 job's), and the sbatch script's syntax."""
 
 import subprocess
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,8 @@ from trl_ext.errors import UsageError
 from trl_ext.launching import launch, scripting
 from trl_ext.resuming import choose
 from trl_ext.scheduling import node as node_launcher
-from trl_ext.scheduling import orchestrators, ownership, slurm
+from trl_ext.scheduling import orchestrators, ownership
+from trl_ext.scheduling.orchestrators import slurm
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
 
@@ -20,7 +22,7 @@ JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", 
 @pytest.fixture
 def in_job(monkeypatch):
     """This process as one of job 4242's: first run (restart 0) unless the test says otherwise."""
-    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", node_launcher.NODE_ENV, "RANK", "WORLD_SIZE",
+    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", orchestrators.NODE_ENV, "RANK", "WORLD_SIZE",
                 "LOCAL_RANK", orchestrators.RUN_ID_ENV):
         monkeypatch.delenv(key, raising=False)
     for key, value in JOB.items():
@@ -29,46 +31,54 @@ def in_job(monkeypatch):
 
 
 def test_the_job_is_read_from_slurms_variables(in_job):
-    job = slurm.current()
-    assert (job.job_id, job.restart, job.nodes, job.node_rank) == ("4242", 0, 2, 0)
-    assert job.port == slurm.PORT_BASE + 4242 and slurm.PORT_BASE <= job.port < slurm.PORT_BASE + slurm.PORT_SPAN
+    in_job.setattr(slurm, "main_address", lambda hosts: f"first of {hosts}")
+    in_job.setenv("SLURMD_NODENAME", "n1")
+    job = orchestrators.current()  # whole: nothing is filled in later
+    assert (job.orchestrator, job.job_id, job.restart, job.nodes, job.node_rank, job.address, job.host) == (
+        "Slurm", "4242", 0, 2, 0, "first of n[1-2]", "n1")
+    assert job.port == orchestrators.meeting_port("slurm-4242")  # the one derivation of a meeting port
+    assert orchestrators.PORT_BASE <= job.port < orchestrators.PORT_BASE + orchestrators.PORT_SPAN
     in_job.setenv("SLURM_RESTART_COUNT", "2")
-    assert slurm.current().restart == 2
+    assert orchestrators.current().restart == 2
+    in_job.setenv("SLURM_JOB_NUM_NODES", "1")
+    assert orchestrators.current().address is None  # one machine: nothing to ask Slurm
     in_job.delenv("SLURM_JOB_ID")
-    assert slurm.current() is None
+    assert orchestrators.current() is None
 
 
 def _node(in_job, gpus=0, node_rank=1):
     """The Slurm node launcher's view of this node, as it hands it to the recipe."""
-    in_job.setattr(slurm, "main_address", lambda job: "10.0.0.7")
+    in_job.setattr(slurm, "main_address", lambda hosts: "10.0.0.7")
     in_job.setenv("SLURM_NODEID", str(node_rank))
     in_job.setenv("SLURM_GPUS_ON_NODE", str(gpus))
     job = node_launcher.machine()
-    in_job.setenv(node_launcher.NODE_ENV, job.to_env())
+    in_job.setenv(orchestrators.NODE_ENV, job.to_env())
     return job
 
 
 @pytest.mark.parametrize("gpus, asked, total", [(0, None, 4), (8, None, 16), (0, 2, 2)])
 def test_slurm_decides_the_machines_ranks_address_and_port(in_job, gpus, asked, total):
     job = _node(in_job, gpus)
-    assert orchestrators.current() == job  # the recipe under the node launcher sees what the launcher decided
+    # the recipe under the node launcher sees what the launcher decided, and that the launcher handed it down
+    assert orchestrators.current() == replace(job, node_launched=True)
     args, _ = launch.machine_args(job, asked)
     options = {args[i]: args[i + 1] for i in range(len(args) - 1)}
     assert (options["--num_machines"], options["--machine_rank"], options["--main_process_ip"],
             options["--main_process_port"], options["--num_processes"]) == ("2", "1", "10.0.0.7", str(job.port),
                                                                              str(total))
-    assert job.port == slurm.PORT_BASE + 4242  # derived from the job id: the same on every node
+    assert job.port == orchestrators.meeting_port("slurm-4242")  # derived from the job id: the same on every node
     assert options["--deepspeed_multinode_launcher"] == "standard"  # torchrun on each node, not pdsh
 
 
 def test_one_process_per_gpu_slurm_allocated_else_per_visible_device(in_job):
+    in_job.setattr(slurm, "main_address", lambda hosts: "10.0.0.7")
     in_job.setenv("SLURM_GPUS_ON_NODE", "8")
     in_job.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert node_launcher.local_gpus() == 8  # what Slurm allocated to this node
+    assert orchestrators.local_gpus(orchestrators.current()) == 8  # what Slurm allocated to this node
     in_job.delenv("SLURM_GPUS_ON_NODE")
-    assert node_launcher.local_gpus() == 2
+    assert orchestrators.local_gpus(orchestrators.current()) == 2
     in_job.setenv("CUDA_VISIBLE_DEVICES", "-1")  # the usual way of hiding every GPU
-    assert node_launcher.local_gpus() == 0
+    assert orchestrators.local_gpus(orchestrators.current()) == 0
 
 
 def test_the_log_says_what_slurm_replaced(in_job):
@@ -80,7 +90,7 @@ def test_the_log_says_what_slurm_replaced(in_job):
 
 
 def test_the_node_launcher_refuses_outside_a_job(monkeypatch):
-    for key in ("SLURM_JOB_ID", "SLURM_JOBID", node_launcher.NODE_ENV, "PET_NNODES", "SKYPILOT_NODE_RANK",
+    for key in ("SLURM_JOB_ID", "SLURM_JOBID", orchestrators.NODE_ENV, "PET_NNODES", "SKYPILOT_NODE_RANK",
                 "LWS_LEADER_ADDRESS"):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(UsageError, match="sbatch recipes/slurm.sbatch"):

@@ -26,24 +26,22 @@ class Storage:
         return args.should_save
 
 
-def _local_world_size(args) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
-
-
-def detect(args) -> Storage:
+def detect(args, local_world_size: int | None = None) -> Storage:
     """Find out whether every node sees ``args.output_dir``: rank 0 writes a marker file, every rank looks for it.
 
     Collective: every rank calls it. With one node, nothing is looked at.
 
     Args:
         args: the run's ``TrainingArguments``.
+        local_world_size: the processes on this machine, as the launcher said (default: ``args.world_size``, one
+            machine).
 
     Returns:
         The storage, the same on every rank.
     """
     from trl_ext.process.collectives import decided_on_rank0, from_every_rank
 
-    if args.world_size <= 1 or _local_world_size(args) >= args.world_size:
+    if args.world_size <= 1 or (local_world_size or args.world_size) >= args.world_size:
         return Storage(multi_node=False, shared=True)
 
     def write_marker() -> str:

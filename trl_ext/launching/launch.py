@@ -3,7 +3,7 @@
 `accelerate launch recipes/dpo.py --config accelerate_configs/zero3.yaml` hands `--config` to the script, not to
 accelerate: with TRL's own scripts such a line fails on unknown keys or trains without DeepSpeed. Here every
 ``--config`` file is read and told apart by content (an accelerate config has ``distributed_type``), and what happens
-depends on who started this process (``scheduling.orchestrators``):
+depends on who started this process (``scheduling.orchestrators``), decided once (``launching.decision``):
 
 - a rank that torchrun (or ``accelerate launch``) started, on one machine or many, elastic or not: it trains as that
   rank, with the accelerate config applied in this process (``launching.in_process``); nothing is re-launched;
@@ -19,7 +19,8 @@ depends on who started this process (``scheduling.orchestrators``):
   without one it trains in this process.
 
 The decision reads only the command line, the config files and the environment: a re-launch costs a process start,
-not an import of torch and TRL. The input's checks that need TRL run in the ranks.
+not an import of torch and TRL. The input's checks that need TRL run in the ranks. The processes a re-launch starts
+carry the decision that started them (``decision.LAUNCH_ENV``) and follow it.
 """
 
 import os
@@ -31,21 +32,19 @@ import yaml
 
 from trl_ext import process
 from trl_ext.errors import UsageError
+from trl_ext.launching.decision import Become, Decision, decide, decided_here, handed_down
 from trl_ext.process import notice
-from trl_ext.scheduling import node, orchestrators
+from trl_ext.scheduling import orchestrators
+from trl_ext.scheduling.orchestrators import torchrun
 
-RELAUNCHED = "TRL_EXT_RELAUNCHED"  # set in the re-launched processes: guards against a re-launch loop
 ACCELERATE_RUN = "trl_ext.launching.accelerate_run"  # accelerate's launch, ending with the ranks' own exit code
 ACCELERATE_KEYS = ("distributed_type", "compute_environment")
-# The launcher's own variables: a new `accelerate launch` must start from a clean slate. torchrun reads PET_<OPTION> as
-# its options, so a Kubernetes pod's PET_NNODES would turn a launch on this machine into a wait for other machines.
-LAUNCHER_ENV_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "PET_")
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# accelerate's own variables: a new `accelerate launch` starts from a clean slate (torchrun's too: is_launchers)
+ACCELERATE_ENV_PREFIX = "ACCELERATE_"
 # The default where no accelerate config is given: inside the package, so that an installed wheel has it too (a copy
 # of accelerate_configs/ddp.yaml, which users copy; tests/unit/test_launch.py keeps the two equal).
 DATA_PARALLEL = Path(__file__).resolve().parent / "configs" / "ddp.yaml"
-_started: dict[tuple, list[str]] = {}  # what start() decided, by its arguments: a recipe asks twice
+RELAUNCHES = (Become.ACCELERATE, Become.MACHINE)  # the launches that start ranks with the accelerate config applied
 
 
 def read_config(path: str) -> dict:
@@ -114,9 +113,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def default_num_processes() -> int:
-    """One process per visible GPU; 2 CPU processes (gloo) on a machine without one."""
-    return node.local_gpus() or node.CPU_PROCESSES_PER_NODE
+def default_num_processes(job: orchestrators.Job | None = None) -> int:
+    """One process per GPU of this machine; 2 CPU processes (gloo) on a machine without one."""
+    return orchestrators.default_per_node(job)
 
 
 def _processes(value: str | None) -> int | None:
@@ -152,7 +151,7 @@ def machine_args(job: orchestrators.Job, num_processes: int | None = None) -> tu
     Raises:
         UsageError: ``--num_processes`` that does not divide among the machines.
     """
-    per_node = job.per_node or default_num_processes()
+    per_node = job.per_node or default_num_processes(job)
     total = num_processes or per_node * job.nodes
     if total % job.nodes:
         raise UsageError(f"--num_processes {total} does not divide among {job.nodes} machines; give a multiple of "
@@ -170,19 +169,19 @@ def machine_args(job: orchestrators.Job, num_processes: int | None = None) -> tu
 def _exec(cmd: list[str], set_env: dict[str, str], strip_launcher: bool = True) -> None:
     env = dict(os.environ)
     if strip_launcher:
-        env = {k: v for k, v in env.items() if k not in LAUNCHER_ENV and not k.startswith(LAUNCHER_ENV_PREFIXES)}
+        env = {k: v for k, v in env.items() if not k.startswith(ACCELERATE_ENV_PREFIX) and not torchrun.is_launchers(k)}
     env.update(set_env)
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway, announcing it in a 4-line banner
-    env.setdefault(*node.AGENT_LOG_LEVEL)  # the ranks say how they ended; torchrun's agents' log says it again
+    env.setdefault(*torchrun.AGENT_LOG_LEVEL)  # the ranks say how they ended; torchrun's agents' log says it again
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)
 
 
 def start(script: str, argv: list[str]) -> list[str]:
-    """Decide where this recipe trains (see the module's docstring): re-launch (does not return), or apply the
-    accelerate config here and return the arguments to parse. Idempotent: a second call in the same process returns
-    the same arguments.
+    """Decide where this recipe trains (see the module's docstring) and act on it: re-launch (does not return), or
+    apply the accelerate config here and return the arguments to parse. A second call in the same process returns
+    the same arguments and does nothing else (the first recorded its decision).
 
     Args:
         script: the recipe's path (``sys.argv[0]``).
@@ -194,21 +193,45 @@ def start(script: str, argv: list[str]) -> list[str]:
     Raises:
         UsageError: contradictory launcher variables, an unreadable config, ``--num_processes`` that cannot apply.
     """
-    key = (script, tuple(argv))
-    if key in _started:
-        return list(_started[key])
     accelerate_config, recipe_config, rest = split_configs(argv)
     num_processes, rest = take_option(rest, "num_processes")
     rest = [*rest, "--config", recipe_config] if recipe_config else rest
     job = orchestrators.current()
-    if job is not None and job.orchestrator == "Ray" and not job.per_rank:  # a Ray job's driver: a worker group
-        _exec([sys.executable, "-m", "trl_ext.ray", script, *argv], {}, strip_launcher=False)
+    decision = decide(job, accelerate=accelerate_config is not None)
+    if decision.decided_before:
+        return rest
+    if decision.become is Become.RAY_DRIVER:  # a Ray job's driver: a worker group
+        _exec([sys.executable, "-m", "trl_ext.ray", script, *argv], handed_down(Become.RAY_DRIVER),
+              strip_launcher=False)
     asked = _processes(num_processes)
-    process.speaks_here(job is None or job.per_rank or job.node_rank == 0)  # one machine says what all would say
-    relaunched = os.environ.get(RELAUNCHED)
+    process.speaks_here(orchestrators.machine_speaks(job))  # one machine says what all would say
+    if decision.become is Become.RANK:
+        _train_here(job, decision, accelerate_config, asked)
+        return rest
+    if decision.become is Become.MACHINE:  # the node launcher's child: this machine's ranks
+        config = accelerate_config or str(DATA_PARALLEL)
+        if accelerate_config is None:
+            notice(f"no accelerate config on {job.orchestrator}: {os.path.relpath(config)} (data parallel)")
+        machines, line = machine_args(job, asked)
+        notice(line)
+        cmd = [sys.executable, "-m", ACCELERATE_RUN, "--config_file", config, *machines, script, *rest]
+        _exec(cmd, {**handed_down(Become.MACHINE), **dict([torchrun.SIGNALS_OPTION])})
+    if decision.become is Become.NODE_LAUNCHER:
+        become_node_launcher([script, *argv])
+    n = asked or default_num_processes(job)
+    print(f"[trl_ext] running under {accelerate_config} with {n} processes: accelerate launch --config_file "
+          f"{accelerate_config} --num_processes {n} {script} ...", file=sys.stderr, flush=True)
+    _exec(relaunch_command(accelerate_config, script, rest, n), handed_down(Become.ACCELERATE))
+
+
+def _train_here(job: orchestrators.Job | None, decision: Decision, accelerate_config: str | None,
+                asked: int | None) -> None:
+    """This process trains: as the rank that torchrun, ``accelerate launch`` or Ray Train started (the accelerate
+    config applied here), or as the one process; said once, and recorded for this process's next ask."""
+    relaunched = decision.started_by in RELAUNCHES
     if accelerate_config and relaunched:
-        raise UsageError(f"already re-launched under {relaunched}, and an accelerate config is still on the command "
-                         "line; pass it once.")
+        raise UsageError(f"already re-launched by trl_ext ({decision.started_by.value}), and an accelerate config "
+                         f"({accelerate_config}) is still on the command line; pass it once.")
     if job is not None and job.per_rank:  # torchrun started this process as one rank: train here, as that rank
         if asked is not None and asked != job.world_size:
             raise UsageError(f"--num_processes {asked}: the launcher started {job.world_size} processes; drop "
@@ -221,58 +244,36 @@ def start(script: str, argv: list[str]) -> list[str]:
         if not relaunched:  # (a re-launch said how it runs already)
             notice(f"{job.describe()}{applied}")
             _warn_shared_store()
-        _started[key] = rest
-        return rest
-    if job is not None and os.environ.get(orchestrators.NODE_ENV):  # the node launcher's child: this machine's ranks
-        config = accelerate_config or str(DATA_PARALLEL)
-        if accelerate_config is None:
-            notice(f"no accelerate config on {job.orchestrator}: {os.path.relpath(config)} (data parallel)")
-        machines, line = machine_args(job, asked)
-        notice(line)
-        cmd = [sys.executable, "-m", ACCELERATE_RUN, "--config_file", config, *machines, script, *rest]
-        _exec(cmd, {RELAUNCHED: config, **dict([node.TORCHRUN_SIGNALS])})
-    under_node_launcher([script, *argv], job)
-    if accelerate_config:
-        n = asked or default_num_processes()
-        print(f"[trl_ext] running under {accelerate_config} with {n} processes: accelerate launch --config_file "
-              f"{accelerate_config} --num_processes {n} {script} ...", file=sys.stderr, flush=True)
-        _exec(relaunch_command(accelerate_config, script, rest, n), {RELAUNCHED: accelerate_config})
-    if asked is not None:
+    elif asked is not None:
         raise UsageError("--num_processes needs an accelerate config: --config accelerate_configs/<name>.yaml.")
-    _started[key] = rest
-    return rest
+    decided_here()
 
 
 def _warn_shared_store() -> None:
     """torchrun's agents share their TCP store with the ranks unless told not to; a restarted attempt's ranks then read
     the previous attempt's addresses and hang setting up their process group (pytorch#135712), and a machine joining an
     elastic job waits for an address nobody publishes (pytorch#147064). Said once, where restarts can happen."""
-    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-    if (restarts.isdigit() and int(restarts) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"):
+    if torchrun.restarts_share_store():
         notice("torchrun may restart this job (--max-restarts), and its agents share their TCP store with the ranks: "
                "a restarted attempt would hang setting up its processes (pytorch#135712). Start torchrun with "
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (docs/launchers.md).")
 
 
-def under_node_launcher(command: list[str], job: orchestrators.Job | None = None) -> None:
-    """Replace this process by the node launcher running ``command`` when it is one machine's process of a job that an
-    orchestrator placed on several machines (SkyPilot, pods with torchrun's ``PET_*`` variables, LeaderWorkerSet) and
-    not yet under it; otherwise nothing.
+def become_node_launcher(command: list[str]) -> None:
+    """Replace this process by the node launcher running ``command`` (this machine's process of a job that an
+    orchestrator placed on several machines: SkyPilot, pods with torchrun's ``PET_*`` variables, LeaderWorkerSet).
 
     Args:
         command: the recipe's path and arguments, or ``["trl-ext", <command>, ...]``.
-        job: this process's job (default: read now).
     """
-    job = orchestrators.current() if job is None else job
-    if job is not None and not job.per_rank and job.nodes > 1 and not os.environ.get(orchestrators.NODE_ENV):
-        _exec([sys.executable, "-m", "trl_ext.scheduling.node", *command], {}, strip_launcher=False)
+    _exec([sys.executable, "-m", "trl_ext.scheduling.node", *command], handed_down(Become.NODE_LAUNCHER),
+          strip_launcher=False)
 
 
 def launch_if_asked() -> None:
     """A recipe's first line: under an accelerate config or an orchestrator that places one process per machine,
-    start the processes now, before torch and TRL are imported (see ``start``); otherwise nothing. What it decides is
-    decided again, the same way, when the recipe parses its arguments."""
+    start the processes now, before torch and TRL are imported (see ``start``); otherwise nothing. When the recipe
+    parses its arguments, ``start`` answers from this decision."""
     if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
         return
     start(sys.argv[0], sys.argv[1:])

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from trl_ext import patches
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch, rename_probe
 from trl_ext.process import end_together, env_world_size, notice
@@ -82,7 +83,7 @@ def _unknown_arguments_message(parser, error: str, config: str) -> str:
     unknown = [a.lstrip("-") for a in re.findall(r"'(--[^']+)'", error)]
     if not unknown:
         return error
-    known = {action.dest for action in parser._actions}
+    known = patches.parser_destinations(parser) or set()
     hints = [f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(u, known, n=1)) else u for u in unknown]
     where = f"config file '{config}'" if "config file" in error else "the command line"
     return f"unknown option(s) in {where}: {', '.join(hints)}. `python {sys.argv[0]} --help` lists the options."

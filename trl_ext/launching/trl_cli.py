@@ -8,6 +8,7 @@ and the dataset are checked as the recipes check them.
 """
 
 import contextlib
+import functools
 import os
 import sys
 from argparse import Namespace
@@ -82,30 +83,32 @@ def _embedded_as_paths(command: str, training_script_args: list[str]) -> list[st
     return [*training_script_args, *extra]
 
 
-def _launch_runner(script_name: str, launch_args: list[str], training_script_args: list[str], **kwargs) -> None:
-    """TRL's ``launch_training_script``, launching trl_ext's runner of the same script; in a rank that torchrun
-    started (``torchrun -m trl_ext sft ...``, as Kubeflow's TRL runtime runs TRL's scripts), the script runs in this
-    process, with the accelerate config (``--accelerate_config``, ``--config_file``) applied here."""
+def _launch_runner(script_name: str, launch_args: list[str], training_script_args: list[str], *, job, decision,
+                   **kwargs) -> None:
+    """TRL's ``launch_training_script``, launching trl_ext's runner of the same script as ``decision`` says
+    (``launching.decision``, made once by ``trl_ext.cli``): in a rank that torchrun started (``torchrun -m trl_ext sft
+    ...``, as Kubeflow's TRL runtime runs TRL's scripts), the script runs in this process, with the accelerate config
+    (``--accelerate_config``, ``--config_file``) applied here; a Ray job's driver hands it to a worker group; else
+    accelerate's launch starts the ranks, with the orchestrator's machines under the node launcher."""
     from trl_ext.launching import launch
+    from trl_ext.launching.decision import Become, handed_down
     from trl_ext.process import notice
-    from trl_ext.scheduling import orchestrators
 
     command = script_name.removesuffix(".py")
     training_script_args = _embedded_as_paths(command, training_script_args)
     _check_before_launch(command, training_script_args)
     num_processes, _ = launch.take_option(launch_args, "num_processes")
-    job = orchestrators.current()
-    if job is not None and job.orchestrator == "Ray" and not job.per_rank:  # a Ray job's driver: a worker group
+    if decision.become is Become.RAY_DRIVER:  # a Ray job's driver: a worker group
         launch._exec([sys.executable, "-m", "trl_ext.ray", "trl-ext", command, *launch_args, "--",
-                      *training_script_args], {}, strip_launcher=False)
-    if job is not None and job.per_rank:
+                      *training_script_args], handed_down(Become.RAY_DRIVER), strip_launcher=False)
+    if decision.become is Become.RANK and job is not None and job.per_rank:
         config_file, _ = launch.take_option(launch_args, "config_file")
         applied = ""
         if config_file:
             from trl_ext.launching import in_process
 
             applied = f"; {config_file} applied in each process ({in_process.apply(config_file, job)})"
-        if not os.environ.get(launch.RELAUNCHED):
+        if decision.started_by not in launch.RELAUNCHES:
             notice(f"{job.describe()}{applied}")
         _run_in_this_process(command, training_script_args)
         return
@@ -113,10 +116,11 @@ def _launch_runner(script_name: str, launch_args: list[str], training_script_arg
 
     from trl_ext.launching import accelerate_run
 
-    if job is not None and os.environ.get(orchestrators.NODE_ENV):  # the orchestrator's machines
+    if decision.become is Become.MACHINE:  # the orchestrator's machines
         machines, line = launch.machine_args(job, int(num_processes) if num_processes else None)
         launch_args = [*launch_args, *machines]  # later options win
         notice(line)
+    os.environ.update(handed_down(Become.MACHINE if decision.become is Become.MACHINE else Become.ACCELERATE))
     code = accelerate_run.run(launch_command_parser().parse_args([*launch_args, str(RUNNER), command,
                                                                   *training_script_args]))
     if code:
@@ -135,12 +139,14 @@ def _run_in_this_process(command: str, training_script_args: list[str]) -> None:
         sys.argv = argv
 
 
-def run(command: str, argv: list[str]) -> int:
+def run(command: str, argv: list[str], job=None, decision=None) -> int:
     """Run ``trl <command> <argv>`` with trl_ext's trainers.
 
     Args:
         command: a key of ``COMMANDS``.
         argv: everything after the command, as ``trl`` takes it.
+        job: this process's job (default: read now).
+        decision: what this process becomes (``launching.decision``; default: decided now).
 
     Returns:
         The exit code (0; a failed launch raises, as under ``trl``).
@@ -149,6 +155,13 @@ def run(command: str, argv: list[str]) -> int:
     from trl.cli.commands.base import CommandContext
     from trl.cli.commands.training import TrainingCommand
 
+    from trl_ext.launching.decision import decide
+    from trl_ext.scheduling import orchestrators
+
+    if decision is None:
+        job = orchestrators.current()
+        decision = decide(job, accelerate=True)
+    runner = functools.partial(_launch_runner, job=job, decision=decision)
     with (trl_ext_classes(command),
-          patches.swapped("trl-cli-script", accelerate_launcher, "launch_training_script", _launch_runner)):
+          patches.swapped("trl-cli-script", accelerate_launcher, "launch_training_script", runner)):
         return TrainingCommand(command).run(Namespace(command=command), CommandContext(argv=[command, *argv]))

@@ -81,7 +81,13 @@ def end_together() -> None:
     for thread in threading.enumerate():  # as the interpreter does before its exit callbacks
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
-    atexit._run_exitfuncs()  # logging's flush, trackers' finish, ...
+    # atexit's callbacks (logging's flush, trackers' finish, ...), run now: private to CPython (patch
+    # 'exit-callbacks-now': patches imports process, so the guard is this getattr); where it is missing, this rank
+    # exits as the interpreter does, which runs them.
+    run_exit_callbacks = getattr(atexit, "_run_exitfuncs", None)
+    if run_exit_callbacks is None:
+        return
+    run_exit_callbacks()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from trl_ext.errors import UsageError
 
 RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
-CPU_WORKERS_PER_NODE = 2  # the recipes' default without a GPU (scheduling.node.CPU_PROCESSES_PER_NODE)
+CPU_WORKERS_PER_NODE = 2  # the recipes' default without a GPU (scheduling.orchestrators.CPU_PROCESSES_PER_NODE)
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 
 from trl_ext.errors import RunFailed, UsageError
-from trl_ext.launching.launch import RELAUNCHED
+from trl_ext.launching.decision import LAUNCH_ENV
 from trl_ext.process.hosted import HOSTED
 from trl_ext.ray import cluster, group
 from trl_ext.ray.worker import Task
 from trl_ext.scheduling import orchestrators, ownership
 
 # The launch's own variables, not the run's: the workers get theirs from Ray and trl_ext.ray
-_NOT_PASSED_ON = (orchestrators.NODE_ENV, ownership.RUN_ENV, RELAUNCHED, HOSTED)
+_NOT_PASSED_ON = (orchestrators.NODE_ENV, ownership.RUN_ENV, LAUNCH_ENV, HOSTED)
 # accelerate launch's placement options: Ray places the workers
 _PLACEMENT = ("num_machines", "machine_rank", "main_process_ip", "main_process_port")
 

@@ -132,8 +132,8 @@ def _job(task: Task, context) -> orchestrators.Job:
     nodes = _nodes(node_rank)
     job = orchestrators.Job("Ray", per_rank=False, nodes=nodes, node_rank=node_rank, run=task.run,
                             source="Ray Train")
-    os.environ[orchestrators.NODE_ENV] = job.to_env()
-    os.environ["GROUP_RANK"], os.environ["GROUP_WORLD_SIZE"] = str(node_rank), str(nodes)  # torchrun's names
+    os.environ.update(job.handed_down())
+    os.environ.update(orchestrators.torchrun.machine_group(node_rank, nodes))  # as torchrun names them
 
     def count() -> int:
         started = int(ownership.record(task.output_dir).get(GROUPS, 0))
@@ -141,7 +141,7 @@ def _job(task: Task, context) -> orchestrators.Job:
         return started
 
     job = replace(job, restart=decided_on_rank0(count))
-    os.environ[orchestrators.NODE_ENV] = job.to_env()
+    os.environ.update(job.handed_down())
     return job
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from trl_ext.process.notices import notice
+from trl_ext.scheduling.orchestrators import torchrun
 
 CPU_COST = ("the copies and writes of each checkpoint run on the cores training uses, so they slow the steps after "
             "it: on 2 cores, runs with background checkpoints took {ratio} the time of the same runs with foreground "
@@ -104,7 +105,7 @@ def say_cpu_cost(device: torch.device) -> None:
     """On a CPU-only machine whose cores the run's processes all use: what background checkpoints cost there."""
     if device.type != "cpu":
         return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = torchrun.local_world_size() or 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if local * torch.get_num_threads() >= cores:
         notice(f"save_in_background on a CPU ({local} training process(es) x {torch.get_num_threads()} "

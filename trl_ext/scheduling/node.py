@@ -27,39 +27,15 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import replace
 
 from trl_ext.errors import SetupError, UsageError
-from trl_ext.scheduling import orchestrators, outcome, ownership, rendezvous, restart, slurm
-from trl_ext.scheduling.orchestrators import NODE_ENV
+from trl_ext.scheduling import orchestrators, outcome, ownership, rendezvous, restart
+from trl_ext.scheduling.orchestrators import torchrun
 from trl_ext.scheduling.ownership import RUN_ENV
 
-CPU_PROCESSES_PER_NODE = 2  # the recipes' default without a GPU
 RESEND_SECONDS = 5  # once signalled, the signal is sent again this often until the processes end
 RECORDED = (signal.SIGUSR1, signal.SIGTERM)  # what the ranks act on; the processes in between ignore them
 WARNING = signal.SIGURG  # the time-limit warning as the batch script passes it on: ignored by default, by the ranks too
-# torchrun's own handlers (torch >= 2.6 reads this): not SIGTERM, which the ranks handle with a checkpoint
-TORCHRUN_SIGNALS = ("PET_SIGNALS_TO_HANDLE", "SIGINT,SIGHUP,SIGQUIT")
-# The nodes' torchrun agents meet at their end in an exit barrier hosted by the first node's agent, which leaves as soon
-# as the barrier is complete; another node's agent still waiting for the answer may then log "Error waiting on exit
-# barrier" with a traceback, harmless. This launcher's line says how its ranks ended, so the agents' own log (read
-# from LOGLEVEL by torch's elastic package only) is kept to the critical, unless the user set LOGLEVEL.
-AGENT_LOG_LEVEL = ("LOGLEVEL", "CRITICAL")
-
-
-def local_gpus() -> int:
-    """This node's GPUs: Slurm's count when it allocated them, else the visible devices, else CUDA's (torch is
-    imported only on a machine with an NVIDIA device)."""
-    if os.environ.get("SLURM_GPUS_ON_NODE", "").isdigit():
-        return int(os.environ["SLURM_GPUS_ON_NODE"])
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    if not os.path.exists("/dev/nvidia0"):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _child_ignores_signals() -> None:  # in the child, before exec: the ranks install their own handlers
@@ -108,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     run = ownership.run_dir(job)
     os.makedirs(run, exist_ok=True)
     command = [sys.executable, *(["-m", "trl_ext", *argv[1:]] if argv[0] == "trl-ext" else argv)]
-    env = {AGENT_LOG_LEVEL[0]: AGENT_LOG_LEVEL[1], **os.environ, NODE_ENV: job.to_env(), RUN_ENV: run,
-           TORCHRUN_SIGNALS[0]: TORCHRUN_SIGNALS[1]}
+    env = {torchrun.AGENT_LOG_LEVEL[0]: torchrun.AGENT_LOG_LEVEL[1], **os.environ,
+           **job.handed_down(), RUN_ENV: run,
+           torchrun.SIGNALS_OPTION[0]: torchrun.SIGNALS_OPTION[1]}
     received = set()
     for signum in RECORDED:  # for the ranks; this one waits
         signal.signal(signum, lambda signum, frame: received.add(signum))
@@ -128,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, signal.SIG_IGN)
     code, line = ending(run, code)
     if line:
-        where = os.environ.get("SLURMD_NODENAME", "")
-        print(f"[trl_ext] {job.label}, node {job.node_rank}{f' ({where})' if where else ''}: {line}",
+        print(f"[trl_ext] {job.label}, node {job.node_rank}{f' ({job.host})' if job.host else ''}: {line}",
               file=sys.stderr, flush=True)
     if job.node_rank != 0 or job.orchestrator != "Slurm":  # the first Slurm node's is the batch script's to read
         shutil.rmtree(run, ignore_errors=True)
@@ -137,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def machine() -> orchestrators.Job:
-    """This machine's job, as the node launcher hands it to its ranks: under Slurm the job's nodes, this one's place
-    and the first node's address (Slurm's configuration); elsewhere the orchestrator's variables as read.
+    """This machine's job, as the node launcher hands it to its ranks (the orchestrator's, whole, as read).
 
     Returns:
         The job (one process per machine).
@@ -152,10 +127,6 @@ def machine() -> orchestrators.Job:
                          "Kubernetes pod with torchrun's PET_* variables or a LeaderWorkerSet started (none of their "
                          "variables is set): under Slurm submit it with sbatch recipes/slurm.sbatch RECIPE [options]",
                          every_rank=True)
-    if job.orchestrator == "Slurm":
-        found = slurm.current()
-        job = replace(job, nodes=found.nodes, node_rank=found.node_rank, address=slurm.main_address(found),
-                      per_node=local_gpus() or None)
     return job
 
 

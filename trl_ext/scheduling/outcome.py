@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from trl_ext.errors import UsageError
+from trl_ext.process.ranks import env_rank
 from trl_ext.scheduling import orchestrators, ownership
 from trl_ext.scheduling.ownership import RUN_ENV
 
@@ -55,7 +56,7 @@ def kind_of(exc: BaseException) -> str:
 def _entry(exc: BaseException) -> dict:
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return {"kind": kind_of(exc), "error": f"{type(exc).__name__}: {first}" if first else type(exc).__name__,
-            "rank": os.environ.get("RANK", "0")}
+            "rank": str(env_rank())}
 
 
 def record(exc: BaseException, run_dir: str | os.PathLike | None = None) -> str | None:
@@ -107,7 +108,7 @@ def stopped(signal_name: str, step: int, checkpoint: str, run_dir: str | os.Path
     run_dir = run_dir or os.environ.get(RUN_ENV)
     if not run_dir or not os.path.isdir(run_dir):
         return False
-    entry = {"signal": signal_name, "step": step, "checkpoint": checkpoint, "rank": os.environ.get("RANK", "0")}
+    entry = {"signal": signal_name, "step": step, "checkpoint": checkpoint, "rank": str(env_rank())}
     try:
         (Path(run_dir) / f"stopped-{os.getpid()}.json").write_text(json.dumps(entry))
     except OSError:
@@ -156,7 +157,7 @@ def record_attempt(exc: BaseException, output_dir: str | os.PathLike) -> bool:
     folder = Path(output_dir) / ATTEMPTS / str(_attempt(orchestrators.current()))
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"failed-{os.environ.get('RANK', '0')}-{os.getpid()}.json").write_text(json.dumps(_entry(exc)))
+        (folder / f"failed-{env_rank()}-{os.getpid()}.json").write_text(json.dumps(_entry(exc)))
     except OSError:
         return False
     return True

@@ -118,7 +118,7 @@ def run_dir(job: orchestrators.Job) -> str:
     Returns:
         The directory's path (not created here).
     """
-    machine = os.environ.get("SLURMD_NODENAME") or str(job.node_rank)
+    machine = job.host or str(job.node_rank)
     run = job.run or f"pid{os.getpid()}"
     return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"trl_ext-{run}.{job.restart}.{machine}")
 

@@ -23,6 +23,7 @@ import time
 
 from transformers import TrainerCallback
 
+from trl_ext import patches
 from trl_ext.process import HOSTED, decided_on_rank0, end_together, max_over_ranks, notice
 from trl_ext.scheduling import deadline, outcome, ownership
 
@@ -46,7 +47,7 @@ def replace_jit_checkpoint(trainer) -> None:
     replaced: ``Preemption`` saves instead, once, on every rank together, so the two never both save."""
     for callback in list(trainer.callback_handler.callbacks):
         if type(callback).__name__ == "JITCheckpointCallback":
-            original = getattr(getattr(callback, "jit_manager", None), "_original_sigterm_handler", None)
+            original = patches.jit_checkpoint_sigterm_handler(callback)
             if original is not None:
                 signal.signal(signal.SIGTERM, original)
             trainer.remove_callback(callback)
@@ -120,14 +121,14 @@ class Preemption(TrainerCallback):
 
     def _due(self, state) -> bool:
         """Rank 0: whether the warned run must stop now."""
-        from trl_ext.scheduling import slurm  # the time-limit warning's timing is Slurm's
+        from trl_ext.scheduling.orchestrators import slurm  # the time-limit warning's timing is Slurm's
 
-        job = slurm.current()
-        if job is None:
+        job_id = slurm.job_id()
+        if job_id is None:
             return True  # nothing says how much time is left: stop now
         now = self._clock()
         if self._deadline is None or now - self._asked >= REASK_SECONDS:
-            left = deadline.time_left(job.job_id)
+            left = deadline.time_left(job_id)
             self._asked = now
             self._deadline = None if left is None else now + left
             if left is None:

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from trl_ext.scheduling import orchestrators, outcome, ownership, slurm
+from trl_ext.scheduling import orchestrators, outcome, ownership
 
 FINISHED, REQUEUE, STOPPED, FAILED = 0, 10, 11, 12  # this module's answer to the batch script
 WARNED, TERMINATED, KILLED = 138, 143, 137  # 128 + SIGUSR1, SIGTERM, SIGKILL
@@ -51,6 +51,11 @@ class Decision:
     action: int
     line: str
     exit_code: int
+
+
+def _slurm_job() -> orchestrators.Job | None:
+    job = orchestrators.current()
+    return job if job is not None and job.orchestrator == "Slurm" else None
 
 
 def max_failures() -> int:
@@ -140,7 +145,7 @@ def _count_failure(run_dir: str | None) -> tuple[int, str]:
     output_dir = ownership.announced_output_dir(run_dir) if run_dir else None
     record = ownership.record(output_dir) if output_dir else {}
     if not record:
-        job = slurm.current()
+        job = _slurm_job()
         return (job.restart + 1 if job else 1), ""
     newest = ownership.newest_checkpoint(output_dir)
     failures = 1 if newest > int(record.get("checkpoint", 0)) else int(record.get("failures", 0)) + 1
@@ -162,10 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warned", action="store_true")
     parser.add_argument("--terminated", action="store_true")
     args = parser.parse_args(argv)
-    job = slurm.current()
-    unwell = unwell_nodes(job.node_list) if job is not None and job.node_list and args.status not in (0, WARNED) \
-        else []
-    run = ownership.run_dir(orchestrators.current()) if job is not None else None  # the first node's
+    job = _slurm_job()
+    unwell = unwell_nodes(job.hosts) if job is not None and job.hosts and args.status not in (0, WARNED) else []
+    run = ownership.run_dir(job) if job is not None else None  # the first node's
     decision = decide(args.status, args.warned, args.terminated, run, unwell)
     if run:  # the first node's; the other nodes' launchers removed theirs
         shutil.rmtree(run, ignore_errors=True)

@@ -31,6 +31,7 @@ from trl_ext.process.clean_exit import destroy_gloo_group_at_exit
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
 from trl_ext.scheduling import outcome, ownership, preemption
+from trl_ext.scheduling.orchestrators import torchrun
 from trl_ext.trainers import compat, components, configs
 
 
@@ -207,7 +208,8 @@ class TrlExtMixin:
         """Before Trainer's loop: on several nodes, check output_dir's storage; resume through ``resuming.prepare``
         (the checkpoint chosen and audited, a damaged one refused in one line before anything loads; another number
         of processes prepared)."""
-        self._storage = nodes.detect(self.args)  # several nodes: is output_dir shared? (refused here if that breaks)
+        # several nodes: is output_dir shared? (refused here if that breaks)
+        self._storage = nodes.detect(self.args, torchrun.local_world_size())
         nodes.check(self._storage, self.args)
         asked = resume_from_checkpoint
         self._resume = resuming.prepare(self, resume_from_checkpoint)
