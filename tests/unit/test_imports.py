@@ -35,4 +35,4 @@ def test_trl_ext_imports_only_its_own_modules_beyond_trls():
     # not requests (TRL's vLLM client), not s3fs, not deepspeed
     assert not [m for m in added if m.startswith(NOT_IMPORTED)], added
     assert "trl_ext.trainers.sft" not in added  # only the trainer asked for
-    assert len(added) <= 80, len(added)  # trl_ext's own: a few dozen small modules
+    assert len(added) <= 90, len(added)  # trl_ext's own: a few dozen small modules (81 with a module per orchestrator)
