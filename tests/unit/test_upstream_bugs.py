@@ -173,6 +173,9 @@ def _distributed_type_with_fsdp(rank: int) -> str:
     for cls in (PartialState, AcceleratorState, GradientState):  # a fresh process's state, not the parent's
         cls._shared_state.clear()
     kind = str(Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)).distributed_type)
+    # both ranks' gloo meshes whole before either leaves: a rank that ended at once closed its side while the other
+    # still connected ("Gloo connectFullMesh failed ... Connection closed by peer", seen on a loaded CI machine)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return kind
 
