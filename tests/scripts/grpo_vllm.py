@@ -14,7 +14,6 @@ The run must then stop with a SyncError; the report records it.
 import argparse
 import json
 import os
-import sys
 
 import launched  # tests/scripts/, beside this file
 import torch
@@ -114,9 +113,4 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     launched.freeze_imports()  # see launched.py
     main()
-    # not launched.finish(): vLLM leaves non-daemon worker threads that never end; the group is destroyed, then exit
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    launched.finish(join_threads=False)  # vLLM leaves non-daemon worker threads that never end

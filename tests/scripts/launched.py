@@ -25,12 +25,13 @@ def freeze_imports() -> None:
     gc.freeze()
 
 
-def finish() -> None:
-    """Destroy the process group, wait for the threads the interpreter would wait for (a checkpoint mirror's
-    uploads), flush, and exit with code 0 without interpreter teardown."""
+def finish(join_threads: bool = True) -> None:
+    """Destroy the process group, wait for the threads the interpreter would wait for (``join_threads``: False where
+    a library leaves non-daemon threads that never end, as vLLM does), flush, and exit with code 0 without interpreter
+    teardown. A checkpoint mirror's uploads are daemon threads: a script waits for them itself (``mirror.wait()``)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    for thread in threading.enumerate():
+    for thread in threading.enumerate() if join_threads else []:
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     sys.stdout.flush()
