@@ -23,6 +23,7 @@ import contextlib
 import functools
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -114,8 +115,9 @@ class BoundedVLLMGeneration(VLLMGeneration):
         return "before training" if step is None else f"at training step {step}"
 
     def _init_vllm(self):
-        if self.mode == "colocate":
-            before_exit(self._shut_down_colocated)
+        if self.mode == "colocate":  # weakly: a notebook's later trainer must not keep this engine's memory alive
+            shut_down = weakref.WeakMethod(self._shut_down_colocated)
+            before_exit(lambda: shut_down() and shut_down()())
         if self.mode == "colocate" and self.accelerator.device.type == "cpu":
             # vLLM's CPU build runs fp32 checkpoints in bf16 unless told: the engine gets the policy's dtype
             module = sys.modules[VLLMGeneration.__module__]
