@@ -32,6 +32,7 @@ from tests.probes.gather_count import GatherCount
 from tests.probes.tensor_peak import step_peaks
 from trl_ext import SFTConfig, SFTTrainer
 from trl_ext.assets import default_model_path
+from trl_ext.process import end_together
 
 MODES = {
     "none": {"gradient_checkpointing": False},
@@ -205,10 +206,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # Leave without interpreter teardown, as the test scripts do (tests/scripts/launched.py): a process that leaves a
-    # gloo group can abort at exit after its work is done (pytorch#190489), which would fail a finished run.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # the ranks end as trl_ext's recipes do: a process that leaves a gloo group can abort at exit after its work is done
+    # (pytorch#190489), which would fail a finished run
+    end_together()

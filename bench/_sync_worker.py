@@ -105,13 +105,9 @@ def main():
                                      "params": params, "check_s": check_s}), flush=True)
         for name, kib in trace:
             print(f"TRACE {name} +{kib / 1024:.0f} MiB")
-    if llm is not None:  # vLLM leaves worker threads that never end: leave without waiting for them
-        import os
-        import sys
-
-        torch.distributed.destroy_process_group()
-        sys.stdout.flush()
-        os._exit(0)
+    if llm is not None:  # vLLM's own teardown while its group is alive, as trl_ext's colocated sync does at exit
+        llm.llm_engine.engine_core.shutdown()
+    trl_ext.process.end_together()
 
 
 if __name__ == "__main__":

@@ -333,8 +333,18 @@ PATCHES: dict[str, Patch] = {
         remove_when="CPython offers a public exit hook that runs before its thread pools shut down",
         guard=_has("threading._register_atexit"),
     ),
+    "exit-threads-now": Patch(
+        target="threading._shutdown (process.exit_now)",
+        why="a gloo rank ends with os._exit(0), skipping the interpreter's teardown, where gloo can abort and fail a "
+            "launch whose work is done (pytorch#190489); first it must do the interpreter's first exit step, which "
+            "runs threading's exit hooks (concurrent.futures' stops its pools' workers) and then joins the "
+            "non-daemon threads: joined without that hook, an idle pool's workers never end",
+        upstream="pytorch#190489 (gloo's abort at shutdown); none for threading: CPython runs this step only at exit",
+        remove_when="pytorch#190489 is fixed, so that a gloo rank can exit as the interpreter does",
+        guard=_has("threading._shutdown"),
+    ),
     "exit-callbacks-now": Patch(
-        target="atexit._run_exitfuncs (process.end_together)",
+        target="atexit._run_exitfuncs (process.exit_now)",
         why="a gloo rank ends with os._exit(0), skipping the interpreter's teardown, where gloo can abort and fail a "
             "launch whose work is done (pytorch#190489); atexit's callbacks (logging's flush, trackers' finish) must "
             "run first, and atexit has no public function that runs them",

@@ -113,4 +113,4 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     launched.freeze_imports()  # see launched.py
     main()
-    launched.finish(join_threads=False)  # vLLM leaves non-daemon worker threads that never end
+    launched.finish()  # see launched.py

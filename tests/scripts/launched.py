@@ -3,16 +3,14 @@
 A process that leaves a gloo process group can abort at interpreter shutdown, after everything it had to do
 ("terminate called without an active exception", SIGABRT; pytorch#190489): seen on about one launch in 50 with the
 tiny models (a GRPO FSDP2 launch in CI) and more often with larger ones, and trl_ext's exit hook that destroys the
-group does not prevent it. The launch then fails although the run passed. Test scripts leave through ``finish``: the
-group destroyed, the streams flushed, then ``os._exit`` with code 0. A script that fails raises before it.
+group does not prevent it. The launch then fails although the run passed. Test scripts leave through ``finish``, as
+trl_ext's recipes do: the interpreter's exit steps, then ``os._exit`` with code 0. A script that fails raises before
+it.
 
 Before their work, test scripts call ``freeze_imports``.
 """
 
 import gc
-import os
-import sys
-import threading
 
 import torch.distributed as dist
 
@@ -25,15 +23,12 @@ def freeze_imports() -> None:
     gc.freeze()
 
 
-def finish(join_threads: bool = True) -> None:
-    """Destroy the process group, wait for the threads the interpreter would wait for (``join_threads``: False where
-    a library leaves non-daemon threads that never end, as vLLM does), flush, and exit with code 0 without interpreter
-    teardown. A checkpoint mirror's uploads are daemon threads: a script waits for them itself (``mirror.wait()``)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for thread in threading.enumerate() if join_threads else []:
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def finish() -> None:
+    """Leave as trl_ext's recipes do (``trl_ext.process.exit_now``): threading's exit hooks (a checkpoint mirror
+    finishes its uploads within ``mirror_exit_grace_period``, thread pools stop), the non-daemon threads joined, the
+    group destroyed, atexit's callbacks run, the streams flushed, and exit code 0 without interpreter teardown."""
+    from trl_ext.process import exit_now
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
+        dist.destroy_process_group()  # exit_now destroys gloo's, after the threads
+    exit_now()

@@ -132,10 +132,11 @@ def test_a_recomputed_frozen_weight_goes_to_the_innermost_running_module_that_co
 # read elsewhere, the file named owes the change (listed here so that a new one is noticed).
 PRIVATE_NAMES = ("_CHECKPOINT_PREFIX", "CheckpointWrapper", "_cdata", "_local_tensor", "_parameters", "_buffers",
                  "_non_persistent_buffers_set", "_from_config", "_original_sigterm_handler", "_actions",
-                 "_run_exitfuncs")
+                 "_run_exitfuncs", "_shutdown")
 # process/ sits below patches/ (patches imports process): its guard is a getattr of the private name with a default,
 # the name declared in a patch's target.
-GUARDED_BELOW = {("process/clean_exit.py", "_run_exitfuncs"): "exit-callbacks-now"}
+GUARDED_BELOW = {("process/clean_exit.py", "_run_exitfuncs"): "exit-callbacks-now",
+                 ("process/clean_exit.py", "_shutdown"): "exit-threads-now"}
 
 
 def _guarded_getattrs(tree: ast.AST) -> set[int]:

@@ -14,11 +14,12 @@ The names below are re-exported for ``from trl_ext.process import ...``; trl_ext
 that holds them.
 """
 
-from trl_ext.process.clean_exit import before_exit, destroy_gloo_group_at_exit, end_together
+from trl_ext.process.clean_exit import before_exit, destroy_gloo_group_at_exit, end_together, exit_now
 from trl_ext.process.collectives import decided_on_rank0, from_every_rank, max_over_ranks
 from trl_ext.process.hosted import HOSTED
 from trl_ext.process.notices import logger, notice, speaks_here
 from trl_ext.process.ranks import distributed, env_rank, env_world_size
 
 __all__ = ["HOSTED", "before_exit", "decided_on_rank0", "destroy_gloo_group_at_exit", "distributed", "end_together",
-           "env_rank", "env_world_size", "from_every_rank", "logger", "max_over_ranks", "notice", "speaks_here"]
+           "env_rank", "env_world_size", "exit_now", "from_every_rank", "logger", "max_over_ranks", "notice",
+           "speaks_here"]

@@ -57,10 +57,10 @@ def _destroy_gloo_group() -> None:
 
 
 def end_together() -> None:
-    """The last step of a launched script, on every rank: every process waits for the others and the process group is
-    destroyed; on gloo (CPU) the process then exits with code 0 as the interpreter would (non-daemon threads joined,
-    ``atexit`` callbacks run, streams flushed) but without tearing the interpreter down. Outside a launch it does
-    nothing; in a rank whose process another framework hosts (``HOSTED``: a Ray Train worker) it only waits.
+    """The last step of a launched script, on every rank: every process waits for the others; then the process group
+    is destroyed, and on gloo (CPU) the process ends as the interpreter would, without its teardown (``exit_now``).
+    Outside a launch it does nothing; in a rank whose process another framework hosts (``HOSTED``: a Ray Train worker)
+    it only waits.
 
     A gloo process can abort at shutdown ("terminate called without an active exception", SIGABRT; pytorch#190489)
     and fail a launch whose work is done: when a rank leaves while another still works (rank 0 checking the saved
@@ -76,17 +76,29 @@ def end_together() -> None:
     if dist.get_backend() != "gloo":
         dist.destroy_process_group()
         return
-    _run_before_exit()  # as the interpreter would (background uploads), while this rank's threads can still work
-    _destroy_gloo_group()
-    for thread in threading.enumerate():  # as the interpreter does before its exit callbacks
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    # atexit's callbacks (logging's flush, trackers' finish, ...), run now: private to CPython (patch
-    # 'exit-callbacks-now': patches imports process, so the guard is this getattr); where it is missing, this rank
-    # exits as the interpreter does, which runs them.
+    exit_now()
+
+
+def exit_now() -> None:
+    """End this process with code 0 as the interpreter ends it, but without tearing the interpreter down
+    (pytorch#190489): threading's exit hooks (``before_exit``'s callbacks first, then concurrent.futures' pools told to
+    stop), every non-daemon thread joined, the gloo group destroyed, atexit's callbacks run (logging's flush, trackers'
+    finish), the streams flushed, then ``os._exit(0)``.
+
+    The hooks come before the joins, as in the interpreter: an idle ThreadPoolExecutor's workers are non-daemon
+    threads that end only once concurrent.futures' hook tells them to (a colocated vLLM leaves such pools). Joined
+    first, they never ended, and a finished run hung. Off the main thread, or where CPython lacks the private functions
+    this needs (patches 'exit-threads-now' and 'exit-callbacks-now': patches imports process, so the guards are these
+    getattrs), it returns, and the process exits as the interpreter does (the group destroyed by an atexit hook).
+    """
+    shutdown_threads = getattr(threading, "_shutdown", None)
     run_exit_callbacks = getattr(atexit, "_run_exitfuncs", None)
-    if run_exit_callbacks is None:
+    if shutdown_threads is None or run_exit_callbacks is None or threading.current_thread() is not \
+            threading.main_thread():
+        destroy_gloo_group_at_exit()
         return
+    shutdown_threads()  # the interpreter's first exit step: threading's hooks, then the non-daemon threads joined
+    _destroy_gloo_group()
     run_exit_callbacks()
     sys.stdout.flush()
     sys.stderr.flush()
