@@ -147,3 +147,15 @@ def test_under_zero3_every_rank_stops_together_naming_the_tensors(tmp_path_facto
         assert rank["kind"] == "sync" and rank["global_step"] == 1, rank
         assert "did not land at training step 2" in rank["error"] and "lm_head.weight" in rank["error"]
     assert report["error"] == other["error"]
+
+
+def test_the_recipe_under_zero3_with_a_colocated_vllm_ends_by_itself(tmp_path):
+    """The recipe as its docstring runs it, left to end as a user's run ends (``announce_done``, not a test script's
+    exit): a colocated vLLM leaves idle thread pools, and a rank that joined their workers before concurrent.futures'
+    exit hook told them to stop hung after "saved and verified" (seen three times before process.exit_now)."""
+    result = run_command([sys.executable, "recipes/grpo.py", "--config", "accelerate_configs/zero3.yaml",
+                          "--model_name_or_path", "trl-ext/tiny-llama-vllm", "--use_vllm", "true", "--vllm_mode",
+                          "colocate", "--max_steps", "2", "--output_dir", str(tmp_path / "grpo")], timeout=400, env=ENV)
+    assert not result.timed_out and result.returncode == 0, result.output[-6000:]
+    assert f"GRPO model saved and verified: {tmp_path / 'grpo'}" in result.output, result.output[-6000:]
+    assert "Traceback" not in result.output, result.output[-6000:]
