@@ -1,6 +1,6 @@
-"""How a launched process ends (process/clean_exit.py): ``end_together`` on gloo leaves through ``exit_now``, which takes
-the interpreter's exit steps in its order, then ``os._exit``. Each test runs a real interpreter in a gloo group of its
-own (torch only: about 3 s)."""
+"""How a launched process ends (process/clean_exit.py): ``end_together`` on gloo leaves through ``exit_now``, which
+takes the interpreter's exit steps in its order, then ``os._exit``. Each test runs a real interpreter in a gloo group
+of its own (torch only: about 3 s)."""
 
 import subprocess
 import sys
