@@ -354,10 +354,13 @@ PATCHES: dict[str, Patch] = {
     ),
     "ray-fresh-cluster-view": Patch(
         target="ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator._AutoscalingCoordinatorActor"
-               ".get_reserved_resources(recompute=True), called once a lost node is marked dead",
+               ".get_reserved_resources(recompute=True), called once a lost node is marked dead, and before a group "
+               "that stopped to grow starts again",
         why="Ray Train's elastic policy sizes a restarted worker group from the AutoscalingCoordinator's view of the "
             "cluster, refreshed every 20 s: right after a node is lost it still counts the dead node, asks for "
-            "workers that cannot start, and waits out a whole start timeout before it tries again with the nodes left",
+            "workers that cannot start, and waits out a whole start timeout before it tries again with the nodes left; "
+            "right after a node joins it may not count it yet, and a group that stopped to grow came back at its old "
+            "size",
         upstream="none filed: ray 2.60 train/v2/_internal/execution/scaling_policy/elastic.py reads "
                  "get_reserved_resources without recompute",
         remove_when="Ray Train's elastic policy recomputes the coordinator's view after a worker group fails",
@@ -710,7 +713,8 @@ def repair_zero3_universal_load(zero_optimizer, universal_zero_dir) -> bool:
 def refresh_ray_cluster_view(timeout: float = 30.0) -> None:
     """Make Ray's AutoscalingCoordinator look at the cluster's nodes now, so that the worker group Ray Train restarts
     next is sized for the nodes alive (patch ``ray-fresh-cluster-view``). On the Ray Train controller, once a lost node
-    is marked dead; nothing where the patch does not apply.
+    is marked dead; on the driver, before a group that stopped to grow starts again; nothing where the patch does not
+    apply.
 
     Args:
         timeout: seconds to wait for the coordinator's answer.
