@@ -13,7 +13,9 @@ import re
 import time
 from dataclasses import dataclass
 
+from trl_ext import patches
 from trl_ext.errors import UsageError
+from trl_ext.ray import failures
 
 RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 CPU_WORKERS_PER_NODE = 2  # the recipes' default without a GPU (scheduling.orchestrators.CPU_PROCESSES_PER_NODE)
@@ -165,3 +167,16 @@ def wait_for_room(list_nodes, group: Group, seconds: float, say, poll: float = 5
 
 def _amount(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def refresh_view(say) -> None:
+    """Make Ray Train's view of the nodes current before it sizes the next worker group (patch
+    ``ray-fresh-cluster-view``): after a lost node is marked dead, and before a group that stopped to grow starts again.
+
+    Args:
+        say: prints one line, where the refresh fails (Ray's own view, ticked every 20 s, then sizes the group).
+    """
+    try:
+        patches.refresh_ray_cluster_view()
+    except Exception as exc:  # noqa: BLE001 - Ray's own view then sizes the group, as without the patch
+        say(f"could not refresh Ray's view of the cluster ({failures.first_line(exc)})")

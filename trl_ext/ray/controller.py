@@ -13,8 +13,7 @@ import time
 import ray
 from ray.train import UserCallback
 
-from trl_ext import patches
-from trl_ext.ray import failures
+from trl_ext.ray import cluster, failures
 from trl_ext.scheduling.outcome import ERROR
 
 NODE_DEATH_WAIT_S = 60.0  # at most this long for Ray to mark a lost node dead before the group restarts
@@ -44,10 +43,7 @@ class Verdict(UserCallback):
             _say(f"Ray marked node(s) {nodes} dead {time.monotonic() - started:.1f} s later")
         else:
             _say(f"Ray still counts node(s) {nodes} as alive after {NODE_DEATH_WAIT_S:.0f} s")
-        try:
-            patches.refresh_ray_cluster_view()
-        except Exception as exc:  # noqa: BLE001 - Ray's own, slower, view then sizes the group
-            _say(f"could not refresh Ray's view of the cluster ({failures.first_line(exc)})")
+        cluster.refresh_view(_say)
 
 
 def _marked_dead(node_ids: set[str], seconds: float) -> bool:

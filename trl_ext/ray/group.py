@@ -27,7 +27,6 @@ import socket
 import sys
 import time
 
-from trl_ext import patches
 from trl_ext.errors import RunFailed
 from trl_ext.ray import cluster, failures
 from trl_ext.ray.worker import GROW, Task
@@ -141,10 +140,7 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
             "group again with what the cluster has")
         # Ray Train sizes the new group from its AutoscalingCoordinator's view of the nodes, ticked every 20 s: the node
         # that made room may not be in it yet, and the group came back at its old size (seen under load)
-        try:
-            patches.refresh_ray_cluster_view()
-        except Exception as exc:  # noqa: BLE001 - Ray's own view then sizes the group, as without the patch
-            say(f"could not refresh Ray's view of the cluster ({failures.first_line(exc)})")
+        cluster.refresh_view(say)
 
 
 def _fit(task: Task, group: cluster.Group, max_failures: int, wait: float):

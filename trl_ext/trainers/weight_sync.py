@@ -117,7 +117,7 @@ class BoundedVLLMGeneration(VLLMGeneration):
     def _init_vllm(self):
         if self.mode == "colocate":  # weakly: a notebook's later trainer must not keep this engine's memory alive
             shut_down = weakref.WeakMethod(self._shut_down_colocated)
-            before_exit(lambda: shut_down() and shut_down()())
+            before_exit(lambda: (method := shut_down()) and method())
         if self.mode == "colocate" and self.accelerator.device.type == "cpu":
             # vLLM's CPU build runs fp32 checkpoints in bf16 unless told: the engine gets the policy's dtype
             module = sys.modules[VLLMGeneration.__module__]
