@@ -34,16 +34,30 @@ FAMILIES = {
 }
 _VERSION = "v2"  # bump when a build changes
 
+# The text families vLLM's CPU build serves (tests/vllm), in head_dim-64 shapes (its attention refuses head_dim 16),
+# each tied as its real small checkpoints are: Llama 3.2 1B/3B, Qwen2.5 up to 3B, Qwen3 up to 4B and Gemma 3 tie their
+# embeddings; Phi-3, Mistral 7B, Qwen3-30B-A3B and Mixtral do not. "llama_untied" is the larger Llamas' shape.
+VLLM_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
+VLLM_FAMILIES = {"llama": True, "llama_untied": False, "qwen2": True, "qwen3": True, "gemma3": True, "phi3": False,
+                 "mistral": False, "qwen3_moe": False, "mixtral": False}  # family -> tie_word_embeddings
+_VLLM_VERSION = "v1"  # bump when a build changes
+
 
 def _text_config(tokenizer, extra: dict) -> dict:
     return {**TEXT, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, **extra}
 
 
-def build_config(family: str, tokenizer):
-    """The family's transformers config, tiny, with the tokenizer's vocabulary and special tokens."""
+def build_config(family: str, tokenizer, vllm: bool = False):
+    """The family's transformers config, tiny, with the tokenizer's vocabulary and special tokens; with ``vllm``, a
+    ``VLLM_FAMILIES`` name in the head_dim-64 shape, tied as ``VLLM_FAMILIES`` says."""
     import transformers
 
+    if vllm:
+        kind, config_name, _, extra = FAMILIES[family.removesuffix("_untied")]
+        return getattr(transformers, config_name)(**{**_text_config(tokenizer, extra), **VLLM_TEXT,
+                                                     "tie_word_embeddings": VLLM_FAMILIES[family]})
     kind, config_name, _, extra = FAMILIES[family]
     config_class = getattr(transformers, config_name)
     if kind == "causal":
@@ -66,8 +80,9 @@ def build_config(family: str, tokenizer):
                         eoi_token_index=tokenizer.eos_token_id)
 
 
-def build(family: str, path: str) -> None:
-    """Write the family's tiny model (seed 0, Hub format via ``save_pretrained``) and the chat tokenizer to ``path``."""
+def build(family: str, path: str, vllm: bool = False) -> None:
+    """Write the family's tiny model (seed 0, Hub format via ``save_pretrained``) and the chat tokenizer to ``path``;
+    with ``vllm``, a ``VLLM_FAMILIES`` name in its vLLM shape."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -75,10 +90,10 @@ def build(family: str, path: str) -> None:
     from trl_ext.assets import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    config = build_config(family, tokenizer)
+    config = build_config(family, tokenizer, vllm)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = getattr(transformers, FAMILIES[family][2])(config)
+        model = getattr(transformers, FAMILIES[family.removesuffix("_untied")][2])(config)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
@@ -92,6 +107,16 @@ def family_path(family: str) -> str:
     return os.path.join(root, family)
 
 
+def vllm_family_path(family: str) -> str:
+    """The directory of a ``VLLM_FAMILIES`` model (head_dim 64); all are built on first use, in a clean process."""
+    from trl_ext.assets.cache import cached_build
+
+    root = cached_build(f"vllm-families-{_VLLM_VERSION}", "tests.families", "--vllm",
+                        marker=f"{list(VLLM_FAMILIES)[-1]}/config.json")
+    return os.path.join(root, family)
+
+
 if __name__ == "__main__":
-    for name in FAMILIES:  # the last one written is cached_build's marker
-        build(name, os.path.join(sys.argv[1], name))
+    vllm = sys.argv[1] == "--vllm"
+    for name in VLLM_FAMILIES if vllm else FAMILIES:  # the last one written is cached_build's marker
+        build(name, os.path.join(sys.argv[-1], name), vllm)

@@ -152,6 +152,19 @@ PATCHES: dict[str, Patch] = {
         remove_when="TRL passes the policy's dtype to the colocated LLM (or a vllm_dtype option)",
         guard=_source_has("trl.generation.vllm_generation.VLLMGeneration._init_vllm", "self.llm = LLM("),
     ),
+    "vllm-cpu-tied-head": Patch(
+        target="vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod."
+               "process_weights_after_loading",
+        why="on CPU vLLM packs the LM head's weight for its GEMM when it processes the layer; a tied head receives no "
+            "weight of its own in reload_weights (the checkpoint has no lm_head.weight), so the layerwise reload never "
+            "processes it again and the logits keep coming from the first weights: every sync after the first, in "
+            "full fine-tuning of a tied model, does not land",
+        upstream="none filed for the tied head; vllm#48312 tracks weight-reload correctness for RL",
+        remove_when="vLLM's layerwise reload processes a layer again when a weight it shares was loaded",
+        guard=_all(_has("vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod."
+                        "process_weights_after_loading", "layer"),
+                   _has("vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding")),
+    ),
     "bounded-vllm-client": Patch(
         target="trl.generation.vllm_generation.VLLMClient",
         why="TRL's vLLM client sends requests without a timeout and retries failed reads 5 times: a stalled server "

@@ -60,10 +60,20 @@ def install_fault(generation, fault: str) -> None:
         generation.llm.collective_rpc = dropping_rpc
 
 
+def model_path(family: str | None) -> str:
+    if family is None:
+        return vllm_model_path()
+    from tests.families import vllm_family_path
+
+    return vllm_family_path(family)
+
+
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
+    parser.add_argument("--family", default=None, help="a tests.families.VLLM_FAMILIES name (default: the embedded "
+                        "trl-ext/tiny-llama-vllm)")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--max_steps", type=int, default=3)
     parser.add_argument("--check_every", type=int, default=1)
@@ -78,7 +88,7 @@ def main(argv: list[str] | None = None):
         dataloader_num_workers=0, use_vllm=True, vllm_mode="colocate", vllm_check_sync_every=cli.check_every,
     )
     trainer = trainer_class(
-        model=vllm_model_path(), reward_funcs=digit_share, args=args,
+        model=model_path(cli.family), reward_funcs=digit_share, args=args,
         train_dataset=load_default_dataset("prompt")["train"].select(range(64)),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
         if cli.lora else None,

@@ -73,6 +73,33 @@ def engine_reloads() -> bool:
     return {"weights_iterator", "is_checkpoint_format"} <= set(parameters)
 
 
+def reprocess_tied_heads(worker) -> list[str]:
+    """Run in vLLM's worker after ``reload_weights`` (patch ``vllm-cpu-tied-head``): each embedding layer that shares
+    its weight with another (a tied LM head and its input embeddings) processed again, so that the head's packed CPU
+    GEMM weight is made from the weight just loaded.
+
+    Args:
+        worker: vLLM's worker (``collective_rpc`` passes it).
+
+    Returns:
+        The names of the layers processed again.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    sharing: dict[int, list] = {}
+    for name, module in worker.model_runner.get_model().named_modules(remove_duplicate=False):
+        if isinstance(module, VocabParallelEmbedding) and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+            sharing.setdefault(id(module.weight), []).append((name, module))
+    names = []
+    for name, module in (pair for group in sharing.values() if len(group) > 1 for pair in group):
+        module.quant_method.process_weights_after_loading(module)
+        names.append(name)
+    return names
+
+
 def _recording(stream, sums: dict):
     """Pass ``stream`` through, adding each tensor's checksums to ``sums``."""
     for name, tensor in stream:
@@ -174,6 +201,11 @@ class BoundedVLLMGeneration(VLLMGeneration):
         with self._bounded("the weight sync", nccl=True):
             return super().sync_weights()
 
+    def _tied_on_cpu(self) -> bool:
+        """A tied model in vLLM's CPU build, whose reload leaves the LM head's packed weight stale (on CUDA the head
+        reads the embedding's weight itself, nothing is packed)."""
+        return self.accelerator.device.type == "cpu" and bool(getattr(self.model.config, "tie_word_embeddings", False))
+
     def _can_check(self) -> bool:
         """Under ZeRO-3 no forward may run in a process before its first training forward: a no-grad forward before it
         left DeepSpeed 0.19.8's first backward with a partitioned weight (``size of tensor a (0) must match ...
@@ -195,6 +227,8 @@ class BoundedVLLMGeneration(VLLMGeneration):
         # vLLM's API for new weights in a loaded model; in colocate mode (external_launcher) the worker runs in this
         # process, so the generator is consumed here, one module gathered at a time, every rank in step.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        if self._tied_on_cpu() and patches.applies("vllm-cpu-tied-head"):
+            self.llm.collective_rpc(reprocess_tied_heads)
         self.llm.reset_prefix_cache()
         if checked:
             self.sync_check.verify(self.llm, self.model, self.accelerator.device, sent, self._iter_named_params,
