@@ -165,6 +165,19 @@ PATCHES: dict[str, Patch] = {
                         "process_weights_after_loading", "layer"),
                    _has("vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding")),
     ),
+    "vllm-cpu-moe-reload": Patch(
+        target="vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod."
+               "_setup_kernel",
+        why="on CPU vLLM packs the experts' weights for its MoE kernel only on the first load; on a weight update "
+            "(reload_weights) it skips the packing and copies the loaded weights, not packed, over the packed ones, "
+            "so a mixture-of-experts model serves wrong experts after every sync, the first included",
+        upstream="none filed; vllm#48312 tracks weight-reload correctness for RL",
+        remove_when="vLLM packs the CPU experts again on a weight update",
+        guard=_all(_source_has("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method."
+                               "UnquantizedFusedMoEMethod._setup_kernel", "if not is_weight_update:"),
+                   _has("vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts."
+                        "process_weights_after_loading", "layer")),
+    ),
     "bounded-vllm-client": Patch(
         target="trl.generation.vllm_generation.VLLMClient",
         why="TRL's vLLM client sends requests without a timeout and retries failed reads 5 times: a stalled server "

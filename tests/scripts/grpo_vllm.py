@@ -68,36 +68,39 @@ def model_path(family: str | None) -> str:
     return vllm_family_path(family)
 
 
-def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
-    parser.add_argument("--family", default=None, help="a tests.families.VLLM_FAMILIES name (default: the embedded "
-                        "trl-ext/tiny-llama-vllm)")
-    parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--max_steps", type=int, default=3)
-    parser.add_argument("--check_every", type=int, default=1)
-    parser.add_argument("--fault", choices=["sent-stale", "not-applied"], default=None)
-    cli = parser.parse_args(argv)
+def peft_config(adapter: str, family: str | None):
+    """``lora``: LoRA on the attention's projections (Phi-3's fused one) and the head trained whole where it is not
+    tied; ``lora-embed``: LoRA plus the input embeddings (and an untied head) trained whole, through modules_to_save."""
+    if adapter == "full":
+        return None
+    from transformers import AutoConfig
+
+    tied = AutoConfig.from_pretrained(model_path(family)).tie_word_embeddings
+    targets = ["qkv_proj"] if family == "phi3" else ["q_proj", "v_proj"]
+    whole = ([] if tied else ["lm_head"]) + (["embed_tokens"] if adapter == "lora-embed" else [])
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=whole or None)
+
+
+def run(cli, family: str | None, adapter: str, output_dir: str) -> None:
+    """Train one case with its own colocated vLLM; write OUTPUT_DIR/report_rank<R>.json (see the module docstring)."""
     transformers.set_seed(0)
     config_class = trl_ext.GRPOConfig if cli.trainer == "grpo" else trl_ext.RLOOConfig
     trainer_class = trl_ext.GRPOTrainer if cli.trainer == "grpo" else trl_ext.RLOOTrainer
     args = config_class(
-        output_dir=cli.output_dir, max_steps=cli.max_steps, per_device_train_batch_size=4, num_generations=4,
+        output_dir=output_dir, max_steps=cli.max_steps, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, learning_rate=1e-2, logging_steps=1, report_to="none", seed=0, save_strategy="no",
         dataloader_num_workers=0, use_vllm=True, vllm_mode="colocate", vllm_check_sync_every=cli.check_every,
     )
     trainer = trainer_class(
-        model=model_path(cli.family), reward_funcs=digit_share, args=args,
+        model=model_path(family), reward_funcs=digit_share, args=args,
         train_dataset=load_default_dataset("prompt")["train"].select(range(64)),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
-        if cli.lora else None,
+        peft_config=peft_config(adapter, family),
     )
     generation = trainer.vllm_generation
     if cli.fault:
         install_fault(generation, cli.fault)
     rank = trainer.accelerator.process_index
-    report = {"world_size": args.world_size, "fault": cli.fault,
+    report = {"world_size": args.world_size, "fault": cli.fault, "family": family, "adapter": adapter,
               "engine_dtype": str(generation.llm.llm_engine.model_config.dtype),
               "zero_stage": args.deepspeed_plugin.zero_stage if args.deepspeed_plugin else None}
     try:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None):
     except SyncError as exc:
         report.update(error=str(exc), kind=exc.kind, detail=exc.detail, global_step=trainer.state.global_step)
     else:
-        trainer.save_model(os.path.join(cli.output_dir, "final"))
+        trainer.save_model(os.path.join(output_dir, "final"))
         generation.sync_check.every = 1  # the sync after training is checked, whatever the run's setting
         generation.sync_weights()
         report.update(global_step=trainer.state.global_step,
@@ -114,9 +117,31 @@ def main(argv: list[str] | None = None):
                                                                     if "loss" in h])
     report.update(syncs=generation.sync_check.syncs, sync_seconds=generation.sync_seconds,
                   check_seconds=generation.sync_check.seconds)
-    with open(os.path.join(cli.output_dir, f"report_rank{rank}.json"), "w") as f:
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, f"report_rank{rank}.json"), "w") as f:
         json.dump(report, f)
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    generation._shut_down_colocated()  # the next case starts an engine of its own in this process
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--trainer", choices=["grpo", "rloo"], default="grpo")
+    parser.add_argument("--lora", action="store_true", help="the same as --case :lora")
+    parser.add_argument("--case", action="append", default=[],
+                        help="FAMILY:ADAPTER, repeatable: a tests.families.VLLM_FAMILIES name (empty: the embedded "
+                        "trl-ext/tiny-llama-vllm) and full, lora or lora-embed; each case writes OUTPUT_DIR/FAMILY-"
+                        "ADAPTER/. Without --case, one run writes OUTPUT_DIR itself")
+    parser.add_argument("--max_steps", type=int, default=3)
+    parser.add_argument("--check_every", type=int, default=1)
+    parser.add_argument("--fault", choices=["sent-stale", "not-applied"], default=None)
+    cli = parser.parse_args(argv)
+    if not cli.case:
+        return run(cli, None, "lora" if cli.lora else "full", cli.output_dir)
+    for case in cli.case:
+        family, adapter = case.split(":")
+        run(cli, family or None, adapter, os.path.join(cli.output_dir, f"{family or 'default'}-{adapter}"))
 
 
 if __name__ == "__main__":

@@ -73,27 +73,38 @@ def engine_reloads() -> bool:
     return {"weights_iterator", "is_checkpoint_format"} <= set(parameters)
 
 
-def reprocess_tied_heads(worker) -> list[str]:
-    """Run in vLLM's worker after ``reload_weights`` (patch ``vllm-cpu-tied-head``): each embedding layer that shares
-    its weight with another (a tied LM head and its input embeddings) processed again, so that the head's packed CPU
-    GEMM weight is made from the weight just loaded.
+def reprocess_after_reload(worker, tied_heads: bool, moe_experts: bool) -> list[str]:
+    """Run in vLLM's CPU worker after ``reload_weights``: the layers whose packed weights its layerwise reload left
+    stale, processed again from the weights just loaded.
 
     Args:
         worker: vLLM's worker (``collective_rpc`` passes it).
+        tied_heads: each embedding layer that shares its weight with another (a tied LM head and its input
+            embeddings) processed again: it received no weight of its own, so the reload kept its packed GEMM weight
+            (patch ``vllm-cpu-tied-head``).
+        moe_experts: the CPU experts' weights packed again: on a weight update vLLM copies the loaded weights, not
+            packed, into the packed ones (patch ``vllm-cpu-moe-reload``).
 
     Returns:
         The names of the layers processed again.
     """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         UnquantizedEmbeddingMethod,
         VocabParallelEmbedding,
     )
 
     sharing: dict[int, list] = {}
-    for name, module in worker.model_runner.get_model().named_modules(remove_duplicate=False):
-        if isinstance(module, VocabParallelEmbedding) and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
-            sharing.setdefault(id(module.weight), []).append((name, module))
     names = []
+    for name, module in worker.model_runner.get_model().named_modules(remove_duplicate=False):
+        method = getattr(module, "quant_method", None)
+        if tied_heads and isinstance(module, VocabParallelEmbedding) and isinstance(method, UnquantizedEmbeddingMethod):
+            sharing.setdefault(id(module.weight), []).append((name, module))
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if moe_experts and isinstance(method, UnquantizedFusedMoEMethod) and isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            names.append(name)
     for name, module in (pair for group in sharing.values() if len(group) > 1 for pair in group):
         module.quant_method.process_weights_after_loading(module)
         names.append(name)
@@ -201,11 +212,6 @@ class BoundedVLLMGeneration(VLLMGeneration):
         with self._bounded("the weight sync", nccl=True):
             return super().sync_weights()
 
-    def _tied_on_cpu(self) -> bool:
-        """A tied model in vLLM's CPU build, whose reload leaves the LM head's packed weight stale (on CUDA the head
-        reads the embedding's weight itself, nothing is packed)."""
-        return self.accelerator.device.type == "cpu" and bool(getattr(self.model.config, "tie_word_embeddings", False))
-
     def _can_check(self) -> bool:
         """Under ZeRO-3 no forward may run in a process before its first training forward: a no-grad forward before it
         left DeepSpeed 0.19.8's first backward with a partitioned weight (``size of tensor a (0) must match ...
@@ -227,8 +233,12 @@ class BoundedVLLMGeneration(VLLMGeneration):
         # vLLM's API for new weights in a loaded model; in colocate mode (external_launcher) the worker runs in this
         # process, so the generator is consumed here, one module gathered at a time, every rank in step.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
-        if self._tied_on_cpu() and patches.applies("vllm-cpu-tied-head"):
-            self.llm.collective_rpc(reprocess_tied_heads)
+        if self.accelerator.device.type == "cpu":  # on CUDA nothing is packed: the layers read their weights
+            tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+            fixes = {"tied_heads": tied and patches.applies("vllm-cpu-tied-head"),
+                     "moe_experts": patches.applies("vllm-cpu-moe-reload")}
+            if any(fixes.values()):
+                self.llm.collective_rpc(reprocess_after_reload, kwargs=fixes)
         self.llm.reset_prefix_cache()
         if checked:
             self.sync_check.verify(self.llm, self.model, self.accelerator.device, sent, self._iter_named_params,
