@@ -78,7 +78,9 @@ def peft_config(adapter: str, family: str | None):
     tied = AutoConfig.from_pretrained(model_path(family)).tie_word_embeddings
     targets = ["qkv_proj"] if family == "phi3" else ["q_proj", "v_proj"]
     whole = ([] if tied else ["lm_head"]) + (["embed_tokens"] if adapter == "lora-embed" else [])
-    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=whole or None)
+    # a tied pair trains as one matrix (ensure_weight_tying): vllm_checks refuses an adapter that unties it
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=whole or None,
+                      ensure_weight_tying=tied)
 
 
 def run(cli, family: str | None, adapter: str, output_dir: str) -> None:

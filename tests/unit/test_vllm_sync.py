@@ -68,6 +68,27 @@ def test_a_sync_that_did_not_land_names_the_tensors_it_should_have_changed(monke
     assert caught.value.kind == "sync" and "\n" not in message
 
 
+def test_no_environment_variable_skips_the_comparison(monkeypatch, policy):
+    """Only the documented options skip a check (vllm_check_sync_every=0): a variable set in the environment, such as
+    the debugging switch DBG_NOFWD that once returned "landed" unchecked, changes nothing."""
+    import inspect
+
+    from trl_ext.trainers import weight_sync
+
+    for module in (sync_check, weight_sync):
+        assert "environ" not in inspect.getsource(module) and "getenv" not in inspect.getsource(module)
+    for name in ("DBG_NOFWD", "TRL_EXT_SKIP_SYNC_CHECK", "VLLM_SKIP_CHECK"):
+        monkeypatch.setenv(name, "1")
+    _engine_serving(monkeypatch, AutoModelForCausalLM.from_pretrained(vllm_model_path(), dtype=torch.float32))
+    trained = AutoModelForCausalLM.from_pretrained(vllm_model_path(), dtype=torch.float32)
+    with torch.no_grad():
+        trained.model.layers[0].mlp.up_proj.weight.mul_(3.0)
+    sent = sync_check.checksums(iter_merged_weights(trained))
+    with pytest.raises(SyncError, match="did not land at training step 2"):
+        sync_check.SyncCheck(1, 1e-3, policy.config.vocab_size).verify(
+            None, trained, "cpu", sent, lambda: iter_merged_weights(trained), "at training step 2")
+
+
 def test_a_walk_that_sent_other_values_is_named(monkeypatch, policy):
     _engine_serving(monkeypatch, AutoModelForCausalLM.from_pretrained(vllm_model_path(), dtype=torch.float32))
     trained = AutoModelForCausalLM.from_pretrained(vllm_model_path(), dtype=torch.float32)
@@ -112,6 +133,33 @@ def test_server_mode_without_cuda_is_refused_saying_colocate_works(monkeypatch):
     monkeypatch.setattr(vllm_checks, "vllm_available", lambda: True)
     with pytest.raises(ConfigError, match="vllm_mode='server' cannot sync weights.*NCCL.*use vllm_mode='colocate'"):
         vllm_checks.check(_args(vllm_mode="server"), VLLM_MODEL_NAME, cuda=False)
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory) -> str:
+    """A config of the shape most small models people start RL with have: input and output embeddings tied."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tied")
+    LlamaConfig(hidden_size=128, num_attention_heads=2, num_hidden_layers=1, intermediate_size=256,
+                tie_word_embeddings=True).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("adapter", [dict(modules_to_save=["embed_tokens"]), dict(target_modules=["q_proj", "lm_head"]),
+                                     dict(modules_to_save=["lm_head"], target_modules="all-linear")])
+def test_an_adapter_that_unties_tied_embeddings_is_refused_naming_the_fix(monkeypatch, tied_model, adapter):
+    from peft import LoraConfig
+
+    monkeypatch.setattr(vllm_checks, "vllm_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"trains (embed_tokens|lm_head) of a model whose input and output "
+                                          r"embeddings are tied.*LoraConfig\(ensure_weight_tying=True\)") as e:
+        vllm_checks.check(_args(), tied_model, cuda=True, peft_config=LoraConfig(**adapter))
+    assert e.value.kind == "vllm-untied-adapter" and "\n" not in str(e.value)
+    vllm_checks.check(_args(), tied_model, cuda=True, peft_config=LoraConfig(**adapter, ensure_weight_tying=True))
+    vllm_checks.check(_args(use_vllm=False), tied_model, peft_config=LoraConfig(**adapter))  # no vLLM: TRL's way
+    vllm_checks.check(_args(), tied_model, cuda=True, peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]))
+    vllm_checks.check(_args(), VLLM_MODEL_NAME, cuda=True, peft_config=LoraConfig(**adapter))  # untied: its own
 
 
 def test_the_trainer_refuses_before_loading(monkeypatch, tiny_model_path):

@@ -29,7 +29,8 @@ class _OnlineRLMixin:
     def _check_input(self, bound: inspect.BoundArguments) -> None:
         # Rows are prompts (plus reward-function columns): input_checks' SFT/preference formats do not apply.
         model_paths.check_model_path(bound.arguments.get("model"))
-        vllm_checks.check(bound.arguments.get("args"), bound.arguments.get("model"))
+        vllm_checks.check(bound.arguments.get("args"), bound.arguments.get("model"),
+                          peft_config=bound.arguments.get("peft_config"))
 
     def _around_trl_init(self, bound: inspect.BoundArguments):
         args = bound.arguments.get("args")

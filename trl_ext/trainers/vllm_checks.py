@@ -6,6 +6,10 @@
   its client refuses a non-CUDA device (``init_communicator``), after the server was reached. Colocate mode works.
 - A model vLLM's CPU attention cannot run (head_dim 16, the other embedded models'): vLLM says so only while starting
   its engine (``Unsupported CPU attention configuration``).
+- An adapter that unties a tied model's embeddings (``modules_to_save`` or LoRA on ``embed_tokens`` or ``lm_head``
+  without PEFT's ``ensure_weight_tying=True``): the trainer's head stays the original matrix while the input
+  embeddings train, and vLLM, which serves a tied model with one matrix, would generate with the trained one in both
+  places. TRL trains it on those rollouts; the sync check would stop it at its second sync.
 """
 
 import importlib.metadata
@@ -52,8 +56,8 @@ def cpu_head_sizes() -> tuple[int, ...]:
         return CPU_HEAD_SIZES
 
 
-def head_dim(model) -> int | None:
-    """The attention head size of ``model`` (an id, a path or a model object), or None if unknown."""
+def _config(model):
+    """``model``'s transformers config (an id, a path or a model object), or None if it cannot be read."""
     config = getattr(model, "config", None)
     if config is None and isinstance(model, (str, os.PathLike)):
         from transformers import AutoConfig
@@ -64,25 +68,66 @@ def head_dim(model) -> int | None:
             config = AutoConfig.from_pretrained(resolve_model(str(model)))
         except Exception:  # transformers will say what is wrong with the model, in its own words
             return None
+    return config
+
+
+def head_dim(model) -> int | None:
+    """The attention head size of ``model`` (an id, a path or a model object), or None if unknown."""
+    config = _config(model)
     config = getattr(config, "get_text_config", lambda: config)()
     size = getattr(config, "head_dim", None)
     heads = getattr(config, "num_attention_heads", None)
     return size or (config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None)
 
 
-def check(args, model, cuda: bool | None = None) -> None:
+EMBEDDINGS = ("embed_tokens", "lm_head")  # the tied pair's module names in the families vLLM serves
+
+
+def untied_by_adapter(model, peft_config) -> list[str]:
+    """The embedding modules ``peft_config`` trains apart from their tied partner, or [] (see the module docstring).
+
+    Args:
+        model: the trainer's ``model`` argument.
+        peft_config: the trainer's ``peft_config`` argument (None without PEFT).
+
+    Returns:
+        The names among ``EMBEDDINGS`` that the adapter trains or wraps while the model ties them and
+        ``ensure_weight_tying`` is off.
+    """
+    if peft_config is None or getattr(peft_config, "ensure_weight_tying", True):
+        return []
+    config = _config(model)
+    text = getattr(config, "get_text_config", lambda: config)()
+    if not (getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)):
+        return []
+    targets = getattr(peft_config, "target_modules", None)
+    named = list(getattr(peft_config, "modules_to_save", None) or []) + (
+        [] if targets is None or isinstance(targets, str) else list(targets))
+    return [name for name in EMBEDDINGS if name in named]
+
+
+def check(args, model, cuda: bool | None = None, peft_config=None) -> None:
     """Refuse ``use_vllm`` where it cannot work, in one line (see the module docstring).
 
     Args:
         args: the GRPO/RLOO config.
         model: the trainer's ``model`` argument (an id, a path or a model object).
         cuda: whether a CUDA device trains (default: ``torch.cuda.is_available()``).
+        peft_config: the trainer's ``peft_config`` argument, if any.
 
     Raises:
-        ConfigError: vLLM missing, server mode without CUDA, or a head size vLLM's CPU attention refuses.
+        ConfigError: vLLM missing, server mode without CUDA, a head size vLLM's CPU attention refuses, or an adapter
+            that unties the model's tied embeddings.
     """
     if not getattr(args, "use_vllm", False):
         return
+    untied = untied_by_adapter(model, peft_config)
+    if untied:
+        raise ConfigError(f"use_vllm=True with an adapter that trains {' and '.join(untied)} of a model whose input "
+                          "and output embeddings are tied (tie_word_embeddings): without ensure_weight_tying the "
+                          "trainer keeps the original matrix in the other place, while vLLM serves one matrix in both, "
+                          "so its rollouts would come from other weights. Set LoraConfig(ensure_weight_tying=True) to "
+                          "train them as one matrix, as the model ties them.", kind="vllm-untied-adapter")
     if not vllm_available():
         raise ConfigError(f"use_vllm=True needs vLLM, which is not installed here: {INSTALL} (TRL 1.16 supports vLLM "
                           f"{TRL_VLLM_RANGE[0]} to {TRL_VLLM_RANGE[1]}).", kind="vllm-missing")
