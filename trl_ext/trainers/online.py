@@ -44,6 +44,8 @@ class _OnlineRLMixin:
         generation = getattr(self, "vllm_generation", None)
         if isinstance(generation, weight_sync.BoundedVLLMGeneration):  # a server failure names the step it stopped
             generation.current_step = lambda: self.state.global_step + 1
+            # logged beside TRL's metrics: 1 where the step's sync was proven, the mean over a logging interval
+            generation.on_sync = lambda checked: self._metrics["train"]["sync/checked"].append(float(checked))
 
 
 @dataclass

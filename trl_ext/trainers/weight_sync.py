@@ -33,6 +33,7 @@ from trl_ext import patches
 from trl_ext.errors import ServerError
 from trl_ext.merge.weights import iter_merged_weights
 from trl_ext.process.clean_exit import before_exit
+from trl_ext.process.notices import notice
 from trl_ext.trainers.configs import VLLM_REQUEST_TIMEOUT
 from trl_ext.trainers.sync_check import SyncCheck, checksums
 
@@ -138,6 +139,7 @@ class BoundedVLLMGeneration(VLLMGeneration):
                  check_atol: float = 1e-3, **kwargs):
         self.request_timeout = request_timeout
         self.current_step = lambda: None  # the trainer sets it: the step a failure is reported at
+        self.on_sync = lambda checked: None  # the trainer sets it: whether each colocated sync was checked
         super().__init__(*args, **kwargs)
         self.sync_check = SyncCheck(check_every, check_atol, self.model.config.vocab_size)
         self.sync_seconds: list[float] = []  # each colocated sync's wall time, its check included
@@ -241,8 +243,13 @@ class BoundedVLLMGeneration(VLLMGeneration):
                 self.llm.collective_rpc(reprocess_after_reload, kwargs=fixes)
         self.llm.reset_prefix_cache()
         if checked:
-            self.sync_check.verify(self.llm, self.model, self.accelerator.device, sent, self._iter_named_params,
-                                   self._at_step())
+            first = not self.sync_check.seconds
+            diff = self.sync_check.verify(self.llm, self.model, self.accelerator.device, sent, self._iter_named_params,
+                                          self._at_step())
+            if first:  # the sync a resumed run generates with, proven
+                notice(f"The weight sync into vLLM landed {self._at_step()} (this process's first check): vLLM's "
+                       f"prompt log-probabilities equal the trainer's within {diff:.2g}.")
+        self.on_sync(checked)
         self.sync_seconds.append(time.perf_counter() - start)
 
     def generate(self, *args, **kwargs):
