@@ -277,6 +277,20 @@ PATCHES: dict[str, Patch] = {
                    _has("deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator"
                         ".release_backward_leftovers")),
     ),
+    "zero3-forward-outside-trace": Patch(
+        target="deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator._invalidate_trace",
+        why="ZeRO-3 takes the module order of the first forward it sees as the trace it prefetches by; the vLLM sync "
+            "check's forward, run before a process's first training forward (its first sync, the one after every "
+            "resume), became that trace, and TRL's training forward, which gathers lm_head's weight itself, met it "
+            "prefetched and in flight ('Cannot partition a param in flight')",
+        upstream="none filed: DeepSpeed has no public way to run a forward outside the trace it records",
+        remove_when="DeepSpeed offers a forward that neither records nor follows the trace (or re-records on a miss "
+                    "without prefetching)",
+        guard=_all(_has("deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator."
+                        "_invalidate_trace"),
+                   _has("deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator."
+                        "is_invalid_trace")),
+    ),
     "partitioned-adapter-dtype": Patch(
         target="deepspeed.runtime.zero.partition_parameters.Init (each parameter's ds_tensor)",
         why="a ZeRO-3 partition keeps its own copy of the values: casting a QLoRA adapter parameter must cast its "
@@ -703,6 +717,23 @@ def keep_recomputed_params_for_their_module(module, coordinator) -> bool:
     if coordinator_module.update_recompute_parameters is not _update_recompute_parameters:
         coordinator_module._deepspeed_update_recompute_parameters = coordinator_module.update_recompute_parameters
         coordinator_module.update_recompute_parameters = _update_recompute_parameters
+    return True
+
+
+def forget_zero3_trace(coordinator) -> bool:
+    """After a forward that is not a training step (the vLLM sync check's), forget the module order ZeRO-3 recorded
+    or followed, so that the next training forward records its own (patch ``zero3-forward-outside-trace``).
+
+    Args:
+        coordinator: the engine's ``PartitionedParameterCoordinator``.
+
+    Returns:
+        Whether the trace was forgotten (False where the patch does not apply).
+    """
+    if not applies("zero3-forward-outside-trace"):
+        return False
+    if not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()
     return True
 
 

@@ -93,23 +93,13 @@ class SyncCheck:
         self.every, self.atol = every, atol
         self.tokens = check_tokens(vocab_size)
         self.syncs = 0
-        self.pending = False  # a check that was due while the model could not run it yet
         self.landed: dict[str, tuple[float, float]] | None = None  # checksums of the last sync that passed
         self.seconds: list[float] = []  # what each check cost (the log-probabilities on both sides)
 
-    def due(self, ready: bool = True) -> bool:
-        """Count a sync; True if this one is checked (the same answer on every rank).
-
-        Args:
-            ready: False while the trainer's model cannot run the check's forward yet; a check due then is made at
-                the next sync that is ready.
-        """
+    def due(self) -> bool:
+        """Count a sync; True if this one is checked (the same answer on every rank)."""
         self.syncs += 1
-        self.pending = self.pending or (self.every > 0 and (self.syncs - 1) % self.every == 0)
-        if not (ready and self.pending):
-            return False
-        self.pending = False
-        return True
+        return self.every > 0 and (self.syncs - 1) % self.every == 0
 
     def verify(self, llm, model, device, sent: dict[str, tuple[float, float]], walk, where: str) -> float:
         """Compare vLLM's and the trainer's log-probabilities after a sync; raise ``SyncError`` if they differ.

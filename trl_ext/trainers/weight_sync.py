@@ -30,6 +30,7 @@ import torch
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
 from trl_ext import patches
+from trl_ext.engines.gradient_checkpointing import zero3_offload
 from trl_ext.errors import ServerError
 from trl_ext.merge.weights import iter_merged_weights
 from trl_ext.process.clean_exit import before_exit
@@ -214,13 +215,18 @@ class BoundedVLLMGeneration(VLLMGeneration):
         with self._bounded("the weight sync", nccl=True):
             return super().sync_weights()
 
-    def _can_check(self) -> bool:
-        """Under ZeRO-3 no forward may run in a process before its first training forward: a no-grad forward before it
-        left DeepSpeed 0.19.8's first backward with a partitioned weight (``size of tensor a (0) must match ...
-        (128)``). The process's first sync comes before that (in its first step, resumed or not), so its check waits
-        for the next sync."""
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        return not (plugin is not None and plugin.zero_stage == 3 and self.sync_check.syncs == 0)
+    @contextlib.contextmanager
+    def _outside_zero3_trace(self):
+        """Under ZeRO-3, the check's forward is no training step: the trace DeepSpeed prefetches by is forgotten after
+        it, so that the next training forward records its own (patch ``zero3-forward-outside-trace``). Without it,
+        a check before the process's first training forward (its first sync, resumed or not) became the trace."""
+        try:
+            yield
+        finally:
+            wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+            offload = zero3_offload(getattr(getattr(wrapped, "engine", None), "optimizer", None))
+            if offload is not None:
+                patches.forget_zero3_trace(offload.get_param_coordinator())
 
     def _sync_colocated(self):
         """Load the merged, Hub-named stream through vLLM's ``reload_weights``, then prove it landed (if due)."""
@@ -229,7 +235,7 @@ class BoundedVLLMGeneration(VLLMGeneration):
             empty_cache()
             self.llm.wake_up(tags=["weights"])
             self._llm_weights_sleeping = False
-        checked = self.sync_check.due(ready=self._can_check())
+        checked = self.sync_check.due()
         sent: dict[str, tuple[float, float]] = {}
         stream = _recording(self._iter_named_params(), sent) if checked else self._iter_named_params()
         # vLLM's API for new weights in a loaded model; in colocate mode (external_launcher) the worker runs in this
@@ -244,8 +250,9 @@ class BoundedVLLMGeneration(VLLMGeneration):
         self.llm.reset_prefix_cache()
         if checked:
             first = not self.sync_check.seconds
-            diff = self.sync_check.verify(self.llm, self.model, self.accelerator.device, sent, self._iter_named_params,
-                                          self._at_step())
+            with self._outside_zero3_trace():
+                diff = self.sync_check.verify(self.llm, self.model, self.accelerator.device, sent,
+                                              self._iter_named_params, self._at_step())
             if first:  # the sync a resumed run generates with, proven
                 notice(f"The weight sync into vLLM landed {self._at_step()} (this process's first check): vLLM's "
                        f"prompt log-probabilities equal the trainer's within {diff:.2g}.")
