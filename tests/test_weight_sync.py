@@ -15,7 +15,8 @@ from trl.generation.vllm_generation import VLLMGeneration
 from tests.engine_standin import EngineStandIn, fake_generation
 from tests.families import FAMILIES, family_path
 
-SYNC_FAMILIES = ["llama", "qwen3_moe", "llava"]
+SYNC_FAMILIES = ["llama", "qwen3_moe", "llava", "gemma3", "qwen2_vl"]  # gemma3: tied; qwen2_vl: vLLM's CPU build
+# does not run it here (its processor needs torchvision), so the stand-in is its test
 
 
 def _policy(family: str):
@@ -26,8 +27,10 @@ def _policy(family: str):
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # LoRA on the fused experts, as PEFT allows
     extra = {"target_parameters": experts} if family == "qwen3_moe" else {}
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=["lm_head"],
-                        init_lora_weights=False, **extra)
+    tied = getattr(model.config, "tie_word_embeddings", False)  # trained as one matrix, as vllm_checks asks
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                        modules_to_save=["embed_tokens" if tied else "lm_head"],
+                        init_lora_weights=False, ensure_weight_tying=tied, **extra)
     policy = get_peft_model(model, config).eval()
     with torch.no_grad():  # the trained head differs from the base's
         for name, param in policy.named_parameters():

@@ -192,6 +192,59 @@ def test_vllm_cpu_runs_an_fp32_checkpoint_in_bf16_unless_told():
     assert "engine dtype: torch.bfloat16" in result.output, "vLLM keeps fp32 now: the patch can go"
 
 
+STALE_AFTER_RELOAD = """
+import json, os, sys, torch
+sys.path.insert(0, os.getcwd())
+from transformers import AutoModelForCausalLM
+from vllm import LLM
+from tests.families import vllm_family_path
+from trl_ext.merge.weights import iter_merged_weights
+from trl_ext.trainers.sync_check import check_tokens, engine_logprobs, trainer_logprobs
+from trl_ext.trainers.weight_sync import reprocess_after_reload
+found = {}
+for family in ("llama", "qwen3_moe"):  # a tied model; a mixture of experts
+    llm = LLM(model=vllm_family_path(family), distributed_executor_backend="external_launcher", enforce_eager=True,
+              dtype=torch.float32, max_model_len=256)
+    model = AutoModelForCausalLM.from_pretrained(vllm_family_path(family), dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+    tokens = check_tokens(model.config.vocab_size)
+    ours = trainer_logprobs(model, tokens, "cpu")
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter_merged_weights(model),
+                                                 "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+    stale = float((engine_logprobs(llm, tokens) - ours).abs().max())
+    llm.collective_rpc(reprocess_after_reload, kwargs={"tied_heads": True, "moe_experts": True})
+    llm.reset_prefix_cache()
+    found[family] = [stale, float((engine_logprobs(llm, tokens) - ours).abs().max())]
+    llm.llm_engine.engine_core.shutdown()
+print("FOUND", json.dumps(found), flush=True)
+os._exit(0)
+"""
+
+
+def test_vllm_cpu_reload_leaves_a_tied_head_and_moe_experts_stale_unless_processed_again():
+    """Why trl_ext's ``vllm-cpu-tied-head`` and ``vllm-cpu-moe-reload`` patches exist: vLLM's own reload of new
+    weights leaves a tied model's head and a mixture of experts' experts serving the weights loaded from disk."""
+    env = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    result = run_command([sys.executable, "-c", STALE_AFTER_RELOAD], timeout=300, env=env)
+    assert result.returncode == 0, result.output[-4000:]
+    found = json.loads(result.output.split("FOUND ", 1)[1].splitlines()[0])
+    for family, (stale, processed) in found.items():
+        assert stale > 10 * ATOL, f"vLLM reloads {family} whole now: its patch can go ({found})"
+        assert processed <= ATOL, found
+
+
+def test_the_guards_of_vllms_patches_hold_on_the_installed_vllm():
+    from trl_ext import patches
+
+    names = [name for name, patch in patches.PATCHES.items() if patch.target.startswith("vllm.")]
+    assert {"vllm-cpu-tied-head", "vllm-cpu-moe-reload"} <= set(names)
+    for name in names:
+        assert patches.PATCHES[name].guard() is True, f"{name}: vLLM moved {patches.PATCHES[name].target}"
+
+
 def test_under_zero3_every_rank_stops_together_naming_the_tensors(tied_qwen2):
     """Each rank checks its own engine; the ranks agree on the largest difference, so they stop together."""
     backend, run, _, _ = tied_qwen2

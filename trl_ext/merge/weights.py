@@ -36,6 +36,7 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     base = model.get_base_model() if is_peft_model(model) else model
     units = sharded.FsdpUnits(model)  # FSDP2: each module is read with its unit's parameters unsharded
     done: list[str] = []  # prefixes of modules already yielded whole
+    wrapped: set[int] = set()  # the trained copies of modules_to_save already yielded
     # Tied parameters under their first name only, as save_pretrained keeps (listed before FSDP2 swaps any in).
     first_names = {n for n, _ in base.named_parameters()} | {n for n, _ in base.named_buffers()}
     with torch.no_grad():
@@ -50,8 +51,12 @@ def iter_merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
             elif isinstance(module, ModulesToSaveWrapper):
                 done.append(prefix)
                 trained = module.modules_to_save[module.active_adapters[0]]
+                # a tied pair trained as one matrix (ensure_weight_tying) shares its copy: yielded once, as tied
+                again = {k for k, p in trained.named_parameters() if id(p) in wrapped}
+                wrapped.update(id(p) for p in trained.parameters())
                 with units.unsharded(trained, subtree=True), sharded.gathered(list(trained.parameters())):
-                    tensors = {prefix + k: t.detach().clone() for k, t in sharded.module_tensors(trained).items()}
+                    tensors = {prefix + k: t.detach().clone() for k, t in sharded.module_tensors(trained).items()
+                               if k not in again}
             else:
                 with units.unsharded(module):  # unsharding swaps in other parameter objects: read them inside
                     own = {prefix + k: t for k, t in sharded.module_tensors(module, recurse=False).items()
