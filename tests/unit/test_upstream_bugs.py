@@ -26,6 +26,10 @@ SHOWN_ELSEWHERE = {
     "bounded-vllm-client":
         "tests/unit/test_vllm_server.py::test_trls_own_client_waits_for_a_stalled_server_without_end",
     "vllm-cpu-dtype": "tests/vllm/test_colocate.py::test_vllm_cpu_runs_an_fp32_checkpoint_in_bf16_unless_told",
+    "vllm-cpu-tied-head": "tests/vllm/test_colocate.py::"
+                          "test_vllm_cpu_reload_leaves_a_tied_head_and_moe_experts_stale_unless_processed_again",
+    "vllm-cpu-moe-reload": "tests/vllm/test_colocate.py::"
+                           "test_vllm_cpu_reload_leaves_a_tied_head_and_moe_experts_stale_unless_processed_again",
     "save-pretrained-guard": "tests/distributed/test_verify_real_checkpoints.py::"
                              "test_user_save_paths_after_zero3_are_refused_or_caught",
 }
@@ -41,6 +45,9 @@ NOT_SHOWN = {
                                  "states themselves, with no way to stage them (its guard checks the calls it defers)",
     "partitioned-adapter-dtype": "needs a 4-bit model under ZeRO-3 (two processes, bitsandbytes' kernels): "
                                  "tests/distributed/test_qlora.py trains through it with the patch",
+    "zero3-forward-outside-trace": "needs a 2-process ZeRO-3 GRPO run with a colocated vLLM: without the patch, the "
+                                   "recipe under accelerate_configs/zero3.yaml stopped at its first step ('Cannot "
+                                   "partition a param in flight', tried by hand); tests/vllm checks that first sync",
     "ray-fresh-cluster-view": "needs a Ray cluster that loses a node: tests/ray/test_ray.py's elastic run restarts on "
                               "the nodes left through it; without it (tried by hand) the group restarted at the old "
                               "size and waited out a 60 s start timeout first",
