@@ -28,7 +28,8 @@ ALL = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GR
        "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS",
        "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE", "SKYPILOT_TASK_ID", "SLURM_JOB_ID", "SLURM_JOBID",
        "SLURM_RESTART_COUNT", "SLURM_NODEID", orchestrators.NODE_ENV, orchestrators.RUN_ID_ENV,
-       orchestrators.PORT_ENV, decision.LAUNCH_ENV, "CUDA_VISIBLE_DEVICES", ownership.RUN_ENV, "HOSTNAME")
+       orchestrators.PORT_ENV, decision.LAUNCH_ENV, "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", ownership.RUN_ENV,
+       "HOSTNAME")
 
 KUBEFLOW = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "auto", "PET_MASTER_PORT": "29500",
             "PET_MASTER_ADDR": "dpo-run-node-0-0.dpo-run"}
@@ -340,3 +341,28 @@ def test_the_exit_codes_a_kubernetes_failure_policy_matches(tmp_path):
     run.mkdir()
     (run / "failed-1.json").write_text(json.dumps({"kind": outcome.ERROR, "error": "KeyError: 'x'", "rank": "1"}))
     assert node.ending(str(run), 1) == (201, "rank 1 failed: KeyError: 'x' (exit 201)")
+
+
+def test_gpus_are_counted_from_what_the_container_sees(monkeypatch, tmp_path):
+    """NVIDIA's device plugin sets NVIDIA_VISIBLE_DEVICES, not CUDA_VISIBLE_DEVICES, and a container keeps the host's
+    device numbers: a pod given GPUs 4-7 sees /dev/nvidia4 to /dev/nvidia7 and no /dev/nvidia0."""
+    from trl_ext.scheduling.orchestrators import job
+
+    for name in ("nvidia4", "nvidia5", "nvidia6", "nvidia7", "nvidiactl", "nvidia-uvm", "nvidia-caps", "null"):
+        (tmp_path / name).touch()
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    assert job.visible_gpus(str(tmp_path)) == 4  # the device files, whatever their numbers
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "all")
+    assert job.visible_gpus(str(tmp_path)) == 4
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "GPU-8c1e0f3a,GPU-27b9d411")  # the plugin's UUIDs
+    assert job.visible_gpus(str(tmp_path)) == 2
+    for hidden in ("none", "void"):
+        monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", hidden)
+        assert job.visible_gpus(str(tmp_path)) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")  # CUDA's own list decides where it is set
+    assert job.visible_gpus(str(tmp_path)) == 3
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES")
+    assert job.visible_gpus(str(tmp_path / "missing")) == 0
+    assert "torch" not in job.visible_gpus.__code__.co_names  # the launcher counts without importing torch

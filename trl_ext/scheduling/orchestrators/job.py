@@ -3,6 +3,7 @@ node rank, a port, torchrun's processes per node, and the one meeting port deriv
 
 import json
 import os
+import re
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -152,17 +153,37 @@ def meeting_port(run: str | None) -> int:
     return PORT_BASE + zlib.crc32(run.encode()) % PORT_SPAN if run else TORCHRUN_PORT
 
 
-def visible_gpus() -> int:
-    """This machine's GPUs as this process sees them: the visible devices, else CUDA's (torch is imported only on a
-    machine with an NVIDIA device)."""
+def _listed(devices: str) -> int:
+    """How many devices a ``*_VISIBLE_DEVICES`` list names (indices or UUIDs; "-1" hides every GPU)."""
+    return len([d for d in devices.split(",") if d.strip() and d.strip() != "-1"])
+
+
+def visible_gpus(device_dir: str = "/dev") -> int:
+    """This machine's GPUs as this process sees them, without importing torch (its import costs the launcher seconds).
+
+    In order: ``CUDA_VISIBLE_DEVICES`` where set; else ``NVIDIA_VISIBLE_DEVICES`` as NVIDIA's device plugin and
+    container toolkit set it (a list of indices or UUIDs; ``none`` or ``void``: none); else (unset or ``all``) the
+    NVIDIA device files present. A container keeps the host's device numbers: a pod given GPUs 4-7 has
+    ``/dev/nvidia4`` to ``/dev/nvidia7`` and no ``/dev/nvidia0``.
+
+    Args:
+        device_dir: where the device files are (a test points it elsewhere).
+
+    Returns:
+        The number of GPUs (0 on a machine without one).
+    """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    if not os.path.exists("/dev/nvidia0"):
+        return _listed(visible)
+    nvidia = os.environ.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if nvidia in ("none", "void"):
         return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nvidia and nvidia != "all":
+        return _listed(nvidia)
+    try:
+        return len([name for name in os.listdir(device_dir) if re.fullmatch(r"nvidia\d+", name)])
+    except OSError:
+        return 0
 
 
 def local_gpus(job: Job | None = None) -> int:
