@@ -199,6 +199,10 @@ def test_jobsets_restart_a_lost_peer_and_never_an_error_of_the_runs_own():
         assert policy["maxRestarts"] >= 1  # 200 (a lost peer), 143 (preempted): no rule matches, JobSet restarts
         assert [r["action"] for r in policy["rules"]] == ["FailJobSet"]
         assert policy["rules"][0]["onJobFailureReasons"] == ["PodFailurePolicy"]
+        # JobSet's validating webhook refuses other rule names (kubernetes-sigs/jobset pkg/webhooks/jobset_webhook.go,
+        # ruleNameFmt); the CRD says so only in a description, and a TrainJob's JobSet is then never created
+        for rule in policy["rules"]:
+            assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule.get("name", "a")), rule
         for job in spec["replicatedJobs"]:
             job_spec = job["template"]["spec"]
             assert job_spec["backoffLimit"] == 0 and job_spec["template"]["spec"]["restartPolicy"] == "Never"
