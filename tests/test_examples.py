@@ -216,7 +216,7 @@ def test_leaderworkerset_restarts_only_what_a_restart_can_fix():
     doc = next(doc for _, doc in all_documents() if doc["kind"] == "LeaderWorkerSet")
     assert doc["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
     script = doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["command"][2]
-    stays = re.search(r"^\s*([\d|]+)\) .*sleep infinity", script, re.M)
+    stays = re.search(r"^\s*([\d|]+)\) .*\n.*sleep infinity & wait", script, re.M)
     assert stays and set(map(int, stays.group(1).split("|"))) == {0, USAGE, ERROR}, script
     assert "trap 'kill -TERM $pid' TERM" in script  # SIGTERM reaches the recipe (its checkpoint) through the shell
 
@@ -364,3 +364,33 @@ def test_the_leaderworkerset_command_passes_sigterm_on_to_the_recipe(tmp_path):
     time.sleep(0.5)
     shell.send_signal(signal.SIGTERM)  # the kubelet's SIGTERM goes to the container's first process: the shell
     assert shell.wait(timeout=20) == 143 and mark.read_text() == "x"  # the recipe got it (its checkpoint), and 143
+
+
+def test_the_leaderworkerset_command_idles_as_pid_1_and_ends_at_once_on_sigterm():
+    """After a run that is not restarted (0, 1, 201) the pod stays, idle; the shell is the container's PID 1, which
+    the kernel gives no default signal handling: an idle ``exec sleep infinity`` ignored the kubelet's SIGTERM, and
+    ``kubectl delete`` waited out the whole grace period (120 s). Run in a PID namespace of its own, as a container."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-U", "-r", "-p", "-f", "--mount-proc", "true"],
+                                                         capture_output=True).returncode != 0:
+        pytest.skip("no PID namespace here (unshare)")
+    script = _lws_script(f"{sys.executable} -c 'import sys; sys.exit(201)'")
+    shell = subprocess.Popen(["unshare", "-U", "-r", "-p", "-f", "--mount-proc", "--kill-child", "bash", "-c",
+                              f"echo pid $$; {script}"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert shell.stdout.readline().strip() == "pid 1"  # the shell is the namespace's init, as in a container
+        assert shell.stdout.readline().startswith("[trl_ext] exit 201: not restarted")
+        time.sleep(0.5)  # idle
+        init = int(subprocess.run(["pgrep", "-P", str(shell.pid)], capture_output=True, text=True).stdout.split()[0])
+        start = time.monotonic()
+        os.kill(init, signal.SIGTERM)  # the kubelet's SIGTERM, to the container's PID 1
+        assert shell.wait(timeout=10) == 201 and time.monotonic() - start < 2
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+        shell.communicate()
