@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 CRDS = Path(os.environ.get("TRL_EXT_CRDS", REPO.parent / "shared" / "crds"))  # another folder of CRDs: TRL_EXT_CRDS
@@ -224,6 +225,10 @@ def test_leaderworkerset_restarts_only_what_a_restart_can_fix():
 def test_rayjob_has_an_identity_and_retries():
     doc = next(doc for _, doc in all_documents() if doc["kind"] == "RayJob")
     assert doc["spec"]["jobId"] and doc["spec"]["backoffLimit"] >= 1
+    # without a declared Ray >= 2.53, KubeRay's liveness and readiness probes exec `wget` in the image
+    # (ray-project/kuberay ray-operator/controllers/ray/common/pod.go)
+    version = doc["spec"]["rayClusterSpec"]["rayVersion"]
+    assert Version(version) >= Version("2.53"), version
 
 
 def pod_env(container: dict, labels: dict) -> dict:
