@@ -145,6 +145,11 @@ def pod_specs(node, path=""):
             yield from pod_specs(value, f"{path}[{index}]")
 
 
+def claimed(volumes: list[dict]) -> set[str]:
+    """The persistent volume claims among ``volumes``."""
+    return {v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v}
+
+
 def output_dir(words: list[str]) -> str | None:
     return words[words.index("--output_dir") + 1] if "--output_dir" in words else None
 
@@ -170,7 +175,7 @@ def test_every_output_dir_is_on_a_mounted_shared_volume(name, doc):
         spec = patch["template"]["spec"]["template"]["spec"]
         container = next(c for c in spec["containers"] if c["name"] == "node")
         assert out and mounted(out, container["volumeMounts"], spec["volumes"]), out
-        assert {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]} <= claims
+        assert claimed(spec["volumes"]) <= claims
         return
     if doc["kind"] == "RayJob":
         out = output_dir(shlex.split(doc["spec"]["entrypoint"]))
@@ -185,7 +190,7 @@ def test_every_output_dir_is_on_a_mounted_shared_volume(name, doc):
             out = output_dir(command_words(container)) if "command" in container else None
             if out:
                 assert mounted(out, container.get("volumeMounts", []), spec.get("volumes", [])), (where, out)
-                assert {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]} <= claims
+                assert claimed(spec["volumes"]) <= claims
 
 
 def jobset_layouts():
@@ -399,3 +404,25 @@ def test_the_leaderworkerset_command_idles_as_pid_1_and_ends_at_once_on_sigterm(
         if shell.poll() is None:
             os.killpg(shell.pid, signal.SIGKILL)
         shell.communicate()
+
+
+def _trainer_pods():
+    """(where, pod spec, the trainer's container resources) of every multi-GPU pod the examples start themselves
+    (KubeRay mounts its own /dev/shm): a TrainJob's pods are its runtime patch's, with its resourcesPerNode."""
+    for name, doc in all_documents():
+        if doc["kind"] == "TrainJob":
+            patch = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+            yield name, patch["template"]["spec"]["template"]["spec"], doc["spec"]["trainer"]["resourcesPerNode"]
+        elif doc["kind"] in ("JobSet", "LeaderWorkerSet"):
+            for where, spec in pod_specs(doc["spec"]):
+                yield f"{name}{where}", spec, spec["containers"][0].get("resources", {})
+
+
+def test_multi_gpu_pods_have_memory_backed_shm_and_request_cpu_and_memory():
+    pods = list(_trainer_pods())
+    assert len(pods) == 3, [where for where, *_ in pods]  # the JobSet, the LeaderWorkerSet, the TrainJob
+    for where, spec, resources in pods:
+        shm = [v["name"] for v in spec["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+        mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert len(shm) == 1 and mounts.get(shm[0]) == "/dev/shm", where  # 8 ranks' NCCL buffers, not 64 MiB
+        assert {"cpu", "memory"} <= set(resources.get("requests", {})), where  # not BestEffort
