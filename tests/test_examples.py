@@ -203,6 +203,8 @@ def test_jobsets_restart_a_lost_peer_and_never_an_error_of_the_runs_own():
     for doc, spec in jobset_layouts():
         policy = spec["failurePolicy"]
         assert policy["maxRestarts"] >= 1  # 200 (a lost peer), 143 (preempted): no rule matches, JobSet restarts
+        # with the default Recreate a new pod can start while an old one still saves its SIGTERM checkpoint
+        assert policy["restartStrategy"] == "BlockingRecreate"
         assert [r["action"] for r in policy["rules"]] == ["FailJobSet"]
         assert policy["rules"][0]["onJobFailureReasons"] == ["PodFailurePolicy"]
         # JobSet's validating webhook refuses other rule names (kubernetes-sigs/jobset pkg/webhooks/jobset_webhook.go,
@@ -308,6 +310,8 @@ def test_skypilot_tasks_bring_the_code_keep_the_checkpoints_and_map_exit_codes(n
     else:  # a local disk: the checkpoints outlive the VM in a mirror, and one VM (a mirror needs a shared directory)
         assert "--checkpoint_mirror" in words and task.get("num_nodes", 1) == 1
         assert words[words.index("--resume_from_checkpoint") + 1] == "true"
+    if "--checkpoint_mirror" in words:  # a bucket needs its cloud's role: a recovery elsewhere could not reach it
+        assert task["resources"].get("infra") or task["resources"].get("cloud"), task["resources"]
     recovery = task["resources"]["job_recovery"]
     assert recovery["max_restarts_on_errors"] == 0  # 201 and 1: an error of the run's own is not restarted
     assert set(recovery["recover_on_exit_codes"]) == {TERMINATED, LOST}
