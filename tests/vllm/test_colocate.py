@@ -24,7 +24,10 @@ import torch
 from tests.families import VLLM_FAMILIES, vllm_family_path
 from tests.harness import SCRIPTS, accelerate_launch, run_command, write_accelerate_config
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# A module-scoped launch is paid by the first test that uses it: the families' (22 cases, 4.4 minutes alone) runs
+# beside the main suite in CI, several times slower, past pytest's 900 s default.
+LAUNCH_TIMEOUT = 2400
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(LAUNCH_TIMEOUT)]
 pytest.importorskip("vllm")
 
 ATOL = 1e-3
@@ -41,9 +44,10 @@ def _run(tmp_path_factory, name: str, *args: str, backend: str | None = None) ->
     script_args = ["--output_dir", str(out / "run"), *args]
     if backend:
         result = accelerate_launch(SCRIPTS / "grpo_vllm.py", script_args,
-                                   write_accelerate_config(out / "configs", backend), timeout=900, env=ENV)
+                                   write_accelerate_config(out / "configs", backend), timeout=LAUNCH_TIMEOUT, env=ENV)
     else:
-        result = run_command([sys.executable, str(SCRIPTS / "grpo_vllm.py"), *script_args], timeout=900, env=ENV)
+        result = run_command([sys.executable, str(SCRIPTS / "grpo_vllm.py"), *script_args], timeout=LAUNCH_TIMEOUT,
+                             env=ENV)
     assert result.returncode == 0 and not result.timed_out, result.output[-6000:]
     report = out / "run" / "report_rank0.json"
     return json.loads(report.read_text()) if report.exists() else {}, str(out / "run"), result.output
@@ -264,7 +268,7 @@ def test_the_recipe_under_zero3_with_a_colocated_vllm_ends_by_itself(tmp_path):
     exit hook told them to stop hung after "saved and verified" (seen three times before process.exit_now)."""
     result = run_command([sys.executable, "recipes/grpo.py", "--config", "accelerate_configs/zero3.yaml",
                           "--model_name_or_path", "trl-ext/tiny-llama-vllm", "--use_vllm", "true", "--vllm_mode",
-                          "colocate", "--max_steps", "2", "--output_dir", str(tmp_path / "grpo")], timeout=400, env=ENV)
+                          "colocate", "--max_steps", "2", "--output_dir", str(tmp_path / "grpo")], timeout=900, env=ENV)
     assert not result.timed_out and result.returncode == 0, result.output[-6000:]
     assert f"GRPO model saved and verified: {tmp_path / 'grpo'}" in result.output, result.output[-6000:]
     assert "Traceback" not in result.output, result.output[-6000:]
