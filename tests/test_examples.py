@@ -403,7 +403,8 @@ def test_the_leaderworkerset_command_idles_as_pid_1_and_ends_at_once_on_sigterm(
         init = int(subprocess.run(["pgrep", "-P", str(shell.pid)], capture_output=True, text=True).stdout.split()[0])
         start = time.monotonic()
         os.kill(init, signal.SIGTERM)  # the kubelet's SIGTERM, to the container's PID 1
-        assert shell.wait(timeout=10) == 201 and time.monotonic() - start < 2
+        # about 0.01 s alone; before, never (the kubelet's SIGKILL after 120 s). The bound leaves CI's load room.
+        assert shell.wait(timeout=30) == 201 and time.monotonic() - start < 10
     finally:
         if shell.poll() is None:
             os.killpg(shell.pid, signal.SIGKILL)
