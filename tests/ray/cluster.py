@@ -33,6 +33,15 @@ def _adopt_orphans() -> None:
         pass
 
 
+def _raylet_failure(directory: str) -> str:
+    """The fatal line a node's raylet left in its log under ``directory`` (its newest session), or ""."""
+    for log in sorted(Path(directory).glob("session_*/logs/raylet.out"), key=os.path.getmtime, reverse=True)[:1]:
+        fatal = [line for line in log.read_text(errors="replace").splitlines() if " C " in line[:40] or
+                 "Check failed" in line]
+        return fatal[-1][:500] if fatal else ""
+    return ""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -97,10 +106,28 @@ class RayCluster:
     def __exit__(self, *exc):
         self.stop()
 
-    def _ray_start(self, args: list[str]) -> None:
-        subprocess.run([RAY, "start", "--disable-usage-stats", "--num-gpus", "0", "--num-cpus", str(self.cpus),
-                        "--dashboard-agent-listen-port", str(free_port()), *args], env=self.env, check=True,
-                       capture_output=True, text=True, timeout=180, cwd=self.cwd)
+    def _ray_start(self, args: list[str], directory: str) -> None:
+        """``ray start`` for a node whose temporary directory is ``directory``; started once more where its raylet
+        died waiting for its dashboard agent's port file: Ray waits a fixed 15 s for it (ray#65983, open, no setting),
+        which the agent, a Python process, missed while the CI legs beside it compiled (2026-12-01). Any other
+        failure raises with ray's own output and the raylet's last line."""
+        for attempt in (1, 2):
+            result = subprocess.run([RAY, "start", "--disable-usage-stats", "--num-gpus", "0", "--num-cpus",
+                                     str(self.cpus), "--dashboard-agent-listen-port", str(free_port()), *args],
+                                    env=self.env, capture_output=True, text=True, timeout=180, cwd=self.cwd)
+            if result.returncode == 0:
+                return
+            raylet = _raylet_failure(directory)
+            if attempt == 2 or "Timed out waiting for file" not in raylet:
+                raise RuntimeError(f"ray start {' '.join(args[:2])} exited {result.returncode}: "
+                                   f"{(result.stdout + result.stderr)[-3000:]}\nraylet: {raylet}")
+            family = self._family(directory)
+            for process in family:
+                try:
+                    process.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+            self._end(family)
 
     def start(self) -> None:
         head = ["--head", "--port", str(self.port), "--temp-dir", self.temp, "--include-dashboard=true",
@@ -108,7 +135,7 @@ class RayCluster:
                 "--ray-client-server-port", str(free_port())]
         if self.system_config:
             head += ["--system-config", json.dumps(self.system_config)]
-        self._ray_start(head)
+        self._ray_start(head, self.temp)
         self.head_raylet = self._raylets()[0]
         self.ip = self.head_raylet.cmdline()[[a.startswith("--node_ip_address") for a in
                                              self.head_raylet.cmdline()].index(True)].split("=", 1)[1]
@@ -121,7 +148,7 @@ class RayCluster:
         # A fresh one when the node comes back: its log monitor would forward the dead node's old logs again.
         self.node_dir = os.path.join(self.temp, f"n{self.starts}")
         self.starts += 1
-        self._ray_start(["--address", self.address, "--temp-dir", self.node_dir])
+        self._ray_start(["--address", self.address, "--temp-dir", self.node_dir], self.node_dir)
         self.node_raylet = next(p for p in self._raylets() if p.pid != self.head_raylet.pid)
 
     def _raylets(self) -> list[psutil.Process]:
