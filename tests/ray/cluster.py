@@ -121,13 +121,7 @@ class RayCluster:
             if attempt == 2 or "Timed out waiting for file" not in raylet:
                 raise RuntimeError(f"ray start {' '.join(args[:2])} exited {result.returncode}: "
                                    f"{(result.stdout + result.stderr)[-3000:]}\nraylet: {raylet}")
-            family = self._family(directory)
-            for process in family:
-                try:
-                    process.send_signal(signal.SIGKILL)
-                except psutil.NoSuchProcess:
-                    pass
-            self._end(family)
+            self._kill(self._family(directory))
 
     def start(self) -> None:
         head = ["--head", "--port", str(self.port), "--temp-dir", self.temp, "--include-dashboard=true",
@@ -161,12 +155,7 @@ class RayCluster:
         workers, agents), SIGKILL; returns when."""
         family = self._family(self.node_dir)
         when = time.time()
-        for process in family:
-            try:
-                process.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        self._end(family)
+        self._kill(family)
         return when
 
     def submit(self, args: list[str], submission_id: str, env: dict | None = None) -> None:
@@ -225,6 +214,15 @@ class RayCluster:
                     continue
         return list(family.values())
 
+    def _kill(self, family: list[psutil.Process]) -> None:
+        """SIGKILL every process of ``family``, and wait until all are gone (``_end``)."""
+        for process in family:
+            try:
+                process.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self._end(family)
+
     def _end(self, family: list[psutil.Process], timeout: float = 10) -> None:
         """Wait until the processes of ``family`` (sent SIGKILL) are gone; reap those that are this process's
         children (``__enter__`` made it the parent of those whose parent ended)."""
@@ -267,10 +265,4 @@ class RayCluster:
         """Every process of the cluster (those whose command line names its directory, and all under them), by id."""
         if self.sampling is not None:
             self.sampling.set()
-        family = self._family(self.temp)
-        for process in family:
-            try:
-                process.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-        self._end(family)
+        self._kill(self._family(self.temp))
