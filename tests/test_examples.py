@@ -145,6 +145,12 @@ def pod_specs(node, path=""):
             yield from pod_specs(value, f"{path}[{index}]")
 
 
+def trainjob_pod(doc: dict) -> dict:
+    """The pod spec a TrainJob's runtime patch gives its trainer's pods."""
+    patch = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    return patch["template"]["spec"]["template"]["spec"]
+
+
 def claimed(volumes: list[dict]) -> set[str]:
     """The persistent volume claims among ``volumes``."""
     return {v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v}
@@ -171,8 +177,7 @@ def test_every_output_dir_is_on_a_mounted_shared_volume(name, doc):
     claims = {d["metadata"]["name"] for _, d in all_documents() if d["kind"] == "PersistentVolumeClaim"}
     if doc["kind"] == "TrainJob":
         out = output_dir(doc["spec"]["trainer"]["command"] + doc["spec"]["trainer"]["args"])
-        patch = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
-        spec = patch["template"]["spec"]["template"]["spec"]
+        spec = trainjob_pod(doc)
         container = next(c for c in spec["containers"] if c["name"] == "node")
         assert out and mounted(out, container["volumeMounts"], spec["volumes"]), out
         assert claimed(spec["volumes"]) <= claims
@@ -416,8 +421,7 @@ def _trainer_pods():
     (KubeRay mounts its own /dev/shm): a TrainJob's pods are its runtime patch's, with its resourcesPerNode."""
     for name, doc in all_documents():
         if doc["kind"] == "TrainJob":
-            patch = doc["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
-            yield name, patch["template"]["spec"]["template"]["spec"], doc["spec"]["trainer"]["resourcesPerNode"]
+            yield name, trainjob_pod(doc), doc["spec"]["trainer"]["resourcesPerNode"]
         elif doc["kind"] in ("JobSet", "LeaderWorkerSet"):
             for where, spec in pod_specs(doc["spec"]):
                 yield f"{name}{where}", spec, spec["containers"][0].get("resources", {})
