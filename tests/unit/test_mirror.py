@@ -164,6 +164,10 @@ def test_a_restarted_run_takes_its_own_lease_and_finds_its_mirror(tmp_path, monk
     said = Lines()
     lease.claim(store, lease.Holder(), resuming=False, say=said)  # requeued: the same job, a new run
     assert "an earlier attempt of this run (slurm-7)" in said[-1], said
+    monkeypatch.setattr(lease, "LEASE_SECONDS", -1.0)  # a recovery slower than the lease: still the surer reason
+    said = Lines()
+    lease.claim(store, lease.Holder(), resuming=False, say=said)
+    assert "an earlier attempt of this run (slurm-7)" in said[-1], said
     monkeypatch.setattr(ownership, "current_run", lambda: None)
     assert not lease.held_by_this_job(store)
 

@@ -109,10 +109,10 @@ def _gone(other: Holder, me: Holder, now: float) -> str | None:
     """Why ``other``'s lease is free for ``me`` (None: it may still be writing)."""
     if other.released:
         return "it ended"
+    if other.same_job(me.job):  # first: the surer reason, whatever the time since its last renewal
+        return f"it was an earlier attempt of this run ({other.job})"
     if now - other.renewed > LEASE_SECONDS:
         return f"it was last renewed {now - other.renewed:.0f} s ago"
-    if other.same_job(me.job):
-        return f"it was an earlier attempt of this run ({other.job})"
     if other.host == me.host:
         try:
             os.kill(other.pid, 0)
