@@ -1,8 +1,11 @@
-"""One overhead run (launched by bench/overhead.py): LoRA trainers, trl_ext's and/or TRL's, on a random Llama.
+"""One overhead run (launched by bench/overhead.py): trainers, trl_ext's and/or TRL's, on a random Llama, LoRA or (with
+``--full``) a full fine-tuning.
 
 Both sides get the same config class (trl_ext's configs are TRL's plus the CPU fallbacks), the same model, data and
-seed; gradient checkpointing is off, so only the trainer code differs. A step is a whole loop iteration, from one
-``on_step_begin`` to the next: forward, backward, optimizer, every callback, logging and the next batch.
+seed. Gradient checkpointing is off unless ``--gc``: then both sides checkpoint, each in its own mode (trl_ext's
+``use_reentrant=False``; TRL's as TRL sets it), which is part of what is measured. A step is a whole loop
+iteration, from one ``on_step_begin`` to the next: forward, backward, optimizer, every callback, logging and the
+next batch.
 
 ``--impl both`` (one process): a TRL trainer and a trl_ext trainer in the same process, each ``train()`` in its own
 thread, taking turns step by step (a baton passed at ``on_step_begin``; ``--first`` says who starts), so that both
@@ -14,6 +17,7 @@ Prints ``BENCH {json}`` on rank 0: each side's step times after the first ``--wa
 
 import argparse
 import collections
+import copy
 import json
 import sys
 import tempfile
@@ -111,12 +115,14 @@ def build(impl: str, cli, *callbacks: TrainerCallback):
     args = getattr(trl_ext, f"{name}Config")(
         output_dir=tempfile.mkdtemp(prefix="bench-overhead-"), max_steps=cli.steps,
         per_device_train_batch_size=cli.batch, max_length=cli.seq_len, learning_rate=1e-4, logging_steps=1000,
-        save_strategy="no", report_to="none", seed=0, gradient_checkpointing=getattr(cli, "gc", False),
+        save_strategy="no", report_to="none", seed=0, gradient_checkpointing=cli.gc,
     )
     task = "SEQ_CLS" if cli.trainer == "reward" else None  # a config TRL handles correctly: same work on both sides
+    peft_config = None if cli.full else LoraConfig(r=8, target_modules="all-linear", task_type=task)
+    # full DPO: a reference model given, the same weights (TRL would load one from the policy's path; it has none)
+    reference = {"ref_model": copy.deepcopy(model)} if cli.full and cli.trainer == "dpo" else {}
     return trainer_cls(model=model, args=args, train_dataset=data(cli.trainer, cli.seq_len),
-                       processing_class=tokenizer, callbacks=list(callbacks),
-                       peft_config=LoraConfig(r=8, target_modules="all-linear", task_type=task))
+                       processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config, **reference)
 
 
 def main():
@@ -132,6 +138,8 @@ def main():
     parser.add_argument("--count_calls", action="store_true", help="one impl: count the calls of steps 5 and 6")
     parser.add_argument("--first", choices=["trl", "trl_ext"], default="trl", help="with --impl both: who starts")
     parser.add_argument("--control", action="store_true", help="the 'trl_ext' side runs TRL's trainer too (A/A)")
+    parser.add_argument("--gc", action="store_true", help="gradient checkpointing on, on both sides")
+    parser.add_argument("--full", action="store_true", help="a full fine-tuning instead of LoRA")
     cli = parser.parse_args()
 
     impls = ["trl", "trl_ext"] if cli.impl == "both" else [cli.impl]

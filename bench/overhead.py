@@ -1,12 +1,16 @@
-"""trl_ext's trainers vs TRL's on the same LoRA workload: steady-state step time, in one run.
+"""trl_ext's trainers vs TRL's on the same workload: steady-state step time, in one run.
 
     python bench/overhead.py [--repeats 2] [--steps 30] [--trainers sft reward dpo] [--setups 1proc zero3 fsdp2]
     python bench/overhead.py --count_calls    # the Python calls of two steps, TRL vs trl_ext, function by function
     python bench/overhead.py --control --setups 1proc    # A/A: TRL against TRL in the same pairing (its own bias)
+    python bench/overhead.py --gc --trainers dpo --setups 1proc --adapters lora full --with_control
 
-SFT, Reward and DPO, LoRA (all-linear, r=8) on a random Llama (hidden 256, 4 layers, sequence 128, batch 4 per
-rank), gradient checkpointing off (the checkpointing modes differ on purpose: see bench/gradient_checkpointing.py),
-one thread per process. A step is a whole loop iteration (forward, backward, optimizer, callbacks, next batch).
+SFT, Reward and DPO, LoRA (all-linear, r=8; ``--adapters full``: a full fine-tuning) on a random Llama (hidden 256,
+4 layers, sequence 128, batch 4 per rank), one thread per process. Gradient checkpointing is off unless ``--gc``: then
+each side checkpoints in its own mode (trl_ext's ``use_reentrant=False``, TRL's own), part of what is measured
+(bench/gradient_checkpointing.py compares the modes alone). ``--with_control`` (1 process): each row also runs the
+A/A control under the same settings and prints its paired ratio beside, so that a ratio comes with its noise.
+A step is a whole loop iteration (forward, backward, optimizer, callbacks, next batch).
 - 1 process: each run holds a TRL trainer and a trl_ext trainer that take turns step by step (threads passing a
   baton; who starts alternates between repeats), so every trl_ext step has a TRL step beside it under the same
   machine load. Ratio: median over all steps of (trl_ext step / its paired TRL step), and the ratio of the medians.
@@ -70,62 +74,87 @@ def count_calls(cli, configs: dict[str, Path]) -> None:
                   + (f" ({top})" if top else ""), flush=True)
 
 
+def paired_1proc(cli, configs: dict[str, Path], worker_args: list[str], control: bool) -> tuple[list, list]:
+    """Both trainers in each run, alternating step by step (who starts alternates between repeats): every TRL step
+    and every trl_ext step (``control``: TRL's trainer on both sides)."""
+    trl_steps, ours_steps = [], []
+    for repeat in range(cli.repeats):
+        first = "trl" if repeat % 2 == 0 else "trl_ext"
+        times = run("1proc", configs, ["--impl", "both", *worker_args, "--steps", str(cli.steps), "--first", first,
+                                       *(["--control"] if control else [])])
+        trl_steps += times["times"]["trl"]
+        ours_steps += times["times"]["trl_ext"]
+    return trl_steps, ours_steps
+
+
+def whole_runs(cli, configs: dict[str, Path], setup: str, worker_args: list[str]) -> tuple[list, list]:
+    """Whole runs alternating, the order flipped every repeat: each run's median step."""
+    trl_steps, ours_steps = [], []
+    for repeat in range(cli.repeats):
+        for impl in ["trl", "trl_ext"] if repeat % 2 == 0 else ["trl_ext", "trl"]:
+            args = ["--impl", impl, *worker_args, "--steps", str(max(cli.steps // 2, 8))]
+            step = statistics.median(run(setup, configs, args)["times"][impl])
+            (trl_steps if impl == "trl" else ours_steps).append(step)
+    return trl_steps, ours_steps
+
+
+def measure(cli, configs: dict[str, Path], setup: str, trainer: str, adapter: str) -> tuple:
+    """One row: TRL's and trl_ext's median step, the median paired ratio, its range, and the A/A control's median
+    paired ratio ("-" without ``--with_control``)."""
+    worker_args = ["--trainer", trainer, *(["--gc"] if cli.gc else []), *(["--full"] if adapter == "full" else [])]
+    control = "-"
+    if setup == "1proc":
+        trl_steps, ours_steps = paired_1proc(cli, configs, worker_args, cli.control)
+        paired = [o / t for o, t in zip(ours_steps, trl_steps)]  # each trl_ext step / the TRL step beside it
+        runs = f"{len(paired)} step pairs"
+        if cli.with_control and not cli.control:
+            aa_trl, aa_other = paired_1proc(cli, configs, worker_args, control=True)
+            control = f"{statistics.median([o / t for o, t in zip(aa_other, aa_trl)]):.3f}"
+    else:
+        trl_steps, ours_steps = whole_runs(cli, configs, setup, worker_args)
+        paired = [o / t for o, t in zip(ours_steps, trl_steps)]
+        runs = (f"runs: TRL {', '.join(f'{t:.3f}' for t in trl_steps)}; "
+                f"trl_ext {', '.join(f'{t:.3f}' for t in ours_steps)}")
+    trl_s, ours_s = statistics.median(trl_steps), statistics.median(ours_steps)
+    row = (setup, trainer, adapter, trl_s, ours_s, statistics.median(paired), f"{min(paired):.2f}-{max(paired):.2f}",
+           control)
+    print(f"{SETUPS[setup]:<17} {trainer:<7} {adapter:<5} TRL {trl_s:.4f}s  trl_ext {ours_s:.4f}s  "
+          f"ratio {ours_s / trl_s:.3f}  paired {row[5]:.3f} ({row[6]}; {runs}; A/A {control}; {load()})", flush=True)
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="steps per trainer and run (ZeRO-3: half)")
     parser.add_argument("--trainers", nargs="+", default=["sft", "reward", "dpo"])
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--adapters", nargs="+", choices=["lora", "full"], default=["lora"])
+    parser.add_argument("--gc", action="store_true", help="gradient checkpointing on, on both sides")
     parser.add_argument("--control", action="store_true",
                         help="A/A control, 1 process: TRL's trainer on both sides, so the ratios show the pairing's "
                              "own bias (which side is built second, runs second, ...)")
+    parser.add_argument("--with_control", action="store_true",
+                        help="1 process: each row also runs the A/A control, its paired ratio printed beside")
     parser.add_argument("--count_calls", action="store_true",
                         help="instead of timing: compare the Python calls of two steps, TRL vs trl_ext")
     cli = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     configs = {setup: write_accelerate_config(work / setup, setup) for setup in ("zero3", "fsdp2")}
-    print(f"start: {load()} on {os.cpu_count()} CPUs", flush=True)
+    print(f"start: {load()} on {os.cpu_count()} CPUs; gradient checkpointing {'on' if cli.gc else 'off'}", flush=True)
     if cli.control:
         print("A/A control: the 'trl_ext' column runs TRL's trainer too; a ratio away from 1.00 is the harness's bias")
     if cli.count_calls:
         return count_calls(cli, configs)
-    rows = []
-    for setup in cli.setups:
-        for trainer in cli.trainers:
-            if setup == "1proc":  # both trainers in each run, alternating step by step
-                trl_steps, ours_steps = [], []
-                for repeat in range(cli.repeats):
-                    first = "trl" if repeat % 2 == 0 else "trl_ext"
-                    times = run(setup, configs, ["--impl", "both", "--trainer", trainer, "--steps", str(cli.steps),
-                                                "--first", first, *(["--control"] if cli.control else [])])
-                    trl_steps += times["times"]["trl"]
-                    ours_steps += times["times"]["trl_ext"]
-                paired = [o / t for o, t in zip(ours_steps, trl_steps)]  # each trl_ext step / the TRL step beside it
-                runs = f"{len(paired)} step pairs"
-            else:  # whole runs alternate, order flipped every repeat
-                trl_steps, ours_steps = [], []
-                for repeat in range(cli.repeats):
-                    for impl in ["trl", "trl_ext"] if repeat % 2 == 0 else ["trl_ext", "trl"]:
-                        args = ["--impl", impl, "--trainer", trainer, "--steps", str(max(cli.steps // 2, 8))]
-                        step = statistics.median(run(setup, configs, args)["times"][impl])
-                        (trl_steps if impl == "trl" else ours_steps).append(step)
-                paired = [o / t for o, t in zip(ours_steps, trl_steps)]
-                runs = (f"runs: TRL {', '.join(f'{t:.3f}' for t in trl_steps)}; "
-                        f"trl_ext {', '.join(f'{t:.3f}' for t in ours_steps)}")
-            trl_s, ours_s = statistics.median(trl_steps), statistics.median(ours_steps)
-            spread = f"{min(paired):.2f}-{max(paired):.2f}"
-            rows.append((setup, trainer, trl_s, ours_s, statistics.median(paired), spread))
-            print(f"{SETUPS[setup]:<17} {trainer:<7} TRL {trl_s:.4f}s  trl_ext {ours_s:.4f}s  "
-                  f"ratio {ours_s / trl_s:.3f}  paired {statistics.median(paired):.3f} ({spread}; {runs}; "
-                  f"{load()})", flush=True)
-
+    rows = [measure(cli, configs, setup, trainer, adapter)
+            for setup in cli.setups for trainer in cli.trainers for adapter in cli.adapters]
     print(f"\nend: {load()}")
-    print("setup              trainer   TRL step (s)   trl_ext step (s)   ratio of medians   median paired ratio"
-          "   paired range")
-    for setup, trainer, trl_s, ours_s, paired, spread in rows:
-        print(f"{SETUPS[setup]:<18} {trainer:<9} {trl_s:12.4f}   {ours_s:16.4f}   {ours_s / trl_s:16.3f}   "
-              f"{paired:19.3f}   {spread:>12}")
+    print("setup              trainer   adapter   TRL step (s)   trl_ext step (s)   ratio of medians   "
+          "median paired ratio   paired range   A/A paired ratio")
+    for setup, trainer, adapter, trl_s, ours_s, paired, spread, control in rows:
+        print(f"{SETUPS[setup]:<18} {trainer:<9} {adapter:<9} {trl_s:12.4f}   {ours_s:16.4f}   {ours_s / trl_s:16.3f}"
+              f"   {paired:19.3f}   {spread:>12}   {control:>16}")
 
 
 if __name__ == "__main__":

@@ -225,7 +225,7 @@ def main():
     timers.wrap(readback, "check_adapter_config", "  adapter_config.json check", group="verify")
 
     workload_args = argparse.Namespace(steps=cli.steps, seq_len=128, hidden=256, layers=4, batch=4, trainer=None,
-                                       gc=False)
+                                       gc=False, full=False)
     print("== Training: trl_ext's own work (LoRA, hidden 256, 4 layers, sequence 128, batch 4, 1 thread) ==")
     for trainer_name in [] if cli.skip_train else cli.trainers:
         for gc in (False, True):
