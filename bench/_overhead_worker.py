@@ -2,8 +2,8 @@
 ``--full``) a full fine-tuning.
 
 Both sides get the same config class (trl_ext's configs are TRL's plus the CPU fallbacks), the same model, data and
-seed. Gradient checkpointing is off unless ``--gc``: then both sides checkpoint, each in its own mode (trl_ext's
-``use_reentrant=False``; TRL's as TRL sets it), which is part of what is measured. A step is a whole loop
+seed. Gradient checkpointing is off unless ``--gc``: then both sides checkpoint as they set it up (trl_ext's
+``use_reentrant=False``; TRL's, transformers' default, the same in 5.24). A step is a whole loop
 iteration, from one ``on_step_begin`` to the next: forward, backward, optimizer, every callback, logging and the
 next batch.
 

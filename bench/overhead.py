@@ -7,9 +7,10 @@
 
 SFT, Reward and DPO, LoRA (all-linear, r=8; ``--adapters full``: a full fine-tuning) on a random Llama (hidden 256,
 4 layers, sequence 128, batch 4 per rank), one thread per process. Gradient checkpointing is off unless ``--gc``: then
-each side checkpoints in its own mode (trl_ext's ``use_reentrant=False``, TRL's own), part of what is measured
-(bench/gradient_checkpointing.py compares the modes alone). ``--with_control`` (1 process): each row also runs the
-A/A control under the same settings and prints its paired ratio beside, so that a ratio comes with its noise.
+each side checkpoints as it sets it up (trl_ext: ``use_reentrant=False``; TRL's DPO leaves it to transformers, whose
+default in 5.24 is non-reentrant too); bench/gradient_checkpointing.py compares the modes alone. ``--with_control``
+(1 process): each row also runs the A/A control under the same settings and prints its paired ratio beside, so
+that a ratio comes with its noise.
 A step is a whole loop iteration (forward, backward, optimizer, callbacks, next batch).
 - 1 process: each run holds a TRL trainer and a trl_ext trainer that take turns step by step (threads passing a
   baton; who starts alternates between repeats), so every trl_ext step has a TRL step beside it under the same
@@ -116,11 +117,11 @@ def measure(cli, configs: dict[str, Path], setup: str, trainer: str, adapter: st
         runs = (f"runs: TRL {', '.join(f'{t:.3f}' for t in trl_steps)}; "
                 f"trl_ext {', '.join(f'{t:.3f}' for t in ours_steps)}")
     trl_s, ours_s = statistics.median(trl_steps), statistics.median(ours_steps)
-    row = (setup, trainer, adapter, trl_s, ours_s, statistics.median(paired), f"{min(paired):.2f}-{max(paired):.2f}",
-           control)
+    median_paired, spread = statistics.median(paired), f"{min(paired):.2f}-{max(paired):.2f}"
     print(f"{SETUPS[setup]:<17} {trainer:<7} {adapter:<5} TRL {trl_s:.4f}s  trl_ext {ours_s:.4f}s  "
-          f"ratio {ours_s / trl_s:.3f}  paired {row[5]:.3f} ({row[6]}; {runs}; A/A {control}; {load()})", flush=True)
-    return row
+          f"ratio {ours_s / trl_s:.3f}  paired {median_paired:.3f} ({spread}; {runs}; A/A {control}; {load()})",
+          flush=True)
+    return setup, trainer, adapter, trl_s, ours_s, median_paired, spread, control
 
 
 def main():
