@@ -9,6 +9,7 @@
 # bound, while the Slurm leg waits on signals, holds and a lost node's timeout. The workers take the main suite's
 # modules costliest first, one at a time as each becomes free, so that they end together (tests/conftest.py says
 # which modules go together). The legs' output is printed once all have ended, and each session's wall and CPU time.
+# Last comes a summary, a line per session and every failed test under it: CI shows only the output's tail.
 # The exit code is the first failing session's. Run from the README's test command, with the venv's python first on
 # PATH.
 set -uo pipefail
@@ -21,13 +22,23 @@ for name in "${names[@]}"; do
     { time ".ci/$name.sh" "$@"; } > "$logs/$name.log" 2>&1 &
     pids+=($!)
 done
-time python -m pytest -n 2 --dist loadscope --no-loadscope-reorder "$@"
-statuses=($?)
+{ time python -m pytest -n 2 --dist loadscope --no-loadscope-reorder "$@"; } 2>&1 | tee "$logs/main.log"
+statuses=("${PIPESTATUS[0]}")
 for i in "${!names[@]}"; do
     wait "${pids[$i]}"
     statuses+=($?)
     echo "=== ${names[$i]}: .ci/${names[$i]}.sh (exit ${statuses[-1]})"
     cat "$logs/${names[$i]}.log"
+done
+echo "=== summary"
+for i in "${!statuses[@]}"; do
+    name=$([ "$i" -eq 0 ] && echo "main suite" || echo "${names[$((i - 1))]}")
+    log="$logs/$([ "$i" -eq 0 ] && echo main || echo "${names[$((i - 1))]}").log"
+    echo "$name: exit ${statuses[$i]}, $(grep -h '^session time' "$log" | tail -1)"
+    if [ "${statuses[$i]}" -ne 0 ]; then
+        # pytest's own summary lines; a leg that failed before its tests started shows its last lines instead
+        grep -hE '^(FAILED|ERROR) |Timeout|^=+ .*(failed|error).* =+$' "$log" | cut -c1-300 || tail -n 15 "$log"
+    fi
 done
 rm -rf "$logs"
 for status in "${statuses[@]}"; do
