@@ -28,7 +28,8 @@ for i in "${!names[@]}"; do
     wait "${pids[$i]}"
     statuses+=($?)
     echo "=== ${names[$i]}: .ci/${names[$i]}.sh (exit ${statuses[-1]})"
-    cat "$logs/${names[$i]}.log"
+    # less pip's warnings, a line per package, about the machine's own package indexes
+    grep -v "^WARNING: Location 'file://" "$logs/${names[$i]}.log"
 done
 echo "=== summary"
 for i in "${!statuses[@]}"; do

@@ -281,7 +281,7 @@ def test_contradictory_variables_are_named_on_every_machine_and_a_missing_machin
     assert "waited 20 s for 1 of 2 machines at 127.0.0.1:" in alone.output and "machine(s) 1 never arrived" in \
         alone.output, alone.output[-3000:]
     assert "waiting for 1 of 2 machines" in alone.output  # said while it waits
-    assert took < 120, took  # the bound, the imports and the process starts
+    assert took < 240, took  # the bound, the imports and the process starts (several times slower under CI's load)
 
 
 def test_the_first_pods_address_need_not_resolve_yet(tmp_path):

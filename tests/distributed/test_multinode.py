@@ -81,7 +81,9 @@ def test_two_nodes_survive_a_lost_node_and_resume(tmp_path, node_local):
     assert all(r.returncode != 0 and not r.timed_out for r in killed), output[-6000:]
     assert "rank 1 SIGKILLs itself at step 3" in output, output[-6000:]
     print(f"\n{'node-local' if node_local else 'shared'}: both nodes exited {seconds:.0f} s after the start")
-    assert seconds < BOUND + 60, seconds  # start-up (~60 s on a loaded 2-core machine) + the bound
+    # start-up, three steps and a save (50 s alone, several times that under CI's load), then the bound: long before
+    # the collective timeout
+    assert seconds < BOUND + 480, seconds
     for disk in disks(tmp_path, node_local):  # every node's copy: checkpoint-2 whole, nothing half-written visible
         assert get_last_checkpoint(str(disk)) == str(disk / "checkpoint-2"), sorted(p.name for p in disk.iterdir())
         assert (disk / "checkpoint-2" / "latest").read_text() == "global_step2"

@@ -229,7 +229,9 @@ def test_training_never_waits_for_a_silent_store_and_the_mirror_catches_up(url, 
         _checkpoint(tmp_path, step)
         started = time.monotonic()
         _submit(up, tmp_path, step)
-        assert time.monotonic() - started < 1.0  # hard links and a queue: training goes on
+        # hard links and a queue: training goes on. Waiting for the store (down) would never end; the bound leaves
+        # a loaded machine room
+        assert time.monotonic() - started < 10
     deadline = time.monotonic() + 10
     while not any("has not answered" in line for line in said) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -325,7 +327,7 @@ def test_at_exit_the_queue_is_finished_within_the_grace_period_or_left_in_the_ou
     up.exit_grace = 0.5
     started = time.monotonic()
     up.finish_at_exit()
-    assert time.monotonic() - started < 0.5 + uploader.EXIT_JOIN_SECONDS + 2
+    assert time.monotonic() - started < 0.5 + uploader.EXIT_JOIN_SECONDS + 20  # not the upload's 60 s
     hold.set()
     line = [line for line in said if "only local" in line]
     assert len(line) == 1 and "checkpoint-2" in line[0] and "0 s mirror_exit_grace_period ran out" in line[0]

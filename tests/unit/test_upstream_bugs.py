@@ -152,8 +152,14 @@ def _child(rank: int, world: int, port: int, env: dict, fn, results) -> None:
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
-def in_processes(fn, world: int = 1, env: dict | None = None, timeout: float = 120) -> list:
-    """``fn(rank)`` in ``world`` forked processes with the launcher's variables set; their results, by rank."""
+def in_processes(fn, world: int = 1, env: dict | None = None, timeout: float = 120, deepspeed: bool = False) -> list:
+    """``fn(rank)`` in ``world`` forked processes with the launcher's variables set; their results, by rank. With
+    ``deepspeed``, DeepSpeed's CPU comm op is built first, outside the timeout: on a clean machine its build takes 60 s
+    of CPU, which under CI's load ran past the bound (tests/deepspeed_op.py)."""
+    if deepspeed:
+        from tests import deepspeed_op
+
+        deepspeed_op.build()
     context = multiprocessing.get_context("fork")
     results, port = context.Queue(), _free_port()
     processes = [context.Process(target=_child, args=(r, world, port, env or {}, fn, results)) for r in range(world)]
@@ -297,7 +303,7 @@ def _unused_conversions_under_zero3(rank: int) -> list[str]:
 def test_a_zero3_load_keeps_conversions_that_never_matched():
     """Outside ZeRO-3, from_pretrained keeps the weight conversions that matched the checkpoint; under ZeRO-3 it keeps
     unused ones too, and reverting them on save writes wrong names."""
-    (unused,) = in_processes(_unused_conversions_under_zero3, timeout=180)
+    (unused,) = in_processes(_unused_conversions_under_zero3, timeout=180, deepspeed=True)
     still_needed("unused-weight-conversions", isinstance(unused, list) and bool(unused),
                  f"conversions a ZeRO-3 load keeps without using them: {unused}")
 
@@ -484,7 +490,8 @@ def _zero3_universal_load(rank: int, folder: str) -> dict:
 def test_deepspeed_zero3_universal_load_shares_one_adam_step_and_the_first_groups_settings(tmp_path):
     """DeepSpeed's ZeRO-3 loader of a universal checkpoint gives every optimizer sub-group the same step tensor (torch's
     AdamW advances it once per sub-group) and every parameter group the first one's hyperparameters."""
-    (got,) = in_processes(lambda rank: _zero3_universal_load(rank, str(tmp_path)), timeout=180)
+    (got,) = in_processes(lambda rank: _zero3_universal_load(rank, str(tmp_path)), timeout=180,
+                         deepspeed=True)
     assert isinstance(got, dict), got
     # trl_ext's repair: a step each, at the saved count, and each group's own weight decay
     assert got["repaired"] and got["after"] == {"shared_step": False, "steps": [1.0, 1.0], "weight_decay": [0.1, 0.0]}

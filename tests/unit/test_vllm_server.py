@@ -47,7 +47,7 @@ def test_a_failed_generation_request_raises_at_once_naming_the_server(how, what)
     assert f"vLLM server {server.url}: POST /v1/completions {what}" in str(raised.value)
     assert raised.value.kind == "server" and bounded.last_failure in str(raised.value)
     assert server.counts["/v1/completions"] == 1  # not retried: a retry would multiply the bound
-    assert elapsed < TIMEOUT + 2
+    assert elapsed < TIMEOUT + 10  # a stalled request is held until the server stops: without the bound, forever
 
 
 def test_connection_failures_keep_trls_retries():
@@ -62,7 +62,7 @@ def test_a_server_that_never_answers_its_health_check_is_given_up_on_after_vllm_
         start = time.monotonic()
         with pytest.raises(ServerError, match="can't be reached at .* after 1 seconds"):
             client(server, connection_timeout=1.0)
-        assert time.monotonic() - start < 1.0 + TIMEOUT + 2.5
+        assert time.monotonic() - start < 1.0 + TIMEOUT + 10  # the stalls last until the server stops
 
 
 def test_trls_own_client_waits_for_a_stalled_server_without_end():
