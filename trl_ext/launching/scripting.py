@@ -20,6 +20,7 @@ from trl_ext.launching import launch, rename_probe
 from trl_ext.process import end_together, env_world_size, notice
 from trl_ext.resuming.choose import last_committed
 from trl_ext.scheduling import orchestrators, outcome, ownership
+from trl_ext.settings.trainer_options import MirrorOptions
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
 RESUME_LAST = ("true", "True", "last", "1", "yes")  # `--resume_from_checkpoint true`: the last complete checkpoint
@@ -107,10 +108,11 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
     out = Path(training_args.output_dir)
     resume = training_args.resume_from_checkpoint
     own = ownership.is_own(out)  # the run's own directory: the trainer resumes from its newest checkpoint by itself
-    if resume in RESUME_LAST and last_committed(out) is None and getattr(training_args, "checkpoint_mirror", None):
+    mirror = MirrorOptions.of(training_args).checkpoint_mirror
+    if resume in RESUME_LAST and last_committed(out) is None and mirror:
         training_args.resume_from_checkpoint = True  # the trainer downloads the mirror's newest complete checkpoint
-        notice(f"{out} holds no complete checkpoint: resuming from the newest complete one of "
-               f"{training_args.checkpoint_mirror}, if it holds one (else a new run starts)")
+        notice(f"{out} holds no complete checkpoint: resuming from the newest complete one of {mirror}, if it holds "
+               f"one (else a new run starts)")
     elif resume in RESUME_LAST:
         last = last_committed(out)
         if last is None:

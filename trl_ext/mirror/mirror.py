@@ -31,8 +31,7 @@ from trl_ext.files import checkpoint_dirs as checkpoints
 from trl_ext.mirror import lease, options, outbox, uploader
 from trl_ext.mirror.store import Store, first_line
 from trl_ext.process import notice
-
-DEFAULT_GRACE_SECONDS = 20.0
+from trl_ext.settings.trainer_options import MirrorOptions
 
 
 def _as_error(exc: BaseException) -> TrlExtError:
@@ -41,7 +40,8 @@ def _as_error(exc: BaseException) -> TrlExtError:
 
 def open_store(args) -> Store:
     """The store of ``args.checkpoint_mirror`` with ``args.mirror_storage_options``."""
-    return Store(args.checkpoint_mirror, options.parse(getattr(args, "mirror_storage_options", None)))
+    mirror = MirrorOptions.of(args)
+    return Store(mirror.checkpoint_mirror, options.parse(mirror.mirror_storage_options))
 
 
 def check(args) -> None:
@@ -51,7 +51,7 @@ def check(args) -> None:
     Raises:
         MirrorError: the store refuses the credentials, the bucket is missing, or writing is not allowed.
     """
-    if getattr(args, "checkpoint_mirror", None):
+    if MirrorOptions.of(args).checkpoint_mirror:
         open_store(args).check_access()
 
 
@@ -70,9 +70,7 @@ class Mirror:
 
     def __init__(self, args, store: Store | None):
         self.args, self.store = args, store
-        self.url = options.shown(options.check_url(args.checkpoint_mirror))
-        self.grace = float(getattr(args, "mirror_grace_period", DEFAULT_GRACE_SECONDS))
-        self.exit_grace = float(getattr(args, "mirror_exit_grace_period", uploader.EXIT_GRACE_SECONDS))
+        self.url = options.shown(options.check_url(MirrorOptions.of(args).checkpoint_mirror))
         self.holder = lease.Holder(output_dir=os.path.abspath(args.output_dir))
         self.uploader: uploader.Uploader | None = None
         self._protected: set[int] = set()
@@ -89,7 +87,7 @@ class Mirror:
         Raises:
             MirrorError: one line: the credentials, the bucket, the permission to write, or the URL.
         """
-        if not getattr(args, "checkpoint_mirror", None):
+        if not MirrorOptions.of(args).checkpoint_mirror:
             return None
         store, error = None, None
         if args.process_index == 0:
@@ -106,6 +104,16 @@ class Mirror:
         writes the step's metrics)."""
         self.args = trainer.args
         trainer.join(Progress(self), first=True, committed=self.committed)
+
+    @property
+    def grace(self) -> float:
+        """``mirror_grace_period``, read when used: an edit to ``trainer.args`` before ``train()`` counts."""
+        return float(MirrorOptions.of(self.args).mirror_grace_period)
+
+    @property
+    def exit_grace(self) -> float:
+        """``mirror_exit_grace_period``, read when used (the uploader takes it as ``train()`` starts)."""
+        return float(MirrorOptions.of(self.args).mirror_exit_grace_period)
 
     @property
     def writer(self) -> bool:

@@ -36,14 +36,13 @@ from trl_ext.mirror import lease, manifest
 from trl_ext.mirror.outbox import Job
 from trl_ext.mirror.store import Store, first_line, is_store_failure
 from trl_ext.process.clean_exit import before_exit
+from trl_ext.settings.trainer_options import MirrorOptions
 
 FILES_IN_PARALLEL = 4
 RESEND_SECONDS = 10.0  # a checkpoint the store failed, after its client's own retries, is sent again this much later
 STALL_SECONDS = 300.0  # once training has ended: give up after the store has not answered for this long
 WARN_EVERY_SECONDS = 60.0
-EXIT_GRACE_SECONDS = 600.0  # at exit: the longest wait for uploads still queued (mirror_exit_grace_period)
 EXIT_JOIN_SECONDS = 5.0  # at exit, once given up: the longest wait for the request in flight to end
-SIGNAL_GRACE_SECONDS = 20.0  # at exit, after a SIGTERM: the longest wait for the uploads (mirror_grace_period)
 
 
 def in_parallel(calls: list[Callable[[], None]], workers: int) -> None:
@@ -160,7 +159,8 @@ class Uploader:
 
     def __init__(self, store: Store, holder: lease.Holder, outbox_root: Path, keep: int | None,
                  protected: Callable[[], set[int]], say: Callable[[str], None],
-                 exit_grace: float = EXIT_GRACE_SECONDS, signal_grace: float = SIGNAL_GRACE_SECONDS):
+                 exit_grace: float = MirrorOptions.mirror_exit_grace_period,
+                 signal_grace: float = MirrorOptions.mirror_grace_period):
         self.store, self.holder, self.outbox_root, self.keep = store, holder, outbox_root, keep
         self.protected, self.say, self.exit_grace, self.signal_grace = protected, say, exit_grace, signal_grace
         self._queue: deque[Job] = deque()

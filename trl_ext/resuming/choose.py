@@ -16,6 +16,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ext.errors import ResumeError
 from trl_ext.scheduling import orchestrators, ownership
+from trl_ext.settings.trainer_options import MirrorOptions
 
 
 def last_committed(output_dir: str | os.PathLike) -> str | None:
@@ -94,7 +95,7 @@ def restarted_checkpoint(args) -> str | None:
         restarted = after_restart(args.output_dir)
         if restarted is not None and (restarted[0] is not None or orchestrators.current().restart > 0):
             # nothing here, with a mirror: the mirror's resume (resuming/mirrored.py) says what happens instead
-            if restarted[0] is not None or not getattr(args, "checkpoint_mirror", None):
+            if restarted[0] is not None or not MirrorOptions.of(args).checkpoint_mirror:
                 notice(restarted[1])
         ownership.claim(args.output_dir)
         return restarted[0] if restarted is not None else None

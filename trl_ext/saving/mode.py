@@ -16,6 +16,7 @@ import torch
 
 from trl_ext.process.notices import notice
 from trl_ext.scheduling.orchestrators import torchrun
+from trl_ext.settings.trainer_options import SaveOptions
 
 CPU_COST = ("the copies and writes of each checkpoint run on the cores training uses, so they slow the steps after "
             "it: on 2 cores, runs with background checkpoints took {ratio} the time of the same runs with foreground "
@@ -47,7 +48,7 @@ class Mode:
     @classmethod
     def asked(cls, args) -> "Mode":
         """The mode the training arguments ask for."""
-        if getattr(args, "save_in_background", False):
+        if SaveOptions.of(args).save_in_background:
             return cls(Where.BACKGROUND, "save_in_background is set")
         return cls(Where.FOREGROUND, "save_in_background is not set")
 

@@ -14,6 +14,7 @@ from trl_ext.process.collectives import from_every_rank
 from trl_ext.saving import deferred, pipeline
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, Purpose
 from trl_ext.saving.snapshot import Snapshot
+from trl_ext.settings.trainer_options import SaveOptions
 
 
 def reserve_copies(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int, str | None]:
@@ -32,7 +33,7 @@ def reserve_copies(trainer, executor: Executor, snapshot: Snapshot) -> tuple[int
     """
     if not pipeline.supports(trainer.model):
         return 0, None
-    settings = (getattr(trainer.args, "max_shard_size", pipeline.DEFAULT_MAX_SHARD_SIZE), trainer.writes_files())
+    settings = (SaveOptions.of(trainer.args).max_shard_size, trainer.writes_files())
     measure = BackgroundCheckpoint(Path(), executor, snapshot, Purpose.MEASURE)
     if pipeline.reserve_weights(trainer.model, *settings, measure) is None:
         return 0, pipeline.CANNOT_COPY

@@ -17,10 +17,11 @@ from trl_ext.files import hub_names
 from trl_ext.files.commit import PARTIAL_SUFFIX, commit
 from trl_ext.files.header import DTYPE_CODES
 from trl_ext.files.shards import TensorSpec, parse_size, plan_shards
+from trl_ext.settings.trainer_options import SaveOptions
 
 logger = logging.getLogger("trl_ext")
 
-DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
+DEFAULT_MAX_SHARD_SIZE = SaveOptions.max_shard_size  # the config's default, for saves outside a trainer
 
 
 @dataclass

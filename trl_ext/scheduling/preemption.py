@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 from trl_ext import patches
 from trl_ext.process import HOSTED, decided_on_rank0, end_together, max_over_ranks, notice
 from trl_ext.scheduling import deadline, outcome, ownership
+from trl_ext.settings.trainer_options import SaveOptions
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REASK_SECONDS = 10.0  # once warned, rank 0 asks Slurm for the time left this often (the limit may change)
@@ -34,7 +35,7 @@ REASK_SECONDS = 10.0  # once warned, rank 0 asks Slurm for the time left this of
 def wanted(args) -> bool:
     """Whether this run stops with a checkpoint on SIGTERM or SIGUSR1: ``save_on_preemption`` (trl_ext's configs,
     default True) or transformers' ``enable_jit_checkpoint``, which this replaces."""
-    return bool(getattr(args, "save_on_preemption", True) or getattr(args, "enable_jit_checkpoint", False))
+    return bool(SaveOptions.of(args).save_on_preemption or getattr(args, "enable_jit_checkpoint", False))
 
 
 def exit_code(signum: int) -> int:

@@ -10,7 +10,7 @@ from trl_ext.trainers.mixin import TrlExtMixin
 
 
 @dataclass
-class DPOConfig(configs.HardwareAware, configs.SaveOptions, trl.DPOConfig):
+class DPOConfig(configs.HardwareAware, configs.SaveFields, trl.DPOConfig):
     __doc__ = trl.DPOConfig.__doc__
 
 

@@ -10,7 +10,7 @@ from trl_ext.trainers.mixin import TrlExtMixin
 
 
 @dataclass
-class KTOConfig(configs.HardwareAware, configs.SaveOptions, trl.KTOConfig):
+class KTOConfig(configs.HardwareAware, configs.SaveFields, trl.KTOConfig):
     __doc__ = trl.KTOConfig.__doc__
 
 

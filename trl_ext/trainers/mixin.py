@@ -32,6 +32,7 @@ from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
 from trl_ext.scheduling import outcome, ownership, preemption
 from trl_ext.scheduling.orchestrators import torchrun
+from trl_ext.settings.trainer_options import SaveOptions
 from trl_ext.trainers import compat, components, configs
 
 
@@ -272,7 +273,7 @@ class TrlExtMixin:
         try:
             saving.save(self.model, output_dir or self.args.output_dir, processing_class=self.processing_class,
                         training_args=self.args,
-                        max_shard_size=getattr(self.args, "max_shard_size", saving.DEFAULT_MAX_SHARD_SIZE),
+                        max_shard_size=SaveOptions.of(self.args).max_shard_size,
                         is_writer=self.writes_files(), into=self._checkpoints.collecting)
         except CheckpointError as exc:
             diverged = self._diverged(exc)

@@ -10,12 +10,12 @@ import trl
 
 from trl_ext import patches
 from trl_ext.data import model_paths
+from trl_ext.settings import trainer_options
 from trl_ext.trainers import configs, vllm_checks, weight_sync
 from trl_ext.trainers.mixin import TrlExtMixin
 
 
-def _bounded_weight_sync(trl_module, request_timeout: float = configs.VLLM_REQUEST_TIMEOUT, check_every: int = 1,
-                         check_atol: float = 1e-3):
+def _bounded_weight_sync(trl_module, request_timeout: float, check_every: int, check_atol: float):
     """While TRL's constructor runs, it builds our ``VLLMGeneration`` (the bounded, Hub-named weight sync, proven in
     colocate mode, and bounded waits on a vLLM server) instead of its own: TRL creates the object inline in
     ``__init__`` and offers no hook to choose its class."""
@@ -33,11 +33,10 @@ class _OnlineRLMixin:
                           peft_config=bound.arguments.get("peft_config"))
 
     def _around_trl_init(self, bound: inspect.BoundArguments):
-        args = bound.arguments.get("args")
-        timeout = getattr(args, "vllm_request_timeout", configs.VLLM_REQUEST_TIMEOUT)
-        return _bounded_weight_sync(sys.modules[self._trl_class.__module__], timeout,
-                                    getattr(args, "vllm_check_sync_every", 1),
-                                    getattr(args, "vllm_check_sync_atol", 1e-3))
+        args = bound.arguments.get("args")  # read now: TRL builds its vLLM client in its constructor
+        server, check = trainer_options.VLLMServerOptions.of(args), trainer_options.VLLMSyncCheckOptions.of(args)
+        return _bounded_weight_sync(sys.modules[self._trl_class.__module__], server.vllm_request_timeout,
+                                    check.vllm_check_sync_every, check.vllm_check_sync_atol)
 
     def _after_trl_init(self) -> None:
         super()._after_trl_init()
@@ -49,7 +48,7 @@ class _OnlineRLMixin:
 
 
 @dataclass
-class GRPOConfig(configs.HardwareAware, configs.SaveOptions, configs.VLLMServerOptions, configs.VLLMSyncCheckOptions,
+class GRPOConfig(configs.HardwareAware, configs.SaveFields, configs.VLLMServerFields, configs.VLLMSyncCheckFields,
                  trl.GRPOConfig):
     __doc__ = trl.GRPOConfig.__doc__
 
@@ -60,7 +59,7 @@ class GRPOTrainer(_OnlineRLMixin, TrlExtMixin, trl.GRPOTrainer):
 
 
 @dataclass
-class RLOOConfig(configs.HardwareAware, configs.SaveOptions, configs.VLLMServerOptions, configs.VLLMSyncCheckOptions,
+class RLOOConfig(configs.HardwareAware, configs.SaveFields, configs.VLLMServerFields, configs.VLLMSyncCheckFields,
                  trl.RLOOConfig):
     __doc__ = trl.RLOOConfig.__doc__
 

@@ -11,7 +11,7 @@ from trl_ext.trainers.mixin import TrlExtMixin
 
 
 @dataclass
-class RewardConfig(configs.HardwareAware, configs.SaveOptions, trl.RewardConfig):
+class RewardConfig(configs.HardwareAware, configs.SaveFields, trl.RewardConfig):
     __doc__ = trl.RewardConfig.__doc__
 
 

@@ -10,7 +10,7 @@ from trl_ext.trainers.mixin import TrlExtMixin
 
 
 @dataclass
-class SFTConfig(configs.HardwareAware, configs.SaveOptions, trl.SFTConfig):
+class SFTConfig(configs.HardwareAware, configs.SaveFields, trl.SFTConfig):
     __doc__ = trl.SFTConfig.__doc__
 
 

@@ -32,7 +32,7 @@ from trl.generation.vllm_client import VLLMClient
 
 from trl_ext.errors import ServerError
 from trl_ext.process import env_rank
-from trl_ext.trainers.configs import VLLM_REQUEST_TIMEOUT
+from trl_ext.settings.trainer_options import VLLMServerOptions
 
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection (each attempt; connection failures are retried as in TRL)
 WATCHDOG_GRACE = 30.0  # the watchdog fires this long after the request bound, so a request's own timeout fires first
@@ -90,7 +90,7 @@ class BoundedVLLMClient(VLLMClient):
         request_timeout: seconds to wait for each answer of the server.
     """
 
-    def __init__(self, *args, request_timeout: float = VLLM_REQUEST_TIMEOUT, **kwargs):
+    def __init__(self, *args, request_timeout: float = VLLMServerOptions.vllm_request_timeout, **kwargs):
         self.request_timeout = request_timeout
         super().__init__(*args, **kwargs)
 

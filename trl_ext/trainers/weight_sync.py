@@ -35,7 +35,7 @@ from trl_ext.errors import ServerError
 from trl_ext.merge.weights import iter_merged_weights
 from trl_ext.process.clean_exit import before_exit
 from trl_ext.process.notices import notice
-from trl_ext.trainers.configs import VLLM_REQUEST_TIMEOUT
+from trl_ext.settings.trainer_options import VLLMServerOptions, VLLMSyncCheckOptions
 from trl_ext.trainers.sync_check import SyncCheck, checksums
 
 
@@ -136,8 +136,9 @@ class BoundedVLLMGeneration(VLLMGeneration):
         request_timeout: server mode's bound on each wait for the server, in seconds (``vllm_request_timeout``).
     """
 
-    def __init__(self, *args, request_timeout: float = VLLM_REQUEST_TIMEOUT, check_every: int = 1,
-                 check_atol: float = 1e-3, **kwargs):
+    def __init__(self, *args, request_timeout: float = VLLMServerOptions.vllm_request_timeout,
+                 check_every: int = VLLMSyncCheckOptions.vllm_check_sync_every,
+                 check_atol: float = VLLMSyncCheckOptions.vllm_check_sync_atol, **kwargs):
         self.request_timeout = request_timeout
         self.current_step = lambda: None  # the trainer sets it: the step a failure is reported at
         self.on_sync = lambda checked: None  # the trainer sets it: whether each colocated sync was checked
@@ -146,7 +147,7 @@ class BoundedVLLMGeneration(VLLMGeneration):
         self.sync_seconds: list[float] = []  # each colocated sync's wall time, its check included
 
     @classmethod
-    def with_timeout(cls, request_timeout: float, check_every: int = 1, check_atol: float = 1e-3):
+    def with_timeout(cls, request_timeout: float, check_every: int, check_atol: float):
         """The class as TRL's trainers call it, with ``request_timeout`` and the sync check's options bound."""
         return functools.partial(cls, request_timeout=request_timeout, check_every=check_every,
                                  check_atol=check_atol)
