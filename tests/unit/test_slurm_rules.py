@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import TrainerControl
 
-from trl_ext.scheduling import deadline, node, outcome, ownership, preemption, restart
+from trl_ext.scheduling import deadline, failure_limit, node, outcome, ownership, preemption, restart
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
 
@@ -19,7 +19,8 @@ JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", 
 @pytest.fixture
 def in_job(monkeypatch, tmp_path):
     """This process as one of job 4242's ranks on its first node, first run, with a run directory."""
-    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", restart.MAX_FAILURES_ENV):
+    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", failure_limit.MAX_FAILURES_ENV,
+                *failure_limit.FORMER_NAMES):
         monkeypatch.delenv(key, raising=False)
     for key, value in JOB.items():
         monkeypatch.setenv(key, value)
@@ -123,10 +124,12 @@ def test_a_node_slurm_shows_down_makes_an_unexplained_failure_a_lost_node(in_job
     assert decision.action == restart.REQUEUE and "node(s) n2 stopped responding" in decision.line
 
 
-def test_the_limit_is_the_users(in_job, monkeypatch, tmp_path):
+@pytest.mark.parametrize("name", [failure_limit.MAX_FAILURES_ENV, "TRL_EXT_SLURM_MAX_FAILURES"])
+def test_the_limit_is_the_users(in_job, monkeypatch, tmp_path, name):
     _trained_into(in_job, tmp_path / "out", [])
-    monkeypatch.setenv(restart.MAX_FAILURES_ENV, "0")
-    assert restart.decide(restart.LOST, run_dir=str(in_job)).action == restart.FAILED
+    monkeypatch.setenv(name, "0")  # the one setting, or its former Slurm name
+    decision = restart.decide(restart.LOST, run_dir=str(in_job))
+    assert decision.action == restart.FAILED and f"the limit is 0, {name}" in decision.line
 
 
 def test_a_run_that_failed_before_choosing_its_directory_counts_its_restarts(in_job, monkeypatch):
@@ -140,7 +143,7 @@ def test_the_record_belongs_to_its_job_only(in_job, tmp_path, monkeypatch):
     ownership.update(out, failures=1)
     monkeypatch.setenv("SLURM_JOB_ID", "99")
     ownership.update(out, failures=7)  # another job's run cannot change it
-    assert ownership.record(out) == {"run": "slurm-4242", "failures": 1} and not ownership.is_own(out)
+    assert ownership.record(out) == {"run": "slurm-4242", "attempts": 1, "failures": 1} and not ownership.is_own(out)
     assert ownership.newest_checkpoint(out) == 0 and ownership.newest_checkpoint(tmp_path / "missing") == 0
 
 

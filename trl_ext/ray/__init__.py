@@ -43,7 +43,8 @@ def fit(train, output_dir: str, *args, accelerate_config: str | None = None,
         accelerate_config: an accelerate config (``accelerate_configs/zero3.yaml``), or None for data parallel.
         num_workers: a number, or ``(MIN, MAX)`` (or ``"MIN-MAX"``) for an elastic group; default one per GPU of the
             cluster, 2 per node without GPUs.
-        max_failures: lost workers or nodes the run survives (default ``TRL_EXT_RAY_MAX_FAILURES``, else 3).
+        max_failures: lost workers or nodes the run survives (default ``TRL_EXT_MAX_FAILURES``, else the former
+            ``TRL_EXT_RAY_MAX_FAILURES``, else 3).
         run: the run's identity (default: the Ray job's, else a new one); the same identity resumes the same run.
         address: the cluster (default ``RAY_ADDRESS``, else the one started on this machine).
         wait: seconds to wait for the cluster to have room for the minimum (default ``TRL_EXT_RAY_WAIT_S``, else 300).

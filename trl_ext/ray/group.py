@@ -11,8 +11,9 @@
      its name), so that each committed checkpoint is registered with Ray where it is (``reporting``); Ray keeps its
      own small files there (``checkpoint_manager_snapshot.json``);
    - ``FailureConfig(max_failures=K)``: a lost worker or node costs a restart of the group, at most K times
-     (``TRL_EXT_RAY_MAX_FAILURES``, default 3); an error of the run's own is never retried (``controller.Verdict``);
-     a group that cannot start waits at most the stated time too.
+     (``TRL_EXT_MAX_FAILURES``, default 3; the former ``TRL_EXT_RAY_MAX_FAILURES`` is still read; Ray Train counts
+     every restart of the group, even one after new checkpoints); an error of the run's own is never retried
+     (``controller.Verdict``); a group that cannot start waits at most the stated time too.
 4. A group that stopped to grow (``growth``) is started again, larger; any other ending is the run's: its ``Result``,
    or one line that says why it failed.
 
@@ -30,11 +31,10 @@ import time
 from trl_ext.errors import RunFailed
 from trl_ext.ray import cluster, failures
 from trl_ext.ray.worker import GROW, Task
-from trl_ext.scheduling import ownership
+from trl_ext.scheduling import failure_limit, ownership
 from trl_ext.scheduling.outcome import ERROR
 
 WAIT_ENV, WAIT_SECONDS = "TRL_EXT_RAY_WAIT_S", 300.0  # for room, and for a group that cannot start
-MAX_FAILURES_ENV, MAX_FAILURES = "TRL_EXT_RAY_MAX_FAILURES", 3
 CONNECT_SECONDS = 30.0  # for an address where nothing answers
 START_SECONDS = 30.0  # Ray Train's wait for a group's workers to start, before it tries again (its default: 60 s)
 NEVER = 1e9  # Ray Train's own resize of a running elastic group: off (it would not save first; ``growth`` does)
@@ -105,7 +105,7 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
         task: what every worker runs (``Task.run``, ``Task.output_dir`` set).
         asked: ``(MIN, MAX)`` workers, or None for the default (``cluster.plan``).
         say: prints one line.
-        max_failures: lost workers or nodes the run survives (default ``TRL_EXT_RAY_MAX_FAILURES``, else 3).
+        max_failures: lost workers or nodes the run survives (default ``failure_limit.max_failures()``).
         wait: seconds to wait for room (default ``TRL_EXT_RAY_WAIT_S``, else 300).
 
     Returns:
@@ -118,7 +118,7 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
     import ray
 
     wait = seconds_from_env(WAIT_ENV, WAIT_SECONDS) if wait is None else wait
-    max_failures = int(seconds_from_env(MAX_FAILURES_ENV, MAX_FAILURES)) if max_failures is None else max_failures
+    max_failures = failure_limit.max_failures() if max_failures is None else max_failures
     group = cluster.plan(cluster.alive(ray.nodes()), asked)
     cluster.wait_for_room(ray.nodes, group, wait, say)
     if task.claim:  # before Ray writes its own files there
@@ -174,7 +174,8 @@ def _failed(task: Task, exc: BaseException, max_failures: int, wait: float) -> R
     if workers:
         _, line = failures.verdict(workers)
         return RunFailed(f"Ray run {task.run} failed: workers were lost {max_failures + 1} time(s), more than "
-                         f"max_failures={max_failures} ({MAX_FAILURES_ENV}) allows; the last: {line}", kind="peer")
+                         f"max_failures={max_failures} ({failure_limit.setting()}) allows; the last: {line}",
+                         kind="peer")
     if cause is not None and "StartupTimeout" in type(cause).__name__:
         return RunFailed(f"Ray run {task.run} failed: its worker group could not start within {wait:.0f} s "
                          f"({WAIT_ENV}); the cluster lacks the room it had when the run began", kind="setup")

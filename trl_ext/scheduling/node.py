@@ -19,7 +19,8 @@ When its processes end, the launcher reads what its ranks left (``scheduling.out
 machine ended, with an exit code a scheduler can act on (``scheduling.restart``; Kubernetes failure policies match
 them): 0, 128 + the signal of a planned stop (138 for the warning, 143 for SIGTERM; the ranks themselves end quietly,
 with 0, so that torchrun prints no traceback for it), ``restart.LOST`` (200) when its ranks lost a peer or their
-machine, ``restart.ERROR`` (201) for an error of their own.
+machine, ``restart.ERROR`` (201) for an error of their own, ``failure_limit.GAVE_UP`` (202) when the run failed too
+often in a row without a new checkpoint.
 """
 
 import os
@@ -29,7 +30,7 @@ import subprocess
 import sys
 
 from trl_ext.errors import SetupError, UsageError
-from trl_ext.scheduling import orchestrators, outcome, ownership, rendezvous, restart
+from trl_ext.scheduling import failure_limit, orchestrators, outcome, ownership, rendezvous, restart
 from trl_ext.scheduling.orchestrators import torchrun
 from trl_ext.scheduling.ownership import RUN_ENV
 
@@ -148,6 +149,9 @@ def ending(run: str, code: int) -> tuple[int, str | None]:
         return code, f"stopped on {what}, with {os.path.basename(stop['checkpoint'])} saved (exit {code})"
     if code == 0:
         return 0, None
+    gave_up = [f for f in failures if f["kind"] == outcome.GAVE_UP]
+    if gave_up:
+        return failure_limit.GAVE_UP, gave_up[0]["error"].removeprefix(f"{failure_limit.GaveUp.__name__}: ")
     errors = [f for f in failures if f["kind"] == outcome.ERROR]
     if errors:
         return restart.ERROR, f"rank {errors[0]['rank']} failed: {errors[0]['error']} (exit {restart.ERROR})"

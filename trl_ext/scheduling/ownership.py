@@ -2,10 +2,11 @@
 
 A run is known by its orchestrator's identity (``orchestrators.Job.run``: a Slurm job id, a SkyPilot task id, a
 TrainJob's name, torchrun's ``--rdzv-id``, ``TRL_EXT_RUN_ID``). A directory becomes a run's when the run first
-claims it (``claim``): a hidden file, ``.trl_ext-run``, holds the run's identity and its record (failures in a row
-without a new checkpoint, the newest checkpoint seen at the last failure, how long a checkpoint and a step took). The
-same run, restarted (a requeued Slurm job, torchrun's restart, recreated pods, a recovered SkyPilot task), trains on
-into its own directory and resumes from it (``is_own``); a fresh run never resumes another run's directory by itself.
+claims it (``claim``): a hidden file, ``.trl_ext-run``, holds the run's identity and its record (its attempts, failures
+in a row without a new checkpoint and the newest checkpoint seen when they were counted: ``failure_limit``; how long a
+checkpoint and a step took). The same run, restarted (a requeued Slurm job, torchrun's restart, recreated pods, a
+recovered SkyPilot task), trains on into its own directory and resumes from it (``is_own``); a fresh run never resumes
+another run's directory by itself.
 Under the node launcher each claim also tells it, on the first machine, where the run trains (in the machine's
 ``run_dir``): under Slurm the batch script reads the record there to decide whether to requeue the job
 (``restart``).
@@ -23,6 +24,7 @@ from trl_ext.scheduling import orchestrators
 RUN_MARKER = ".trl_ext-run"  # in an output directory: the run that trains into it, and its record
 RUN_ENV = "TRL_EXT_RUN_DIR"  # for the ranks: their machine's run directory (``run_dir``), set by the node launcher
 OUTPUT_DIR_NOTE = "output_dir"  # in the first node's run directory: where this run trains
+claimed_here: set[str] = set()  # the output directories this process marked for its run (its first attempt there)
 
 
 def record(output_dir: str | os.PathLike) -> dict:
@@ -79,7 +81,8 @@ def claim(output_dir: str | os.PathLike, run: str | None = None) -> None:
         return
     if run_of(output_dir) is None:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        _write(output_dir, {"run": run})
+        _write(output_dir, {"run": run, "attempts": 1})
+        claimed_here.add(os.path.abspath(output_dir))
     if job is None:
         return
     run = os.environ.get(RUN_ENV)
@@ -98,6 +101,17 @@ def update(output_dir: str | os.PathLike, **fields) -> None:
     run = current_run()
     if current and (run is None or current["run"] == run):
         _write(output_dir, {**current, **fields})
+
+
+def replace_record(output_dir: str | os.PathLike, data: dict) -> None:
+    """Write ``data`` whole as the record in ``output_dir`` (a copy of the run's record kept elsewhere, restored).
+
+    Args:
+        output_dir: the run's output directory (it exists).
+        data: the record (``run`` and what was recorded).
+    """
+    _write(output_dir, data)
+    claimed_here.discard(os.path.abspath(output_dir))  # an earlier attempt's record now
 
 
 def newest_checkpoint(output_dir: str | os.PathLike) -> int:

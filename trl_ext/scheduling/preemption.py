@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 
 from trl_ext import patches
 from trl_ext.process import HOSTED, decided_on_rank0, end_together, max_over_ranks, notice
-from trl_ext.scheduling import deadline, outcome, ownership
+from trl_ext.scheduling import deadline, failure_limit, outcome, ownership
 from trl_ext.settings.trainer_options import SaveOptions
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -185,6 +185,8 @@ class Preemption(TrainerCallback):
             self.before_exit()
         name = signal.Signals(self.stopping).name
         checkpoint = f"{args.output_dir.rstrip('/')}/checkpoint-{state.global_step}"
+        if getattr(args, "process_index", 0) == 0:
+            failure_limit.stopped(args.output_dir)  # a planned stop: the next attempt does not count it as a failure
         if self.reason is not None:
             notice(f"{self.reason}: saved {checkpoint} (step {state.global_step}) and stopped")
             sys.exit(exit_code(self.stopping))

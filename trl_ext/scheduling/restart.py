@@ -15,26 +15,25 @@ and exits with ``FINISHED``, ``REQUEUE``, ``STOPPED`` or ``FAILED`` (``recipes/s
   back, or ``scancel --signal=TERM`` without ``--full``. Requeue, counted as a failure below (a checkpoint was saved).
 - ``LOST`` (a node's ranks lost a peer or their node), 137 (a process killed with SIGKILL: the OOM killer, a node
   going away), srun's codes for a node it cannot reach, or a node of the job that Slurm shows not responding or down:
-  requeue, unless the job already failed this way ``TRL_EXT_SLURM_MAX_FAILURES`` times in a row (3 by default)
-  without committing a new checkpoint.
+  requeue, unless the job already failed this way ``TRL_EXT_MAX_FAILURES`` times in a row (3 by default; the former
+  ``TRL_EXT_SLURM_MAX_FAILURES`` is still read) without committing a new checkpoint: ``failure_limit``'s rule, applied
+  here before the job is requeued.
 - ``ERROR`` (a rank raised an error of its own) or anything else: failed, once; requeuing a bug would loop forever.
 """
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 
-from trl_ext.scheduling import orchestrators, outcome, ownership
+from trl_ext.scheduling import failure_limit, orchestrators, outcome, ownership
 
 FINISHED, REQUEUE, STOPPED, FAILED = 0, 10, 11, 12  # this module's answer to the batch script
 WARNED, TERMINATED, KILLED = 138, 143, 137  # 128 + SIGUSR1, SIGTERM, SIGKILL
 LOST, ERROR = 200, 201  # a node launcher's codes: above every 128 + signal, so that srun's highest code is ours
 # srun's own code when it cannot launch on or reach a node: Slurm's communication errors 1001-1004, modulo 256
 UNREACHABLE = (233, 234, 235, 236)
-MAX_FAILURES_ENV, MAX_FAILURES = "TRL_EXT_SLURM_MAX_FAILURES", 3
 _UNWELL = ("NOT_RESPONDING", "DOWN", "FAIL", "POWERED_DOWN", "REBOOT")  # node states: the node is lost to the job
 
 
@@ -56,13 +55,6 @@ class Decision:
 def _slurm_job() -> orchestrators.Job | None:
     job = orchestrators.current()
     return job if job is not None and job.orchestrator == "Slurm" else None
-
-
-def max_failures() -> int:
-    """Failures in a row without a new checkpoint after which a lost peer or node no longer requeues the job
-    (``TRL_EXT_SLURM_MAX_FAILURES``, default 3; 0 never requeues on a failure)."""
-    value = os.environ.get(MAX_FAILURES_ENV, "")
-    return int(value) if value.strip().isdigit() else MAX_FAILURES
 
 
 def unwell_nodes(node_list: str) -> list[str]:
@@ -97,7 +89,8 @@ def decide(status: int, warned: bool = False, terminated: bool = False, run_dir:
         terminated: the batch script received SIGTERM (the job is being requeued, preempted or cancelled).
         run_dir: the first node's run directory (where the run said which output directory it trains in).
         unwell: the job's nodes that Slurm shows not responding or down.
-        limit: failures in a row without a new checkpoint that still requeue (default: ``max_failures()``).
+        limit: failures in a row without a new checkpoint that still requeue (default: ``failure_limit.max_failures()``,
+            the rule every orchestrator's runs follow).
 
     Returns:
         The decision.
@@ -131,10 +124,10 @@ def decide(status: int, warned: bool = False, terminated: bool = False, run_dir:
     if unwell and "stopped responding" not in why:
         why += f"; Slurm shows {', '.join(unwell)} not responding"
     failures, since = _count_failure(run_dir)
-    limit = max_failures() if limit is None else limit
+    limit = failure_limit.max_failures() if limit is None else limit
     if failures > limit:
         return Decision(FAILED, f"{why}: {failures} failures in a row without a new checkpoint (the limit is {limit}, "
-                        f"{MAX_FAILURES_ENV}); not requeued", status)
+                        f"{failure_limit.setting()}); not requeued", status)
     return Decision(REQUEUE, f"{why}: requeued (failure {failures} of {limit} in a row without a new checkpoint"
                     f"{since}): it runs again on the nodes Slurm gives it and resumes", status)
 
@@ -148,7 +141,7 @@ def _count_failure(run_dir: str | None) -> tuple[int, str]:
         job = _slurm_job()
         return (job.restart + 1 if job else 1), ""
     newest = ownership.newest_checkpoint(output_dir)
-    failures = 1 if newest > int(record.get("checkpoint", 0)) else int(record.get("failures", 0)) + 1
+    failures, _ = failure_limit.next_count({**record, "stopped": False, "gave_up": False}, newest)  # the one rule
     ownership.update(output_dir, failures=failures, checkpoint=newest)
     return failures, f"; newest checkpoint-{newest}" if newest else "; no checkpoint yet"
 

@@ -25,9 +25,10 @@ from trl_ext.engines import (
     sharded,
 )
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
-from trl_ext.mirror import Mirror
+from trl_ext.mirror import Mirror, run_record
 from trl_ext.process import warning_filter
 from trl_ext.process.clean_exit import destroy_gloo_group_at_exit
+from trl_ext.process.collectives import decided_on_rank0
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
 from trl_ext.scheduling import outcome, ownership, preemption
@@ -69,6 +70,10 @@ class TrlExtMixin:
         if ownership.is_own(training_args.output_dir):
             outcome.refuse_after_error(training_args.output_dir)  # refused before the model loads
         self._mirror = Mirror.for_args(training_args)  # checkpoint_mirror: the store checked before the model loads
+        # and one that failed too often in a row without a new checkpoint (the count kept on the mirror too), decided
+        # on rank 0's view of the directory for every rank (a node-local disk may hold no record on the others)
+        store = self._mirror.store if self._mirror is not None else None
+        decided_on_rank0(lambda: run_record.begin_attempt(store, training_args.output_dir))
         if self._fused_lm_head:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)

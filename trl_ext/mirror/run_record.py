@@ -1,0 +1,69 @@
+"""The run's record (``scheduling.ownership``: its failed attempts in a row, the newest checkpoint it had then) kept
+beside its mirrored checkpoints too, at the mirror's top (``trl_ext-run-record.json``): a run recovered onto an empty
+disk (a SkyPilot task on new VMs, a pod on a new node without its volume) keeps its count of failed attempts
+(``scheduling.failure_limit``) as it keeps its checkpoints.
+"""
+
+import os
+from pathlib import Path
+
+from trl_ext.mirror.store import Store
+from trl_ext.scheduling import failure_limit, ownership
+
+NAME = "trl_ext-run-record.json"
+
+
+def restore(store: Store, output_dir: str | Path) -> None:
+    """Where the mirror holds this run's record and the output directory holds none, or one this process has just
+    made (``ownership.claimed_here``: a fresh disk), make the mirror's the output directory's.
+
+    Args:
+        store: the run's mirror (global rank 0).
+        output_dir: the run's output directory.
+    """
+    mirrored = store.read_json(NAME) or {}
+    run = ownership.current_run()
+    if not run or mirrored.get("run") != run:
+        return
+    if ownership.record(output_dir) and os.path.abspath(output_dir) not in ownership.claimed_here:
+        return  # the disk kept the run's own record (or holds another run's: refused elsewhere)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    ownership.replace_record(output_dir, mirrored)
+
+
+def save(store: Store, output_dir: str | Path) -> None:
+    """Copy the output directory's record of this run to the mirror (nothing when it holds no record of this run).
+
+    Args:
+        store: the run's mirror (global rank 0).
+        output_dir: the run's output directory.
+    """
+    local = ownership.record(output_dir)
+    if local and local.get("run") == ownership.current_run():
+        store.write_json(NAME, local)
+
+
+def newest_complete(store: Store) -> int:
+    """The step of the mirror's newest complete checkpoint (0: none)."""
+    return next(iter(store.complete()), 0)
+
+
+def begin_attempt(store: Store | None, output_dir: str | Path) -> None:
+    """``failure_limit.begin`` with the run's mirror, if it has one: its record restored first where the disk lacks it,
+    its newest complete checkpoint counted as progress, and the record copied back whatever the verdict.
+
+    Args:
+        store: the run's mirror (None without one); call this on global rank 0.
+        output_dir: the run's output directory.
+
+    Raises:
+        failure_limit.GaveUp: the run failed too often in a row without a new checkpoint.
+    """
+    if store is None:
+        failure_limit.begin(output_dir)
+        return
+    restore(store, output_dir)
+    try:
+        failure_limit.begin(output_dir, newest=newest_complete(store))
+    finally:
+        save(store, output_dir)
