@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 CRDS = Path(os.environ.get("TRL_EXT_CRDS", REPO.parent / "shared" / "crds"))  # another folder of CRDs: TRL_EXT_CRDS
 KUBERNETES = sorted((REPO / "examples" / "kubernetes").glob("*.yaml"))
 SKYPILOT = sorted((REPO / "examples" / "skypilot").glob("*.yaml"))
-# trl_ext's exit codes (trl_ext/scheduling/restart.py, errors.UsageError), written here as the manifests must say them
-LOST, ERROR, USAGE, TERMINATED = 200, 201, 1, 143
+# trl_ext's exit codes (trl_ext/scheduling/restart.py, failure_limit.py, errors.UsageError), written here as the
+# manifests must say them
+LOST, ERROR, GAVE_UP, USAGE, TERMINATED = 200, 201, 202, 1, 143
 ROOT_METADATA = {"name", "namespace", "labels", "annotations"}
 
 
@@ -207,7 +208,9 @@ def test_jobsets_restart_a_lost_peer_and_never_an_error_of_the_runs_own():
     assert jobset_layouts()
     for doc, spec in jobset_layouts():
         policy = spec["failurePolicy"]
-        assert policy["maxRestarts"] >= 1  # 200 (a lost peer), 143 (preempted): no rule matches, JobSet restarts
+        # 200 (a lost peer), 143 (preempted): no rule matches, JobSet restarts; trl_ext's rule (202) bounds the
+        # restarts, since maxRestarts counts every restart, even one after new checkpoints
+        assert policy["maxRestarts"] > 3 * 10
         # with the default Recreate a new pod can start while an old one still saves its SIGTERM checkpoint
         assert policy["restartStrategy"] == "BlockingRecreate"
         assert [r["action"] for r in policy["rules"]] == ["FailJobSet"]
@@ -222,7 +225,7 @@ def test_jobsets_restart_a_lost_peer_and_never_an_error_of_the_runs_own():
             rules = job_spec["podFailurePolicy"]["rules"]
             fail = [r for r in rules if r["action"] == "FailJob"]
             assert len(fail) == 1 and fail[0]["onExitCodes"]["operator"] == "In"
-            assert set(fail[0]["onExitCodes"]["values"]) == {USAGE, ERROR}  # never LOST, never TERMINATED
+            assert set(fail[0]["onExitCodes"]["values"]) == {USAGE, ERROR, GAVE_UP}  # never LOST, TERMINATED
 
 
 def test_leaderworkerset_restarts_only_what_a_restart_can_fix():
@@ -230,7 +233,7 @@ def test_leaderworkerset_restarts_only_what_a_restart_can_fix():
     assert doc["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
     script = doc["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["command"][2]
     stays = re.search(r"^\s*([\d|]+)\) .*\n.*sleep infinity & wait", script, re.M)
-    assert stays and set(map(int, stays.group(1).split("|"))) == {0, USAGE, ERROR}, script
+    assert stays and set(map(int, stays.group(1).split("|"))) == {0, USAGE, ERROR, GAVE_UP}, script
     assert "trap 'kill -TERM $pid' TERM" in script  # SIGTERM reaches the recipe (its checkpoint) through the shell
 
 
@@ -318,7 +321,7 @@ def test_skypilot_tasks_bring_the_code_keep_the_checkpoints_and_map_exit_codes(n
     if "--checkpoint_mirror" in words:  # a bucket needs its cloud's role: a recovery elsewhere could not reach it
         assert task["resources"].get("infra") or task["resources"].get("cloud"), task["resources"]
     recovery = task["resources"]["job_recovery"]
-    assert recovery["max_restarts_on_errors"] == 0  # 201 and 1: an error of the run's own is not restarted
+    assert recovery["max_restarts_on_errors"] == 0  # 201, 202 and 1: not restarted (nor is any other code)
     assert set(recovery["recover_on_exit_codes"]) == {TERMINATED, LOST}
 
 
@@ -347,7 +350,7 @@ def _lws_script(stand_in: str) -> str:
     return script.replace(recipe.group(0), f"{stand_in} &")
 
 
-@pytest.mark.parametrize("code,exits", [(200, True), (143, True), (0, False), (1, False), (201, False)])
+@pytest.mark.parametrize("code,exits", [(200, True), (143, True), (0, False), (1, False), (201, False), (202, False)])
 def test_the_leaderworkerset_command_passes_on_only_what_a_restart_can_fix(code, exits):
     import signal
     import subprocess

@@ -33,7 +33,7 @@ from tests.s3_server import S3Server
 from trl_ext.assets import arith_model_path
 from trl_ext.assets.datasets import DATA_DIR
 from trl_ext.files.audit import audit
-from trl_ext.mirror import manifest
+from trl_ext.mirror import manifest, run_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -183,10 +183,18 @@ def test_a_skypilot_job_trains_one_run_on_every_vm_and_recovers_on_new_ones_from
         (hold / "release-checkpoint-4").touch()
         again = _skypilot(tmp_path, "recovered", argv, {**env, "TRL_EXT_TEST_RUNS": "none"})
         codes = [vm.wait(900) for vm in again]
+        mirrored = json.loads((s3.data / bucket / "sft" / run_record.NAME).read_text())
     log = again[0].output
     assert codes == [0, 0], "\n".join(vm.output[-4000:] for vm in again)
     assert "this run's mirror" in log and f"/sft/checkpoint-2 into {out}/checkpoint-2" in log, log[-6000:]
     assert "it was an earlier attempt" in log  # the lease of the run's own dead VMs is taken over
+    # the count of failed attempts came back from the mirror onto the empty disk: the first VMs' attempt was one,
+    # after checkpoint-2 (the mirror's newest complete one), so the limit is still far
+    assert "attempt 2: the attempt before it did not finish (1 failed attempt(s) in a row without a new checkpoint; " \
+           "the limit is 3, TRL_EXT_MAX_FAILURES)" in log, log[-6000:]
+    record = json.loads((out / ".trl_ext-run").read_text())
+    assert [record[k] for k in ("attempts", "failures", "checkpoint")] == [2, 1, 2], record
+    assert [mirrored[k] for k in ("run", "attempts", "failures")] == [record["run"], 2, 1], mirrored
     state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["global_step"] == 6 and len(list((out / "checkpoint-6").glob("rng_state_*.pth"))) == 4  # 4 ranks
     report = audit(str(out))
