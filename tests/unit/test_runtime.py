@@ -131,3 +131,23 @@ def test_gpu_machines_keep_every_precision_setting(gpu, monkeypatch, tmp_path):
     runtime.adapt_to_hardware(args)
     assert args.bf16 is None and args.deepspeed == str(path)
     assert runtime.os.environ["ACCELERATE_MIXED_PRECISION"] == "bf16"
+
+
+def test_activation_offloading_without_an_accelerator_is_refused_in_one_line(cpu_only):
+    """On a CUDA build of torch without a driver (torch from PyPI on a CPU machine) TRL fails with CUDA's multi-line
+    error; on a CPU build, with one line of its own. Both before anything trains."""
+    from types import SimpleNamespace
+
+    from trl_ext.errors import SetupError
+
+    runtime.check_offloading_has_an_accelerator(SimpleNamespace(activation_offloading=False))
+    runtime.check_offloading_has_an_accelerator(SimpleNamespace())  # a config without the field (Reward, KTO)
+    with pytest.raises(SetupError) as refused:
+        runtime.check_offloading_has_an_accelerator(SimpleNamespace(activation_offloading=True))
+    assert "\n" not in str(refused.value) and "activation_offloading=False" in str(refused.value)
+
+
+def test_activation_offloading_is_left_to_trl_on_a_gpu(gpu):
+    from types import SimpleNamespace
+
+    runtime.check_offloading_has_an_accelerator(SimpleNamespace(activation_offloading=True, use_cpu=False))

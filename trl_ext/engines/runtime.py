@@ -130,3 +130,20 @@ def check_distributed_setup(args) -> None:
             "On a machine without a GPU, pass ddp_backend='gloo' or build the config from trl_ext "
             "(`from trl_ext import DPOConfig`), which sets it for you."
         )
+
+
+def check_offloading_has_an_accelerator(args) -> None:
+    """Refuse TRL's activation offloading without an accelerator, in one line, before the model loads: it moves
+    activations with a CUDA/XPU device's streams. TRL fails too, later: on a CPU build of torch with one line, on a CUDA
+    build without a driver (torch from PyPI on a CPU machine) with CUDA's multi-line error.
+
+    Args:
+        args: the training config (``activation_offloading``, TRL's SFT and DPO configs).
+
+    Raises:
+        errors.SetupError: ``activation_offloading=True`` on a machine without an accelerator, or with ``use_cpu``.
+    """
+    if getattr(args, "activation_offloading", False) and (getattr(args, "use_cpu", False) or not has_accelerator()):
+        raise SetupError("activation_offloading=True needs a GPU: TRL's activation offloading moves activations with "
+                         "a CUDA or XPU device's streams, and this run has none. Set activation_offloading=False "
+                         "(--activation_offloading false), or train on a GPU.")

@@ -66,6 +66,7 @@ class TrlExtMixin:
             bound.arguments["args"] = training_args = configs.from_training_arguments(
                 training_args, self._config_class, self._trl_class)
         runtime.check_distributed_setup(training_args)
+        runtime.check_offloading_has_an_accelerator(training_args)
         outcome.watch(training_args.output_dir)  # restarted by its orchestrator, an error of its own is not repeated:
         if ownership.is_own(training_args.output_dir):
             outcome.refuse_after_error(training_args.output_dir)  # refused before the model loads
