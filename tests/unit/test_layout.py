@@ -9,8 +9,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trl_ext"
 # Lowest first: a module may import from its own room and from the rooms before it, never from a later one.
-FLOORS = ["process", "errors", "patches", "assets", "engines", "files", "scheduling", "data", "saving", "merge",
-          "mirror", "resuming", "trainers", "launching", "ray", "cli", "__main__", "__init__"]
+FLOORS = ["settings", "process", "errors", "patches", "assets", "engines", "files", "scheduling", "data", "saving",
+          "merge", "mirror", "resuming", "trainers", "launching", "ray", "cli", "__main__", "__init__"]
 
 
 def _room(module: str) -> str:
