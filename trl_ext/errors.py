@@ -17,6 +17,7 @@ VERIFICATION = "verification"  # written files that failed their check (kept for
 ABANDONED = "abandoned"  # a mirror's transfer stopped on purpose (a grace period ran out)
 STALLED = "stalled"  # a mirror's store silent too long after training ended: the uploads stop
 LOCAL_FILE = "local-file"  # a local file a mirror could not read or write (never retried)
+GAVE_UP = "gave-up"  # a run that failed too often in a row without a new checkpoint (scheduling.failure_limit)
 
 
 class TrlExtError(Exception):
@@ -170,6 +171,33 @@ class UsageError(SystemExit):
 
     def __str__(self) -> str:
         return f"error: {self.message}"
+
+
+class GaveUp(SystemExit):
+    """A run that failed too often in a row without a new checkpoint (``scheduling.failure_limit``): this attempt stops
+    with exit code ``EXIT_CODE`` (202), which no example's orchestrator restarts. Global rank 0 says the one line; the
+    other ranks raise it too (it is decided on rank 0), quietly.
+
+    Args:
+        message: the one line.
+    """
+
+    kind = GAVE_UP
+    EXIT_CODE = 202  # above every 128 + signal; not 200 (restarted) or 201 (an error of the run's own)
+
+    def __init__(self, message: str, quiet: bool = False):
+        self.message = message
+        if not quiet and env_rank() == 0:
+            import sys
+
+            print(f"[trl_ext] {message}", file=sys.stderr, flush=True)
+        super().__init__(self.EXIT_CODE)
+
+    def __reduce__(self):  # the copy another rank raises: rank 0 has said it
+        return type(self), (self.message, True)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def combined(failures: list[TrlExtError], prefer: tuple[str, ...] = ()) -> TrlExtError:

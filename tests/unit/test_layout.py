@@ -142,3 +142,18 @@ def test_the_orchestrators_variable_scan_sees_every_kind_of_read():
     found = _orchestrator_variables_named(source, "probe.py")
     assert found == ["probe.py:3 names SLURM_NODEID", "probe.py:4 names MASTER_PORT",
                      "probe.py:5 names orchestrators.NODE_ENV (TRL_EXT_NODE)", "probe.py:6 names RANK"], found
+
+
+def test_one_name_one_thing_across_the_rooms():
+    """No class and no module name is defined twice in the package (``__init__`` and ``__main__`` aside): a reader
+    who meets ``Job`` or ``options`` in one room never has to ask which one it is."""
+    classes, modules = {}, {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(REPO))
+        if path.stem not in ("__init__", "__main__"):
+            modules.setdefault(path.stem, []).append(where)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(where)
+    twice = {name: at for name, at in {**classes, **modules}.items() if len(at) > 1}
+    assert not twice, twice

@@ -12,7 +12,7 @@ One word, one meaning (saving's words are in ``trl_ext.saving``'s glossary, and 
 - **mirror**: the prefix in object storage a run's checkpoints and final model go to (``checkpoint_mirror``).
 - **store**: that object storage, through fsspec (``store.Store``); its **failures** are what a later attempt may get
   past (connection errors, timeouts, 5xx, throttling: ``store.is_store_failure``), and only they are sent again.
-- **upload**: one committed checkpoint or saved model sent to the mirror (an ``outbox.Job``); **queued** in the
+- **upload**: one committed checkpoint or saved model sent to the mirror (an ``outbox.Upload``); **queued** in the
   uploader until it is **complete**: its **manifest** (sizes and checksums) written last.
 - **outbox**: where an upload's files wait, hard-linked in the output directory (``.trl_ext-mirror``), until it is
   complete; what a run leaves there, the next run on the output directory uploads.

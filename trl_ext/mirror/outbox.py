@@ -16,7 +16,7 @@ JOB_FILE = "job.json"
 
 
 @dataclass
-class Job:
+class Upload:
     """One upload: a committed ``checkpoint-N`` or a saved model, hard-linked under ``folder``.
 
     Args:
@@ -39,19 +39,19 @@ class Job:
         return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != JOB_FILE)
 
 
-def put(source: Path, folder: Path, rel: str, step: int | None, top_files_only: bool = False) -> Job:
+def put(source: Path, folder: Path, rel: str, step: int | None, top_files_only: bool = False) -> Upload:
     """Hard-link the files of ``source`` (a committed checkpoint, or a saved model: ``top_files_only``, the regular
     files at its top) into the outbox's ``folder``; copied where the file system has no hard links.
 
     Args:
         source: the committed checkpoint or saved model.
         folder: its folder in the outbox (replaced if there).
-        rel: the remote folder (see ``Job``).
+        rel: the remote folder (see ``Upload``).
         step: the checkpoint's step (None for a model).
         top_files_only: only the regular files at the top of ``source`` (a model saved in output_dir).
 
     Returns:
-        The ``Job``, described in ``folder/job.json`` too (so that a later run can finish it).
+        The ``Upload``, described in ``folder/job.json`` too (so that a later run can finish it).
     """
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -64,12 +64,12 @@ def put(source: Path, folder: Path, rel: str, step: int | None, top_files_only: 
             os.link(path, target)
         except OSError:  # no hard links here (some network file systems): a copy, slower but as safe
             shutil.copy2(path, target)
-    job = Job(rel, step, str(folder))
+    job = Upload(rel, step, str(folder))
     (folder / JOB_FILE).write_text(json.dumps({"rel": rel, "step": step, "folder": str(folder)}))
     return job
 
 
-def pending(root: Path) -> list[Job]:
+def pending(root: Path) -> list[Upload]:
     """The uploads an earlier run on this machine left in the outbox ``root``, oldest checkpoint first, models last.
 
     Args:
@@ -82,7 +82,7 @@ def pending(root: Path) -> list[Job]:
     for path in sorted(root.glob(f"*/{JOB_FILE}")) if root.is_dir() else []:
         try:
             raw = json.loads(path.read_text())
-            jobs.append(Job(raw["rel"], raw["step"], str(path.parent)))
+            jobs.append(Upload(raw["rel"], raw["step"], str(path.parent)))
         except (OSError, ValueError, KeyError):
             shutil.rmtree(path.parent, ignore_errors=True)
     return sorted(jobs, key=lambda j: (j.step is None, j.step or 0))

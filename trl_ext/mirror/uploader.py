@@ -33,7 +33,7 @@ from pathlib import Path
 
 from trl_ext.errors import ABANDONED, STALLED, MirrorError, TrlExtError
 from trl_ext.mirror import lease, manifest
-from trl_ext.mirror.outbox import Job
+from trl_ext.mirror.outbox import Upload
 from trl_ext.mirror.store import Store, first_line, is_store_failure
 from trl_ext.process.clean_exit import before_exit
 from trl_ext.settings.trainer_options import MirrorOptions
@@ -163,10 +163,10 @@ class Uploader:
                  signal_grace: float = MirrorOptions.mirror_grace_period):
         self.store, self.holder, self.outbox_root, self.keep = store, holder, outbox_root, keep
         self.protected, self.say, self.exit_grace, self.signal_grace = protected, say, exit_grace, signal_grace
-        self._queue: deque[Job] = deque()
+        self._queue: deque[Upload] = deque()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._current: Job | None = None
+        self._current: Upload | None = None
         self._current_bytes = [0, 0]  # uploaded, total of the job in flight
         self._cancel = threading.Event()
         self._renew_due = time.monotonic() + lease.RENEW_SECONDS
@@ -184,7 +184,7 @@ class Uploader:
         before_exit(self.finish_at_exit)
 
     # ------------------------------------------------------------------------------------------- training side
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Upload) -> None:
         """Queue ``job`` (training goes on at once); queued checkpoints that retention would delete right after they
         completed are dropped."""
         with self._lock:
@@ -363,7 +363,7 @@ class Uploader:
         self.say(f"mirror {self.store.shown}: another {other.describe()} took it over; this run uploads nothing more "
                  "(its checkpoints stay local)")
 
-    def _give_up(self, job: Job | None) -> None:
+    def _give_up(self, job: Upload | None) -> None:
         with self._lock:
             left = [j.name for j in ([job] if job else []) + list(self._queue)]
             self._queue.clear()
@@ -372,7 +372,7 @@ class Uploader:
                  f"training ended ({self.outage.error}); only local: {', '.join(left)} (kept in "
                  f"{self.outbox_root}; the next run here finishes the upload)")
 
-    def _broken(self, job: Job | None, exc: BaseException) -> None:
+    def _broken(self, job: Upload | None, exc: BaseException) -> None:
         """An error of our own (not the store's): said once, with its type and first line; nothing more is uploaded
         (it would only repeat), what is left stays in the outbox for a later run, and training raises it at its next
         step."""
@@ -385,7 +385,7 @@ class Uploader:
                  f"store's ({first_line(exc)}); only local: {', '.join(left) or 'nothing yet'} (kept in "
                  f"{self.outbox_root}; the next run with this output_dir uploads them). Please report it")
 
-    def _resend(self, job: Job) -> None:
+    def _resend(self, job: Upload) -> None:
         """The store failed ``job`` after its client's own retries: it goes first in the queue again, sent
         ``RESEND_SECONDS`` later (sooner when stopped), or, once training has ended and the store has been silent
         for ``STALL_SECONDS``, is given up on."""
@@ -426,7 +426,7 @@ class Uploader:
                      f"({self._lag_text()})")
         return result
 
-    def _upload(self, job: Job) -> None:
+    def _upload(self, job: Upload) -> None:
         started = time.monotonic()
         files = job.files()
         folder = Path(job.folder)

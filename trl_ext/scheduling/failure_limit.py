@@ -21,44 +21,18 @@ Nothing here imports torch or transformers: an attempt decides before it loads a
 import os
 import sys
 
-from trl_ext.process.ranks import env_rank
-from trl_ext.scheduling import orchestrators, outcome, ownership
+from trl_ext.errors import GaveUp
+from trl_ext.scheduling import orchestrators, ownership
+
+__all__ = ["GAVE_UP", "GaveUp", "begin", "max_failures", "next_count", "setting", "stopped"]
 
 MAX_FAILURES_ENV, MAX_FAILURES = "TRL_EXT_MAX_FAILURES", 3
 # the settings' earlier names, under the one orchestrator each applied to: still read, where the new one is unset
 FORMER_NAMES = ("TRL_EXT_SLURM_MAX_FAILURES", "TRL_EXT_RAY_MAX_FAILURES")
-GAVE_UP = 202  # above every 128 + signal; not 200 (restarted) or 201 (an error of the run's own)
+GAVE_UP = GaveUp.EXIT_CODE  # 202
 # Slurm's batch script counts between attempts (``restart``); a Ray driver restarts its group within one attempt
 NOT_COUNTED = ("Slurm", "Ray")
 _begun: set[str] = set()  # output directories whose attempt this process has counted (the recipe, then the trainer)
-
-
-class GaveUp(SystemExit):
-    """The run failed too often in a row without a new checkpoint: this attempt stops with exit code ``GAVE_UP``.
-    The one line is said by global rank 0 (every rank raises it, through ``decided_on_rank0``)."""
-
-    kind = outcome.GAVE_UP
-
-    def __init__(self, message: str):
-        self.message = message
-        if env_rank() == 0:
-            _say(message)
-        super().__init__(GAVE_UP)
-        outcome.record(self)  # for the node launcher, whose own code this becomes (torchrun's would be 1)
-
-    def __reduce__(self):
-        return _quiet, (self.message,)
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def _quiet(message: str) -> GaveUp:  # the copy another rank raises: rank 0 has said it
-    error = GaveUp.__new__(GaveUp)
-    error.message = message
-    SystemExit.__init__(error, GAVE_UP)
-    outcome.record(error)
-    return error
 
 
 def max_failures() -> int:

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 
-from trl_ext.errors import SetupError, UsageError
+from trl_ext.errors import GaveUp, SetupError, UsageError
 from trl_ext.scheduling import failure_limit, orchestrators, outcome, ownership, rendezvous, restart
 from trl_ext.scheduling.orchestrators import torchrun
 from trl_ext.scheduling.ownership import RUN_ENV
@@ -151,7 +151,7 @@ def ending(run: str, code: int) -> tuple[int, str | None]:
         return 0, None
     gave_up = [f for f in failures if f["kind"] == outcome.GAVE_UP]
     if gave_up:
-        return failure_limit.GAVE_UP, gave_up[0]["error"].removeprefix(f"{failure_limit.GaveUp.__name__}: ")
+        return failure_limit.GAVE_UP, gave_up[0]["error"].removeprefix(f"{GaveUp.__name__}: ")
     errors = [f for f in failures if f["kind"] == outcome.ERROR]
     if errors:
         return restart.ERROR, f"rank {errors[0]['rank']} failed: {errors[0]['error']} (exit {restart.ERROR})"

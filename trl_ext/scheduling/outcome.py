@@ -20,12 +20,14 @@ import shutil
 import sys
 from pathlib import Path
 
+from trl_ext import errors
 from trl_ext.errors import UsageError
 from trl_ext.process.ranks import env_rank
 from trl_ext.scheduling import orchestrators, ownership
 from trl_ext.scheduling.ownership import RUN_ENV
 
-PEER, ERROR, GAVE_UP = "peer", "error", "gave-up"  # GAVE_UP: failure_limit stopped the run (its errors' kind)
+PEER, ERROR = "peer", "error"
+GAVE_UP = errors.GAVE_UP  # failure_limit stopped the run (errors.GaveUp's kind)
 ATTEMPTS = ".trl_ext-attempts"  # in an output directory: how each attempt of a restarted run ended, one folder each
 # What the transports say when the other end of a collective is gone (gloo, NCCL, TCPStore, sockets).
 PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
@@ -42,7 +44,7 @@ def kind_of(exc: BaseException) -> str:
         exc: the exception that ended the rank.
 
     Returns:
-        ``PEER``, ``ERROR``, or ``GAVE_UP`` for ``failure_limit.GaveUp``.
+        ``PEER``, ``ERROR``, or ``GAVE_UP`` for ``errors.GaveUp``.
     """
     if getattr(exc, "kind", None) == GAVE_UP:
         return GAVE_UP

@@ -38,7 +38,7 @@ _UNWELL = ("NOT_RESPONDING", "DOWN", "FAIL", "POWERED_DOWN", "REBOOT")  # node s
 
 
 @dataclass(frozen=True)
-class Decision:
+class BatchAction:
     """What the job does next.
 
     Args:
@@ -80,7 +80,7 @@ def unwell_nodes(node_list: str) -> list[str]:
 
 
 def decide(status: int, warned: bool = False, terminated: bool = False, run_dir: str | None = None,
-           unwell: list[str] = (), limit: int | None = None) -> Decision:
+           unwell: list[str] = (), limit: int | None = None) -> BatchAction:
     """The job's next move after its step ended with ``status``; a failure that requeues is counted in the job's record.
 
     Args:
@@ -100,18 +100,18 @@ def decide(status: int, warned: bool = False, terminated: bool = False, run_dir:
     stops = {s["signal"] for s in outcome.stops(run_dir)} if run_dir else set()
     first_node = {f["kind"] for f in outcome.failures(run_dir)} if run_dir else set()
     if status == 0:
-        return Decision(FINISHED, "finished", 0)
+        return BatchAction(FINISHED, "finished", 0)
     if status == WARNED or "SIGUSR1" in stops:
-        return Decision(REQUEUE, "stopped on the time-limit warning with a checkpoint; requeued: it runs again with "
-                        "the same id and resumes from it", WARNED)
+        return BatchAction(REQUEUE, "stopped on the time-limit warning with a checkpoint; requeued: it runs again with "
+                           "the same id and resumes from it", WARNED)
     if terminated:
         what = "stopped on SIGTERM with a checkpoint" if status == TERMINATED or stops else \
             f"signalled by Slurm (SIGTERM) while its step ended with exit {status}"
-        return Decision(STOPPED, f"{what}: a job that Slurm requeues (scontrol requeue, preemption, a node failure) "
-                        "runs again and resumes from its newest checkpoint; a cancelled one does not", status)
+        return BatchAction(STOPPED, f"{what}: a job that Slurm requeues (scontrol requeue, preemption, a node failure) "
+                           "runs again and resumes from its newest checkpoint; a cancelled one does not", status)
     if status == ERROR or outcome.ERROR in first_node:  # srun's code may be another node's, killed after the error
-        return Decision(FAILED, f"failed: a rank raised an error (exit {status}; the log above has it); not requeued",
-                        status)
+        return BatchAction(FAILED, f"failed: a rank raised an error (exit {status}; the log above has it); not "
+                           "requeued", status)
     why = ("its ranks stopped on a SIGTERM for the step alone, with a checkpoint (a signal Slurm held for the job's "
            "earlier run, delivered late by a node that came back; or scancel --signal=TERM without --full)"
            if "SIGTERM" in stops else
@@ -120,15 +120,15 @@ def decide(status: int, warned: bool = False, terminated: bool = False, run_dir:
            f"srun could not reach a node (Slurm error {status + 768})" if status in UNREACHABLE else
            f"node(s) {', '.join(unwell)} stopped responding" if unwell else None)
     if why is None:
-        return Decision(FAILED, f"failed (exit {status}); not requeued", status)
+        return BatchAction(FAILED, f"failed (exit {status}); not requeued", status)
     if unwell and "stopped responding" not in why:
         why += f"; Slurm shows {', '.join(unwell)} not responding"
     failures, since = _count_failure(run_dir)
     limit = failure_limit.max_failures() if limit is None else limit
     if failures > limit:
-        return Decision(FAILED, f"{why}: {failures} failures in a row without a new checkpoint (the limit is {limit}, "
-                        f"{failure_limit.setting()}); not requeued", status)
-    return Decision(REQUEUE, f"{why}: requeued (failure {failures} of {limit} in a row without a new checkpoint"
+        return BatchAction(FAILED, f"{why}: {failures} failures in a row without a new checkpoint (the limit is "
+                           f"{limit}, {failure_limit.setting()}); not requeued", status)
+    return BatchAction(REQUEUE, f"{why}: requeued (failure {failures} of {limit} in a row without a new checkpoint"
                     f"{since}): it runs again on the nodes Slurm gives it and resumes", status)
 
 

@@ -26,8 +26,8 @@ class HardwareAware:
 
 
 @dataclass
-class SaveFields(trainer_options.config_fields(trainer_options.SaveOptions),
-                 trainer_options.config_fields(trainer_options.MirrorOptions)):
+class SaveFields(trainer_options.config_fields(trainer_options.MirrorOptions),  # fields: the last base's first
+                 trainer_options.config_fields(trainer_options.SaveOptions)):
     """The save path's and the checkpoint mirror's fields (every config); the mirror's address and storage options are
     checked as the config is built."""
 

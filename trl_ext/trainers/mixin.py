@@ -24,7 +24,7 @@ from trl_ext.engines import (
     runtime,
     sharded,
 )
-from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError
+from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError, GaveUp
 from trl_ext.mirror import Mirror, run_record
 from trl_ext.process import warning_filter
 from trl_ext.process.clean_exit import destroy_gloo_group_at_exit
@@ -74,7 +74,11 @@ class TrlExtMixin:
         # and one that failed too often in a row without a new checkpoint (the count kept on the mirror too), decided
         # on rank 0's view of the directory for every rank (a node-local disk may hold no record on the others)
         store = self._mirror.store if self._mirror is not None else None
-        decided_on_rank0(lambda: run_record.begin_attempt(store, training_args.output_dir))
+        try:
+            decided_on_rank0(lambda: run_record.begin_attempt(store, training_args.output_dir))
+        except GaveUp as gave_up:
+            outcome.record(gave_up)  # for this machine's node launcher, whose exit code it becomes (202)
+            raise
         if self._fused_lm_head:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
