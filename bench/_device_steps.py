@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import _device_figures
+
 from tests.saved_compare import REL_TOL, outputs_close, same_tensors
 
 BENCH = Path(__file__).resolve().parent
@@ -84,8 +86,9 @@ def throughput(check, deadline: float) -> dict:
     peak = check.results["env"].get("peak_bf16_tflops")
     cmd = [sys.executable, str(BENCH / "gpu.py"), "--trainers", "sft", "dpo", "--tunings", "lora", "full", "--gc", "on",
            "--impls", "trl", "trl_ext", "--json", str(out)]
-    # All runs in one process: each run's own would cost a start-up (TRL's imports) eight times over. Peak memory is
-    # counted over what the process held before each run; a run that fails does not stop the others.
+    # All runs in one process: each run's own would cost a start-up (TRL's imports) eight times over. Each run's peak
+    # is measured from a reset once the earlier runs' memory is freed (bench/_gpu_worker.py says why, and reports
+    # what was still held); a run that fails does not stop the others.
     cmd += ["--one_process"]
     if check.smoke:
         cmd += ["--smoke"]
@@ -95,9 +98,11 @@ def throughput(check, deadline: float) -> dict:
     found = json.loads(out.read_text()) if out.exists() else {"rows": [], "failures": []}
     rows, checks, goals = [], {}, {}
     for r in found["rows"]:
+        floor = _device_figures.memory_floor(r["figures"]) if r.get("figures") else None
         rows.append({"workload": f"{r['trainer'].upper()} {r['tuning']}", "impl": r["impl"],
                      "tokens/s": r["tokens_per_s"], "TFLOP/s": r["tflops"], "MFU %": r["mfu_percent"],
-                     "peak mem GiB": r["peak_mem_gib"], "step s": r["step_s"], "step vs TRL": r["step_vs_trl"]})
+                     "peak mem GiB": r["peak_mem_gib"], "floor GiB": None if floor is None else floor / 2**30,
+                     "step s": r["step_s"], "step vs TRL": r["step_vs_trl"]})
     expected = {(t, tu, i) for t in ("sft", "dpo") for tu in ("lora", "full") for i in ("trl", "trl_ext")}
     got = {(r["trainer"], r["tuning"], r["impl"]) for r in found["rows"]}
     checks["every workload ran"] = listed([f"{t} {tu} {i} missing" for t, tu, i in sorted(expected - got)]
@@ -113,9 +118,61 @@ def throughput(check, deadline: float) -> dict:
                 gap = trl["mfu_percent"] - ours["mfu_percent"]
                 goals[f"{name}: MFU within 2 points of TRL's"] = ok(gap <= 2, f"{ours['mfu_percent']:.1f}% vs "
                                                                              f"{trl['mfu_percent']:.1f}%")
+    self_checks = figure_checks(by, checks, on_gpu=not check.smoke)
     notes = [f"{found.get('device')}: {(found.get('params') or 0) / 1e6:.0f}M parameters; MFU against "
              + (f"{found['peak_tflops']:g} TFLOP/s (dense bf16)" if found.get("peak_tflops") else "no known peak")]
-    return {"rows": rows, "checks": checks, "goals": goals, "notes": notes}
+    held = {f"{t.upper()} {tu} {i}": r["held_before_bytes"] for (t, tu, i), r in by.items()
+            if r.get("held_before_bytes")}
+    if held:  # it can only raise a peak, never lower it below the floor; shown so that a high peak can be read
+        notes.append("memory still held when a run started (in its peak): "
+                     + ", ".join(f"{k} {_device_figures.size(v)}" for k, v in held.items()))
+    return {"rows": rows, "checks": checks, "goals": goals, "notes": notes, "self_checks": self_checks}
+
+
+def figure_checks(by: dict, checks: dict, on_gpu: bool) -> list[dict]:
+    """The throughput step's self-checks (bench/_device_figures.py), TRL's side by trl_ext's for each workload: the
+    rows of the table's self-check section. Adds to ``checks``, per workload: the figures are equal but for the
+    differences trl_ext makes on purpose, and on a GPU, each side's measured peak reaches its memory floor.
+
+    Args:
+        by: bench/gpu.py's rows by (trainer, tuning, impl).
+        checks: the step's checks, added to.
+        on_gpu: whether peaks were measured (the floor is checked on a GPU only; on the CPU it is printed).
+
+    Returns:
+        ``[{"workload", "self-check", "trl", "trl_ext", "verdict"}]``.
+    """
+    rows = []
+    for t, tu in dict.fromkeys((t, tu) for t, tu, _ in by):  # the throughput table's order
+        name = f"{t.upper()} {tu}"
+        sides = {impl: by.get((t, tu, impl)) for impl in ("trl", "trl_ext")}
+        figures = {impl: (r or {}).get("figures") for impl, r in sides.items()}
+        if not all(figures.values()):
+            missing = [impl for impl, f in figures.items() if not f]
+            checks[f"{name}: self-checks"] = ok(False, f"no figures from {', '.join(missing)}: the run did not reach "
+                                                       "its first step's end")
+            continue
+        comparison = _device_figures.compare(figures["trl"], figures["trl_ext"])
+        rows += [{"workload": name, "self-check": c["figure"], "trl": c["trl"], "trl_ext": c["trl_ext"],
+                  "verdict": c["verdict"]} for c in comparison]
+        wrong = _device_figures.unexplained(comparison)
+        checks[f"{name}: self-checks, TRL and trl_ext train the same"] = ok(
+            not wrong, "; ".join(wrong) or "; ".join(c["verdict"] for c in comparison if not c["equal"]))
+        verdicts = {impl: _device_figures.floor_verdict(r.get("lowest_peak_mem_bytes") if on_gpu else None,
+                                                        figures[impl]) for impl, r in sides.items()}
+        rows.append({"workload": name, "self-check": _device_figures.FLOOR_LABEL,
+                     **{impl: _device_figures.size(v["floor_bytes"]) for impl, v in verdicts.items()},
+                     "verdict": "weights + gradients of trainable params + optimizer states after step 1"})
+        peaks = {impl: _device_figures.size(r.get("lowest_peak_mem_bytes")) if on_gpu else "not measured (CPU)"
+                 for impl, r in sides.items()}
+        failed = [f"{impl}: {v['reason']}" for impl, v in verdicts.items() if v["ok"] is False]
+        rows.append({"workload": name, "self-check": _device_figures.PEAK_LABEL, **peaks,
+                     "verdict": "FAIL " + "; ".join(failed) if failed else
+                     ("ok: every peak >= its floor" if on_gpu else "floor not checked on the CPU")})
+        if on_gpu:
+            for impl, v in verdicts.items():
+                checks[f"{name} {impl}: peak memory >= its floor"] = ok(v["ok"], v["reason"])
+    return rows
 
 
 # --- 2. whole checkpoints, foreground vs background ------------------------------------------------------------------
@@ -425,6 +482,9 @@ def table(results: dict, steps: list) -> str:
                      + (f" ({found['seconds']:.0f} s)" if "seconds" in found else ""))
         if found.get("rows"):
             lines += markdown(found["rows"])
+        if found.get("self_checks"):  # what the runs trained, side by side, before their figures are believed
+            lines += ["", "self-checks: TRL vs trl_ext, read after each run's first step",
+                      *markdown(found["self_checks"])]
         for note in found.get("notes", []):
             lines.append(f"note: {note}")
         for check_name, c in found.get("checks", {}).items():

@@ -33,6 +33,7 @@ import traceback
 
 import torch
 import trl
+from _device_figures import collect as collect_figures
 from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 from peft import LoraConfig
@@ -73,6 +74,19 @@ class StepMeter(TrainerCallback):
         self.times.append(time.perf_counter() - self.start)
         self.tokens.append(self._tokens)
         self.lengths.append(self._length)
+
+
+class Figures(TrainerCallback):
+    """What the run trains, read from its trainer after the first optimizer step (bench/_device_figures.py): the
+    self-checks and the memory floor of bench/device_check.py's throughput step."""
+
+    def __init__(self):
+        self.trainer, self.found = None, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.found is None and self.trainer is not None:  # the optimizer's states exist from the first step on
+            t = self.trainer
+            self.found = collect_figures(t.model, t.optimizer, getattr(t, "ref_model", None))
 
 
 def linear_sizes(model) -> tuple[int, int]:
@@ -167,10 +181,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def run(cli: argparse.Namespace) -> dict:
     """One workload (``cli.impl``, ``cli.trainer``, ``cli.tuning``, ``cli.gc``); returns what ``main`` prints."""
     on_gpu = torch.cuda.is_available() and not cli.smoke
-    # Peak memory over what this process held before the run (nothing, unless runs came before it in this process)
-    base = torch.cuda.memory_allocated() if on_gpu else 0
+    # The peak is torch.cuda.max_memory_allocated() itself, from a peak reset here, after what an earlier run of this
+    # process left was freed. Subtracting what the process held at the start (as the 2026-11-28 --one_process run did)
+    # is only right while that memory stays held: leftovers freed during the run make room for the run's own tensors
+    # and the difference undercounts (the likely cause of that run's peaks below the weights, gradients and optimizer
+    # states alone: bench/RESULTS.md). Whatever is still held now can only raise the peak: held_before_bytes says it.
+    gc.collect()
     if on_gpu:
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    held_before = torch.cuda.memory_allocated() if on_gpu else 0
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     shape = SHAPE_SMOKE if cli.smoke else SHAPE_0P5B
     config = LlamaConfig(max_position_embeddings=2 * cli.seq_len, pad_token_id=tokenizer.pad_token_id,
@@ -195,9 +215,11 @@ def run(cli: argparse.Namespace) -> dict:
     if cli.trainer == "dpo" and peft_config is None:  # TRL would reload the reference from the hub name: pass a copy
         extra["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
     meter = StepMeter()
+    figures = Figures()
     dataset = data(cli.trainer, cli.seq_len, rows=cli.steps * per_device)  # one epoch: no row is tokenized for nothing
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[meter], peft_config=peft_config, **extra)
+                          processing_class=tokenizer, callbacks=[meter, figures], peft_config=peft_config, **extra)
+    figures.trainer = trainer
 
     training_step = trainer.training_step  # the same wrapper on both sides: it only reads the batch
 
@@ -222,11 +244,12 @@ def run(cli: argparse.Namespace) -> dict:
         "params": params, "trained_linear": trained, "frozen_linear": frozen,
         "steps_timed": len(times), "step_s": statistics.median(times), "tokens_per_step": statistics.median(tokens),
         "tokens_per_s": sum(tokens) / sum(times), "model_flops_per_s": flops / sum(times),
-        "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if on_gpu else None,
-        "flop_check": flop_check,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+        "peak_mem_bytes": torch.cuda.max_memory_allocated() if on_gpu else None, "held_before_bytes": held_before,
+        "flop_check": flop_check, "figures": figures.found,
     }
     shutil.rmtree(args.output_dir, ignore_errors=True)
-    del trainer, model, extra, counted_step
+    del trainer, model, extra, counted_step, figures
     for cls in (AcceleratorState, GradientState):  # a next run in this process builds its own accelerator
         cls._shared_state.clear()
     gc.collect()

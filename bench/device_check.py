@@ -5,7 +5,10 @@ there, after installing the carried wheels), or with ``--smoke`` the same code o
 
 The steps, in this order, so that a short stretch of GPU time still yields the first ones (bench/_device_steps.py):
 1. ``throughput``: bench/gpu.py on SFT and DPO x LoRA and full, gradient checkpointing on, TRL against trl_ext, a
-   ~0.5B model in bf16: tokens/s, MFU against the card's dense bf16 peak, peak memory, step time over TRL's.
+   ~0.5B model in bf16: tokens/s, MFU against the card's dense bf16 peak, peak memory, step time over TRL's. First
+   its self-checks (bench/_device_figures.py), printed side by side: what each side trained (trainable parameters,
+   optimizer state, dtypes, gradient checkpointing mode, attention), equal or the difference named; on a GPU a
+   workload whose peak memory is below its floor (weights + gradients + optimizer states) fails.
 2. ``checkpoint``: whole checkpoints of a ~0.5B full fine-tune with AdamW (bench/_device_whole_checkpoints.py),
    foreground against ``save_in_background``: how long each holds training, steps with a save in flight against the
    others; the background checkpoints equal the foreground's, pass the audit, reload, and a resume from one is exact.

@@ -8,7 +8,8 @@ full fine-tuning, with and without gradient checkpointing, by TRL's trainers and
     python bench/gpu.py --one_process --json out.json  # every run in one process; the table also as JSON
 
 Each run is its own process (clean peak memory; with ``--one_process`` all runs share one, which saves each one's
-start-up, and peak memory is counted over what the process held before the run), sequence 1024, 8 sequences per step
+start-up: each run's peak is then measured from a reset after the earlier runs' memory was freed, and what was still
+held is reported as held_before_bytes), sequence 1024, 8 sequences per step
 (DPO: 4 pairs, chosen and rejected both counted), 20 steps of which the first 5 are skipped. Runs alternate TRL /
 trl_ext, the order flipping every repeat. Printed per workload: tokens/s, peak GPU memory
 (torch.cuda.max_memory_allocated: weights, optimizer, activations), model TFLOP/s and MFU against the GPU's dense bf16
@@ -78,11 +79,16 @@ def table(results: list[dict], impls: list[str], peak: float | None) -> list[dic
             if not rs:
                 continue
             mem = max((r["peak_mem_gib"] for r in rs if r["peak_mem_gib"] is not None), default=None)
+            # the lowest peak of the runs goes to the device check's memory floor: any run below it was mismeasured
+            low = min((r["peak_mem_bytes"] for r in rs if r.get("peak_mem_bytes") is not None), default=None)
             tflops = med[impl]["model_flops_per_s"] / 1e12
             rows.append({"trainer": key[0], "tuning": key[1], "gc": key[2], "impl": impl, "runs": len(rs),
                          "tokens_per_s": med[impl]["tokens_per_s"], "step_s": med[impl]["step_s"],
                          "peak_mem_gib": mem, "tflops": tflops, "mfu_percent": 100 * tflops / peak if peak else None,
-                         "step_vs_trl": med[impl]["step_s"] / med["trl"]["step_s"] if "trl" in med else None})
+                         "step_vs_trl": med[impl]["step_s"] / med["trl"]["step_s"] if "trl" in med else None,
+                         "lowest_peak_mem_bytes": low, "held_before_bytes": max(r.get("held_before_bytes") or 0
+                                                                                for r in rs),
+                         "figures": next((r["figures"] for r in rs if r.get("figures")), None)})
     return rows
 
 

@@ -54,6 +54,22 @@ def test_the_table_has_every_row(smoke):
     assert "FAIL" not in table and "PASSED" in table
 
 
+def test_self_checks_for_every_workload(smoke):
+    """Before its figures are believed, the throughput step prints what each run trained, TRL's side by trl_ext's:
+    equal, or the difference named; and the peak-memory floor (checked on a GPU only)."""
+    table = (smoke["out"] / "table.txt").read_text()
+    assert "self-checks: TRL vs trl_ext" in table
+    checks = smoke["results"]["steps"]["throughput"]["checks"]
+    for workload in ("SFT lora", "SFT full", "DPO lora", "DPO full"):
+        for figure in ("trainable params", "optimizer state after step 1", "parameter dtypes",
+                       "gradient checkpointing", "attention", "weights (+ reference model)", "peak memory floor",
+                       "peak memory vs floor"):
+            assert f"| {workload} | {figure} |" in table, (workload, figure)
+        assert checks[f"{workload}: self-checks, TRL and trl_ext train the same"]["ok"], checks
+        assert f"{workload} trl: peak memory >= its floor" not in checks  # no peak on the CPU: printed, not judged
+    assert "UNEXPLAINED" not in table and "| peak memory vs floor | not measured (CPU) |" in table
+
+
 def test_background_checkpoints_verify_and_resume_exactly(smoke):
     step = smoke["results"]["steps"]["checkpoint"]
     checks = step["checks"]
