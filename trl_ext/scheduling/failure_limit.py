@@ -32,7 +32,7 @@ FORMER_NAMES = ("TRL_EXT_SLURM_MAX_FAILURES", "TRL_EXT_RAY_MAX_FAILURES")
 GAVE_UP = GaveUp.EXIT_CODE  # 202
 # Slurm's batch script counts between attempts (``restart``); a Ray driver restarts its group within one attempt
 NOT_COUNTED = ("Slurm", "Ray")
-_begun: set[str] = set()  # output directories whose attempt this process has counted (the recipe, then the trainer)
+_begun: set[str] = set()  # output directories whose attempt this process has counted (a notebook's next trainer)
 
 
 def max_failures() -> int:
