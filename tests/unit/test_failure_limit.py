@@ -199,3 +199,22 @@ def test_the_count_survives_a_recovery_onto_an_empty_disk_through_the_mirror(as_
     ownership.claim(tmp_path / "vm5")
     run_record.begin_attempt(store, tmp_path / "vm5")
     assert store.read_json(run_record.NAME)["checkpoint"] == 8
+
+
+def test_a_store_that_fails_costs_the_copy_not_the_run(as_process, tmp_path, caplog):
+    from trl_ext.mirror import run_record
+
+    class Down:
+        def read_json(self, rel):
+            raise ConnectionError("Could not connect to the endpoint URL")
+
+        write_json = complete = read_json
+
+    as_process(ORCHESTRATORS["SkyPilot"])
+    out = tmp_path / "out"
+    ownership.claim(out)
+    as_process({})
+    run_record.begin_attempt(Down(), out)  # counted on disk all the same
+    assert ownership.record(out)["attempts"] == 2
+    said = [r.getMessage() for r in caplog.records if "run's record" in r.getMessage()]
+    assert len(said) == 2 and "could not read" in said[0] and "could not write" in said[1], said

@@ -7,7 +7,8 @@ disk (a SkyPilot task on new VMs, a pod on a new node without its volume) keeps 
 import os
 from pathlib import Path
 
-from trl_ext.mirror.store import Store
+from trl_ext.mirror.store import Store, first_line
+from trl_ext.process import notice
 from trl_ext.scheduling import failure_limit, ownership
 
 NAME = "trl_ext-run-record.json"
@@ -56,14 +57,26 @@ def begin_attempt(store: Store | None, output_dir: str | Path) -> None:
         store: the run's mirror (None without one); call this on global rank 0.
         output_dir: the run's output directory.
 
+    A store that fails here (after its client's own retries) costs the copy, not the run: one line says the count is
+    kept on this disk only, and training starts.
+
     Raises:
         failure_limit.GaveUp: the run failed too often in a row without a new checkpoint.
     """
     if store is None:
         failure_limit.begin(output_dir)
         return
-    restore(store, output_dir)
+    newest = _or_said(lambda: (restore(store, output_dir), newest_complete(store))[1], 0, "read")
     try:
-        failure_limit.begin(output_dir, newest=newest_complete(store))
+        failure_limit.begin(output_dir, newest=newest)
     finally:
-        save(store, output_dir)
+        _or_said(lambda: save(store, output_dir), None, "write")
+
+
+def _or_said(call, otherwise, what: str):
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - the mirror's own uploads report its failures; this copy is a convenience
+        notice(f"checkpoint_mirror: could not {what} the run's record ({NAME}) there ({first_line(exc)}): its count of "
+               "failed attempts is kept in the output directory only")
+        return otherwise
