@@ -59,13 +59,14 @@ def sync_files(directory: Path) -> None:
 def commit(partial: Path, target: Path) -> None:
     """Move a fully written and verified ``partial`` directory to ``target``.
 
-    A missing or empty target is replaced by one atomic rename. A directory that already holds other things (an
-    output_dir with checkpoint-N folders, say) receives the files one rename each: the previous model's files are
-    first moved aside into ``.trl_ext-previous``, and the entry point (index or weights file) comes last, so an
-    interruption never leaves a directory that looks complete but mixes two saves.
+    A missing target is replaced by one atomic rename. A directory that already exists (an output_dir with
+    checkpoint-N folders, say, or a checkpoint-N other ranks write into) receives the files one rename each: the
+    previous model's files are first moved aside into ``.trl_ext-previous``, and the entry point (index or weights
+    file) comes last, so an interruption never leaves a directory that looks complete but mixes two saves.
     """
-    if target.is_dir() and not any(target.iterdir()):
-        target.rmdir()
+    # An existing target, even an empty one, stays in place: another rank may be writing its own files into it (its
+    # RNG state in a checkpoint-N this rank created), and removing it for one rename would pull the directory from
+    # under that write.
     if not target.exists():
         partial.rename(target)
         _fsync_dir(target.parent)

@@ -313,7 +313,14 @@ class Store:
             self._watch()
         elif self.protocol in ("file", "local"):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.fs.put_file(str(local), path, callback=_Stop(cancelled, rel), **kwargs)
+        try:
+            self.fs.put_file(str(local), path, callback=_Stop(cancelled, rel), **kwargs)
+        except Exception as exc:
+            if cancelled() and not isinstance(exc, MirrorError):
+                # s3fs aborts a stopped multipart upload; an abort that botocore sent again after a slow answer finds
+                # it gone already (NoSuchUpload, a FileNotFoundError): stopped all the same
+                raise MirrorError(f"the upload of {rel} was stopped", kind=ABANDONED) from exc
+            raise
         return size, digest
 
     def download(self, rel: str, local: Path | None, cancelled: Callable[[], bool] = lambda: False

@@ -462,7 +462,8 @@ class Uploader:
         self.completed.append((job.rel, seconds))
         if job.step is not None:
             self.remote_step = max(job.step, self.remote_step or 0)
-        shutil.rmtree(job.folder, ignore_errors=True)
+        if not self._cancel.is_set():  # abandoned meanwhile: the exit's line names it as kept in the outbox: it stays
+            shutil.rmtree(job.folder, ignore_errors=True)
         self.say(f"mirror: {job.name} complete at {self.store.url_of(job.rel)} ({len(files)} files, "
                  f"{done.total_bytes / 2**20:.1f} MiB in {seconds:.1f} s)")
         if job.step is not None:
