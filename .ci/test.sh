@@ -35,7 +35,7 @@ echo "=== summary"
 for i in "${!statuses[@]}"; do
     name=$([ "$i" -eq 0 ] && echo "main suite" || echo "${names[$((i - 1))]}")
     log="$logs/$([ "$i" -eq 0 ] && echo main || echo "${names[$((i - 1))]}").log"
-    echo "$name: exit ${statuses[$i]}, $(grep -h '^session time' "$log" | tail -1)"
+    echo "$name: exit ${statuses[$i]}, $(grep -o 'session time: .*' "$log" | tail -1)"
     if [ "${statuses[$i]}" -ne 0 ]; then
         # pytest's own summary lines; a leg that failed before its tests started shows its last lines instead
         grep -hE '^(FAILED|ERROR) |Timeout|^=+ .*(failed|error).* =+$' "$log" | cut -c1-300 || tail -n 15 "$log"
