@@ -66,7 +66,12 @@ def begin_attempt(store: Store | None, output_dir: str | Path) -> None:
     if store is None:
         failure_limit.begin(output_dir)
         return
-    newest = _or_said(lambda: (restore(store, output_dir), newest_complete(store))[1], 0, "read")
+
+    def read() -> int:
+        restore(store, output_dir)
+        return newest_complete(store)
+
+    newest = _or_said(read, 0, "read")
     try:
         failure_limit.begin(output_dir, newest=newest)
     finally:

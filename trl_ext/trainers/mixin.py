@@ -75,7 +75,8 @@ class TrlExtMixin:
         # on rank 0's view of the directory for every rank (a node-local disk may hold no record on the others)
         store = self._mirror.store if self._mirror is not None else None
         try:
-            decided_on_rank0(lambda: run_record.begin_attempt(store, training_args.output_dir))
+            if ownership.current_run() is not None:  # the same on every rank; a run without one has no attempts
+                decided_on_rank0(lambda: run_record.begin_attempt(store, training_args.output_dir))
         except GaveUp as gave_up:
             outcome.record(gave_up)  # for this machine's node launcher, whose exit code it becomes (202)
             raise
