@@ -3,7 +3,7 @@
 ``launch`` (the driver's Python is up), ``start`` (a rank's Python is up, before the recipe's imports), ``trainer`` and
 ``trainer_built`` (the trainer's construction, which loads the model), ``train`` (``train()`` called), ``resumed``
 (DeepSpeed's checkpoint loaded), ``first_step`` and ``step`` (each training step done). The restart is the one the
-orchestrator gives (``scheduling.orchestrators``). ``TRL_EXT_BENCH_RECIPE`` names the recipe;
+orchestrator gives (``placement.orchestrators``). ``TRL_EXT_BENCH_RECIPE`` names the recipe;
 ``TRL_EXT_BENCH_STEP_SECONDS`` slows every step of the first run, so that it is still training when the bench kills a
 node. Under ``accelerate launch`` and under Ray alike the ranks run this file (it stays ``sys.argv[0]``).
 """
@@ -13,7 +13,7 @@ import time
 
 
 def _restart() -> int:
-    from trl_ext.scheduling import orchestrators
+    from trl_ext.placement import orchestrators
 
     job = orchestrators.current()
     return job.restart if job is not None else 0

@@ -96,7 +96,7 @@ class Machine:
 
 def free_ports(count: int = 2) -> int:
     """The first of ``count`` consecutive TCP ports free here now: a job's port and trl_ext's meeting of machines on the
-    next one (``scheduling.rendezvous``). A single free port's neighbour is often taken (an ephemeral port of another
+    next one (``launching.rendezvous``). A single free port's neighbour is often taken (an ephemeral port of another
     connection), and the meeting would then fail to listen.
 
     Returns:

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 CRDS = Path(os.environ.get("TRL_EXT_CRDS", REPO.parent / "shared" / "crds"))  # another folder of CRDs: TRL_EXT_CRDS
 KUBERNETES = sorted((REPO / "examples" / "kubernetes").glob("*.yaml"))
 SKYPILOT = sorted((REPO / "examples" / "skypilot").glob("*.yaml"))
-# trl_ext's exit codes (trl_ext/scheduling/restart.py, failure_limit.py, errors.UsageError), written here as the
+# trl_ext's exit codes (trl_ext/launching/restart.py, failure_limit.py, errors.UsageError), written here as the
 # manifests must say them
 LOST, ERROR, GAVE_UP, USAGE, TERMINATED = 200, 201, 202, 1, 143
 ROOT_METADATA = {"name", "namespace", "labels", "annotations"}
@@ -260,7 +260,7 @@ def pod_env(container: dict, labels: dict) -> dict:
 
 @pytest.mark.parametrize("kind", ["TrainJob", "JobSet", "LeaderWorkerSet"])
 def test_each_pod_gets_its_own_machine_index(kind, monkeypatch):
-    from trl_ext.scheduling import orchestrators
+    from trl_ext.placement import orchestrators
 
     doc = next(doc for _, doc in all_documents() if doc["kind"] == kind)
     name = doc["metadata"]["name"]

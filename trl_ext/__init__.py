@@ -7,10 +7,10 @@ from trl_ext.process.warning_filter import quiet_known_logs
 
 quiet_known_logs()  # before trl imports peft, which imports bitsandbytes (see process/warning_filter.py)
 
+from trl_ext.placement.orchestrators import torchrun  # noqa: E402
 from trl_ext.process import ranks  # noqa: E402
-from trl_ext.scheduling.orchestrators import torchrun  # noqa: E402
 
-# process/ sits below scheduling/: before a process group exists, its rank is the one reader of launchers' variables'
+# process/ sits below placement/: before a process group exists, its rank is the one reader of launchers' variables'
 ranks.launched_by(torchrun.launched_rank, torchrun.launched_world_size)
 
 from typing import TYPE_CHECKING  # noqa: E402

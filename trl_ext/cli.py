@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in trl_cli.COMMANDS:  # TRL's command line, TRL's parser: everything after the name is TRL's
         from trl_ext.launching import launch
         from trl_ext.launching.decision import Become, decide
-        from trl_ext.scheduling import orchestrators
+        from trl_ext.placement import orchestrators
 
         job = orchestrators.current()
         decision = decide(job, accelerate=True)  # once: what this process becomes

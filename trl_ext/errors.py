@@ -17,7 +17,7 @@ VERIFICATION = "verification"  # written files that failed their check (kept for
 ABANDONED = "abandoned"  # a mirror's transfer stopped on purpose (a grace period ran out)
 STALLED = "stalled"  # a mirror's store silent too long after training ended: the uploads stop
 LOCAL_FILE = "local-file"  # a local file a mirror could not read or write (never retried)
-GAVE_UP = "gave-up"  # a run that failed too often in a row without a new checkpoint (scheduling.failure_limit)
+GAVE_UP = "gave-up"  # a run that failed too often in a row without a new checkpoint (placement.failure_limit)
 
 
 class TrlExtError(Exception):
@@ -174,7 +174,7 @@ class UsageError(SystemExit):
 
 
 class GaveUp(SystemExit):
-    """A run that failed too often in a row without a new checkpoint (``scheduling.failure_limit``): this attempt stops
+    """A run that failed too often in a row without a new checkpoint (``placement.failure_limit``): this attempt stops
     with exit code ``EXIT_CODE`` (202), which no example's orchestrator restarts. Global rank 0 says the one line; the
     other ranks raise it too (it is decided on rank 0), quietly.
 

@@ -126,8 +126,8 @@ def test_a_bug_ends_the_run_with_its_error_after_one_attempt(cluster, tmp_path):
 
     from tests.ray.functions import raise_after_a_collective
     from trl_ext.errors import RunFailed
+    from trl_ext.placement import ownership
     from trl_ext.ray import fit
-    from trl_ext.scheduling import ownership
 
     out = tmp_path / "bug"
     started = time.monotonic()

@@ -9,7 +9,7 @@ restart). A test that plays an orchestrator runs it again and again under that o
 import sys
 from pathlib import Path
 
-from trl_ext.scheduling import failure_limit, ownership
+from trl_ext.placement import failure_limit, ownership
 
 out = sys.argv[1]
 failure_limit.begin(out)  # raises GaveUp (exit 202) when the run failed too often in a row

@@ -2,7 +2,7 @@
 slowed steps, a checkpoint write that stalls, a load or a save held until the test releases it, a bug.
 
 ``TRL_EXT_TEST_RECIPE`` names the recipe to run. ``TRL_EXT_TEST_RUNS``: the runs (``SLURM_RESTART_COUNT`` values, or
-elsewhere the restart number the orchestrator gives, as ``scheduling.orchestrators`` reads it: torchrun's
+elsewhere the restart number the orchestrator gives, as ``placement.orchestrators`` reads it: torchrun's
 ``TORCHELASTIC_RESTART_COUNT``, a Ray worker group's;
 comma-separated; default ``0``, the first) that the rest applies to:
 
@@ -45,7 +45,7 @@ def _hold(what: str) -> None:
 def _restart() -> str:
     if os.environ.get("SLURM_RESTART_COUNT"):
         return os.environ["SLURM_RESTART_COUNT"]
-    from trl_ext.scheduling import orchestrators
+    from trl_ext.placement import orchestrators
 
     job = orchestrators.current()
     return str(job.restart if job is not None else 0)

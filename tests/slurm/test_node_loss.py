@@ -6,7 +6,7 @@ committed:
 - ``-N 2`` (one process per node): requeued, it waits for two nodes; n2 comes back (once slurmctld holds no message it
   would send again to n2, `SlurmCluster.retries_pending`), and the job resumes from checkpoint-20 and ends with the
   uninterrupted run's model (a SIGTERM slurmctld still held for the lost run, delivered to the next run's step,
-  requeues it once more: `trl_ext/scheduling/restart.py`);
+  requeues it once more: `trl_ext/launching/restart.py`);
 - ``-N 1-2`` (two processes per node, 24 steps, held in the write of its last checkpoint): it got both nodes while
   they were free; requeued, it goes on on n1 alone, at another number of processes with the same global batch (two
   batches accumulated), and ends on the trajectory of the same job run uninterrupted on one node with two batches

@@ -7,8 +7,8 @@ from transformers import TrainerCallback
 
 import trl_ext
 from trl_ext.saving.checkpoints import CheckpointCallback
-from trl_ext.scheduling.preemption import Preemption
 from trl_ext.trainers.components import joining
+from trl_ext.trainers.preemption import Preemption
 
 ROWS = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
         for i in range(4)]

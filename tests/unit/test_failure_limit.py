@@ -1,4 +1,4 @@
-"""scheduling/failure_limit.py: restarts bounded by one rule of the run's own under every orchestrator (failed attempts
+"""placement/failure_limit.py: restarts bounded by one rule of the run's own under every orchestrator (failed attempts
 in a row without a new checkpoint), with its record in the output directory and on the mirror."""
 
 import json
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trl_ext.scheduling import failure_limit, node, orchestrators, outcome, ownership, restart
+from trl_ext.launching import node, restart
+from trl_ext.placement import failure_limit, orchestrators, outcome, ownership
 
 REPO = Path(__file__).resolve().parents[2]
 ATTEMPT = REPO / "tests" / "scripts" / "attempt.py"

@@ -19,7 +19,7 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 # Rooms a training run does not use: imported when first used, never by the trainers' import.
 NOT_IMPORTED = ("trl_ext.merge", "trl_ext.launching", "trl_ext.cli", "trl_ext.trainers.online",
                 "trl_ext.trainers.weight_sync", "trl_ext.trainers.vllm_server",
-                "trl_ext.scheduling.node", "trl_ext.scheduling.restart", "trl_ext.scheduling.rendezvous", "trl_ext.ray",
+                "trl_ext.launching.node", "trl_ext.launching.restart", "trl_ext.launching.rendezvous", "trl_ext.ray",
                 "trl_ext.assets")
 
 

@@ -163,7 +163,7 @@ _MACHINE = {"orchestrator": "SkyPilot", "per_rank": False, "nodes": 2}
 def test_the_launch_is_one_decision_and_what_it_starts_follows_it(monkeypatch, job, accelerate, carried, become,
                                                                   started_by):
     from trl_ext.launching.decision import Become
-    from trl_ext.scheduling.orchestrators import Job
+    from trl_ext.placement.orchestrators import Job
 
     if carried:
         monkeypatch.setenv(decision.LAUNCH_ENV, carried)

@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trl_ext"
 # Lowest first: a module may import from its own room and from the rooms before it, never from a later one.
-FLOORS = ["settings", "process", "errors", "patches", "assets", "engines", "files", "scheduling", "data", "saving",
+FLOORS = ["settings", "process", "errors", "patches", "assets", "engines", "files", "placement", "data", "saving",
           "merge", "mirror", "resuming", "trainers", "launching", "ray", "cli", "__main__", "__init__"]
 
 
@@ -83,7 +83,7 @@ def test_nothing_under_tests_imports_bench():
 
 
 def _names_an_orchestrators_variable(text) -> bool:
-    from trl_ext.scheduling import orchestrators
+    from trl_ext.placement import orchestrators
 
     return isinstance(text, str) and bool(re.fullmatch(r"[A-Z][A-Z0-9_]*", text)) and (
         text in orchestrators.VARIABLES or text.startswith(orchestrators.PREFIXES))
@@ -113,7 +113,7 @@ def _environ_keys(tree: ast.AST) -> list[tuple[int, ast.expr]]:
 def _orchestrator_variables_named(source: str, where: str) -> list[str]:
     """Where ``source`` names an orchestrator's variable: as a string (a read, a write, a list of them), or as the key
     of an environment read through a name (``os.environ.get(orchestrators.NODE_ENV)``)."""
-    from trl_ext.scheduling import orchestrators
+    from trl_ext.placement import orchestrators
 
     tree = ast.parse(source)
     found = [(node.lineno, node.value) for node in ast.walk(tree)
@@ -128,15 +128,15 @@ def _orchestrator_variables_named(source: str, where: str) -> list[str]:
 def test_only_the_orchestrators_reader_names_their_variables():
     """Every orchestrator's variable (``orchestrators.VARIABLES`` and ``PREFIXES``: Slurm's, torchrun's and
     TorchElastic's, Kubeflow's ``PET_*``, JobSet's, LeaderWorkerSet's, SkyPilot's, Ray's job, ``TRL_EXT_RUN_ID``...) is
-    named, and so read or set, in ``scheduling/orchestrators/`` only: everything else asks the ``Job`` it reads."""
-    reader = PACKAGE / "scheduling" / "orchestrators"
+    named, and so read or set, in ``placement/orchestrators/`` only: everything else asks the ``Job`` it reads."""
+    reader = PACKAGE / "placement" / "orchestrators"
     found = [line for path in sorted(PACKAGE.rglob("*.py")) if reader not in path.parents
              for line in _orchestrator_variables_named(path.read_text(), str(path.relative_to(REPO)))]
     assert not found, "\n".join(found)
 
 
 def test_the_orchestrators_variable_scan_sees_every_kind_of_read():
-    source = ('import os\nfrom trl_ext.scheduling import orchestrators\nrank = os.environ.get("SLURM_NODEID")\n'
+    source = ('import os\nfrom trl_ext.placement import orchestrators\nrank = os.environ.get("SLURM_NODEID")\n'
               'port = os.environ["MASTER_PORT"]\nnode = os.environ.get(orchestrators.NODE_ENV)\n'
               'here = "RANK" in os.environ\nhome = os.environ.get("HOME")\n')
     found = _orchestrator_variables_named(source, "probe.py")
@@ -157,3 +157,49 @@ def test_one_name_one_thing_across_the_rooms():
                 classes.setdefault(node.name, []).append(where)
     twice = {name: at for name, at in {**classes, **modules}.items() if len(at) > 1}
     assert not twice, twice
+
+
+def _starts_or_hooks(path: Path) -> list[str]:
+    """What in one file starts a process or hooks into training: a ``__main__`` block, a process that outlives the call
+    (``Popen``, an exec, a spawn, multiprocessing), a ``TrainerCallback``. A command that answers a question and ends
+    (``subprocess.run(["scontrol", ...])``) starts no process role."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and ast.unparse(node) == "__name__ == '__main__'":
+            found.append(f"{path.name}:{node.lineno} is a python -m entry point")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+            if "multiprocessing" in {str(n).split(".")[0] for n in names}:
+                found.append(f"{path.name}:{node.lineno} imports {', '.join(map(str, names))}")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith(("exec", "spawn", "fork", "Popen")):
+            found.append(f"{path.name}:{node.lineno} calls {ast.unparse(node)}")
+        elif isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("TrainerCallback") for b in node.bases):
+            found.append(f"{path.name}:{node.lineno} defines a trainer callback")
+    return sorted(found, key=lambda hit: int(hit.split(":")[1].split()[0]))
+
+
+def test_where_am_i_starts_nothing_and_every_process_role_is_in_launching():
+    """placement/ answers which job, machine, rank and run this is, and starts nothing; every ``python -m`` entry
+    point of a process role is in launching/ (the command line's and ``trl_ext.ray``'s faces, and the asset builders,
+    aside)."""
+    low = [hit for path in sorted((PACKAGE / "placement").rglob("*.py")) for hit in _starts_or_hooks(path)]
+    assert not low, low
+    faces = {PACKAGE / "__main__.py", PACKAGE / "cli.py", PACKAGE / "ray" / "__main__.py"}
+    entry_points = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
+                    if path not in faces and "assets" not in path.parts
+                    and any("python -m" in hit for hit in _starts_or_hooks(path))]
+    assert entry_points and all(p.startswith("launching/") for p in entry_points), entry_points
+
+
+def test_the_start_and_hook_scan_sees_each_kind():
+    probe = REPO / "tests" / "unit" / "_probe_starts.py"
+    source = ("import multiprocessing\nimport os\nfrom transformers import TrainerCallback\n"
+              "class C(TrainerCallback):\n    pass\nos.execv('x', [])\nif __name__ == '__main__':\n    pass\n")
+    probe.write_text(source)
+    try:
+        assert _starts_or_hooks(probe) == ["_probe_starts.py:1 imports multiprocessing",
+                                           "_probe_starts.py:4 defines a trainer callback",
+                                           "_probe_starts.py:6 calls os.execv",
+                                           "_probe_starts.py:7 is a python -m entry point"]
+    finally:
+        probe.unlink()

@@ -155,7 +155,7 @@ def test_a_resuming_run_takes_over_at_once_from_an_ended_or_dead_run(tmp_path):
 
 
 def test_a_restarted_run_takes_its_own_lease_and_finds_its_mirror(tmp_path, monkeypatch):
-    from trl_ext.scheduling import ownership
+    from trl_ext.placement import ownership
 
     store = Store(f"file://{tmp_path}/mirror")
     monkeypatch.setattr(ownership, "current_run", lambda: "slurm-7")
@@ -481,8 +481,8 @@ def test_a_rank_that_finds_the_checkpoint_rank_0_just_downloaded_still_joins_ran
     take part in the broadcast rank 0 waits in, never skip it (a collective mismatch, seen in a 2-process FSDP2 run)."""
     import torch.distributed as dist
 
+    from trl_ext.placement import orchestrators
     from trl_ext.resuming import mirrored
-    from trl_ext.scheduling import orchestrators
 
     (tmp_path / "checkpoint-2").mkdir()  # what rank 0 downloaded and committed a moment ago
     (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")

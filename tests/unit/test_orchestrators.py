@@ -16,9 +16,9 @@ import pytest
 from tests.harness import REPO
 from tests.machines import free_ports
 from trl_ext.errors import SetupError, UsageError
-from trl_ext.launching import decision, in_process, launch, scripting
+from trl_ext.launching import decision, in_process, launch, node, rendezvous, scripting
+from trl_ext.placement import orchestrators, outcome, ownership
 from trl_ext.process import notices
-from trl_ext.scheduling import node, orchestrators, outcome, ownership, rendezvous
 
 ZERO3 = "accelerate_configs/zero3.yaml"
 # Every variable a reader looks at: each test starts from none of them.
@@ -230,7 +230,7 @@ def test_one_machine_re_launches_under_accelerate(env, execs):
 def test_one_process_per_machine_starts_the_node_launcher_then_the_machines_ranks(env, execs):
     env(**SKYPILOT, PET_NNODES="9")  # a pod's torchrun variables must not reach the machine's own torchrun
     argv, environment = _exec_of(lambda: launch.start("recipes/sft.py", ["--config", ZERO3]))
-    assert argv == [sys.executable, "-m", "trl_ext.scheduling.node", "recipes/sft.py", "--config", ZERO3]
+    assert argv == [sys.executable, "-m", "trl_ext.launching.node", "recipes/sft.py", "--config", ZERO3]
     env(**{orchestrators.NODE_ENV: orchestrators.current().to_env(),  # what the node launcher hands the recipe
            decision.LAUNCH_ENV: environment[decision.LAUNCH_ENV]})
     argv, environment = _exec_of(lambda: launch.start("recipes/sft.py", ["--config", ZERO3, "--x"]))
@@ -245,7 +245,7 @@ def test_a_pytorchjob_pod_other_than_the_first_starts_its_ranks_too(env, execs):
     env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="dpo-master-0", MASTER_PORT="23456", PET_NNODES="2",
         PET_NODE_RANK="1", PET_MASTER_ADDR="dpo-master-0", PET_MASTER_PORT="23456")
     argv, _ = _exec_of(lambda: launch.start("recipes/dpo.py", ["--config", ZERO3]))
-    assert argv[1:3] == ["-m", "trl_ext.scheduling.node"]
+    assert argv[1:3] == ["-m", "trl_ext.launching.node"]
 
 
 def test_processes_that_do_not_divide_among_the_machines_are_refused(env):
@@ -346,7 +346,7 @@ def test_the_exit_codes_a_kubernetes_failure_policy_matches(tmp_path):
 def test_gpus_are_counted_from_what_the_container_sees(monkeypatch, tmp_path):
     """NVIDIA's device plugin sets NVIDIA_VISIBLE_DEVICES, not CUDA_VISIBLE_DEVICES, and a container keeps the host's
     device numbers: a pod given GPUs 4-7 sees /dev/nvidia4 to /dev/nvidia7 and no /dev/nvidia0."""
-    from trl_ext.scheduling.orchestrators import job
+    from trl_ext.placement.orchestrators import job
 
     for name in ("nvidia4", "nvidia5", "nvidia6", "nvidia7", "nvidiactl", "nvidia-uvm", "nvidia-caps", "null"):
         (tmp_path / name).touch()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import TrainerControl
 
-from trl_ext.scheduling import preemption
+from trl_ext.trainers import preemption
 
 
 def _run_until_exit(signum: int, tmp_path) -> tuple[TrainerControl, int]:

@@ -14,10 +14,10 @@ import pytest
 from tests.harness import REPO
 from trl_ext.errors import UsageError
 from trl_ext.launching import decision, launch
+from trl_ext.launching.ray import cluster, failures, recipe, worker
+from trl_ext.placement import orchestrators, outcome, ownership
 from trl_ext.process import notices
-from trl_ext.ray import cluster, failures, recipe, worker
-from trl_ext.scheduling import orchestrators, outcome, ownership
-from trl_ext.scheduling.preemption import Preemption
+from trl_ext.trainers.preemption import Preemption
 
 SUBMITTED = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(
     {"runtime_env": {}, "metadata": {"job_submission_id": "raysubmit_7Tx", "job_name": "raysubmit_7Tx"}})}
@@ -226,7 +226,7 @@ def test_no_cluster_at_an_address_is_said_within_the_stated_time():
     import time
 
     from trl_ext.launching.launch import free_port
-    from trl_ext.ray import group
+    from trl_ext.launching.ray import group
 
     started = time.monotonic()
     with pytest.raises(UsageError, match=r"no Ray cluster at 127\.0\.0\.1:\d+: nothing answered there within 1 s"):
@@ -235,7 +235,7 @@ def test_no_cluster_at_an_address_is_said_within_the_stated_time():
 
 
 def test_trl_ext_never_imports_ray_unless_it_is_used():
-    """No module of trl_ext imports Ray when it is imported (only trl_ext/ray/controller.py, which only Ray's
+    """No module of trl_ext imports Ray when it is imported (only trl_ext/launching/ray/controller.py, which only Ray's
     controller imports); a recipe's launch outside Ray imports none, trl_ext.ray's own package included."""
     import ast
 
@@ -246,9 +246,9 @@ def test_trl_ext_never_imports_ray_unless_it_is_used():
                 isinstance(node, ast.ImportFrom) and node.level == 0) else []
             if any(n == "ray" or n.startswith("ray.") for n in names):
                 top_level.append(str(path.relative_to(REPO)))
-    assert sorted(set(top_level)) == ["trl_ext/ray/controller.py"]
-    code = ("import sys, trl_ext, trl_ext.ray, trl_ext.ray.recipe, trl_ext.ray.group, trl_ext.launching.launch as "
-            "launch, trl_ext.scheduling.orchestrators as o\n"
+    assert sorted(set(top_level)) == ["trl_ext/launching/ray/controller.py"]
+    code = ("import sys, trl_ext, trl_ext.ray, trl_ext.launching.ray.recipe, trl_ext.launching.ray.group\n"
+            "import trl_ext.launching.launch as launch, trl_ext.placement.orchestrators as o\n"
             "o.current(); launch.start('recipes/dpo.py', ['--max_steps', '3'])\n"
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

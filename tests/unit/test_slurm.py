@@ -11,10 +11,10 @@ import pytest
 from tests.harness import REPO
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch, scripting
+from trl_ext.launching import node as node_launcher
+from trl_ext.placement import orchestrators, ownership
+from trl_ext.placement.orchestrators import slurm
 from trl_ext.resuming import choose
-from trl_ext.scheduling import node as node_launcher
-from trl_ext.scheduling import orchestrators, ownership
-from trl_ext.scheduling.orchestrators import slurm
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
 
@@ -156,4 +156,4 @@ def test_the_sbatch_script_parses_and_asks_slurm_for_what_it_needs():
     # (job_mgr.c, _validate_job_desc) and allocates the minimum number of nodes; srun asks for it per step instead.
     assert "#SBATCH --ntasks-per-node" not in text and "#SBATCH --ntasks" not in text
     assert "srun --ntasks-per-node=1" in text
-    assert "python -m trl_ext.scheduling.node" in text and "python -m trl_ext.scheduling.restart" in text
+    assert "python -m trl_ext.launching.node" in text and "python -m trl_ext.launching.restart" in text

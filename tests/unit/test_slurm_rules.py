@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 from transformers import TrainerControl
 
-from trl_ext.scheduling import deadline, failure_limit, node, outcome, ownership, preemption, restart
+from trl_ext.launching import node, restart
+from trl_ext.placement import failure_limit, outcome, ownership
+from trl_ext.trainers import deadline, preemption
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
 

@@ -1,10 +1,10 @@
-"""Which process this one becomes, decided once, in one place, from its job (``scheduling.orchestrators``) and whether
+"""Which process this one becomes, decided once, in one place, from its job (``placement.orchestrators``) and whether
 it runs under accelerate's launch, before torch or TRL is imported:
 
 - ``RAY_DRIVER``: a Ray job's driver: ``python -m trl_ext.ray``, which runs the ranks as a Ray Train worker group;
 - ``NODE_LAUNCHER``: one machine's process of a job that an orchestrator placed on several machines (SkyPilot, pods
   with torchrun's ``PET_*`` variables, LeaderWorkerSet), not yet under the node launcher: ``python -m
-  trl_ext.scheduling.node``, which meets the other machines and runs the same command as its child;
+  trl_ext.launching.node``, which meets the other machines and runs the same command as its child;
 - ``MACHINE``: the node launcher's child: ``accelerate launch`` with the orchestrator's machines, this machine's rank,
   the first machine's address and port;
 - ``ACCELERATE``: a plain process under an accelerate config: ``accelerate launch`` on this machine;
@@ -20,7 +20,7 @@ import enum
 import os
 from dataclasses import dataclass
 
-from trl_ext.scheduling.orchestrators import Job
+from trl_ext.placement.orchestrators import Job
 
 LAUNCH_ENV = "TRL_EXT_LAUNCH"  # "<decision>:<pid of the process that made it>", for what that process starts
 

@@ -70,7 +70,7 @@ def apply(config_file: str, job) -> str:
 
     Args:
         config_file: the accelerate config.
-        job: this rank's ``scheduling.orchestrators.Job``.
+        job: this rank's ``placement.orchestrators.Job``.
 
     Returns:
         The engine it selected, in a few words ("DeepSpeed ZeRO-3", "FSDP2", "data parallel").

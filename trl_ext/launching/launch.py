@@ -3,12 +3,12 @@
 `accelerate launch recipes/dpo.py --config accelerate_configs/zero3.yaml` hands `--config` to the script, not to
 accelerate: with TRL's own scripts such a line fails on unknown keys or trains without DeepSpeed. Here every
 ``--config`` file is read and told apart by content (an accelerate config has ``distributed_type``), and what happens
-depends on who started this process (``scheduling.orchestrators``), decided once (``launching.decision``):
+depends on who started this process (``placement.orchestrators``), decided once (``launching.decision``):
 
 - a rank that torchrun (or ``accelerate launch``) started, on one machine or many, elastic or not: it trains as that
   rank, with the accelerate config applied in this process (``launching.in_process``); nothing is re-launched;
 - one process per machine (Slurm through ``recipes/slurm.sbatch``, SkyPilot, Kubernetes pods with torchrun's ``PET_*``
-  variables, LeaderWorkerSet): the node launcher (``scheduling.node``) starts this machine's ranks with
+  variables, LeaderWorkerSet): the node launcher (``launching.node``) starts this machine's ranks with
   ``accelerate launch --num_machines N --machine_rank R ...``, the orchestrator's machines, address and port in place
   of the config's;
 - a Ray job's driver (``ray job submit -- python recipe.py ...``): it replaces itself by ``python -m trl_ext.ray
@@ -33,9 +33,9 @@ import yaml
 from trl_ext import process
 from trl_ext.errors import UsageError
 from trl_ext.launching.decision import Become, Decision, decide, decided_here, handed_down
+from trl_ext.placement import orchestrators
+from trl_ext.placement.orchestrators import torchrun
 from trl_ext.process import notice
-from trl_ext.scheduling import orchestrators
-from trl_ext.scheduling.orchestrators import torchrun
 
 ACCELERATE_RUN = "trl_ext.launching.accelerate_run"  # accelerate's launch, ending with the ranks' own exit code
 ACCELERATE_KEYS = ("distributed_type", "compute_environment")
@@ -140,7 +140,7 @@ def machine_args(job: orchestrators.Job, num_processes: int | None = None) -> tu
     line that says what they replace.
 
     Args:
-        job: the job, as the node launcher passed it on (``scheduling.node``).
+        job: the job, as the node launcher passed it on (``launching.node``).
         num_processes: the total the user asked for (``--num_processes``), else ``job.per_node`` (or one per GPU, 2
             on CPU) on every machine.
 
@@ -266,7 +266,7 @@ def become_node_launcher(command: list[str]) -> None:
     Args:
         command: the recipe's path and arguments, or ``["trl-ext", <command>, ...]``.
     """
-    _exec([sys.executable, "-m", "trl_ext.scheduling.node", *command], handed_down(Become.NODE_LAUNCHER),
+    _exec([sys.executable, "-m", "trl_ext.launching.node", *command], handed_down(Become.NODE_LAUNCHER),
           strip_launcher=False)
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from trl_ext import patches
 from trl_ext.errors import UsageError
 from trl_ext.launching import launch, rename_probe
+from trl_ext.placement import orchestrators, outcome, ownership
 from trl_ext.process import end_together, env_world_size, notice
 from trl_ext.resuming.choose import last_committed
-from trl_ext.scheduling import orchestrators, outcome, ownership
 from trl_ext.settings.trainer_options import MirrorOptions
 
 TRANSFORMERS_DEFAULT_OUTPUT_DIR = "trainer_output"  # what TrainingArguments picks when none is given
@@ -95,7 +95,7 @@ def prepare_output_dir(training_args, recipe: str, overwrite: bool = False) -> s
 
     ``--resume_from_checkpoint true`` resolves to the last complete ``checkpoint-N`` of the output dir. A run that its
     orchestrator names (a Slurm job, a SkyPilot task, a TrainJob, torchrun's ``--rdzv-id``; see
-    ``scheduling.orchestrators``) gets a default directory named by it, the same when the run is restarted, and marked
+    ``placement.orchestrators``) gets a default directory named by it, the same when the run is restarted, and marked
     for it: restarted, the run trains on into it, and the trainer resumes from the newest checkpoint its earlier
     attempt committed there, by itself (``resuming.choose.after_restart``). Call it on rank 0 (the recipes decide it
     there for every rank).

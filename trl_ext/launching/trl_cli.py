@@ -156,7 +156,7 @@ def run(command: str, argv: list[str], job=None, decision=None) -> int:
     from trl.cli.commands.training import TrainingCommand
 
     from trl_ext.launching.decision import decide
-    from trl_ext.scheduling import orchestrators
+    from trl_ext.placement import orchestrators
 
     if decision is None:
         job = orchestrators.current()

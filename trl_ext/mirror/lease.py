@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from trl_ext.errors import MirrorError
 from trl_ext.mirror.store import Store
-from trl_ext.scheduling import ownership
+from trl_ext.placement import ownership
 
 MARKERS = "trl_ext-mirror-run"  # at the mirror's top: the lease's numbered markers
 LEASE_SECONDS = 120.0  # a marker not renewed for this long is free
@@ -36,7 +36,7 @@ SETTLE_SECONDS = 1.0  # without an atomic create: between writing the marker and
 
 def this_job() -> str | None:
     """What this run shares with its own restarts, recorded as the marker's ``job``: its orchestrator's run identity
-    (a Slurm job id, a SkyPilot task, a TrainJob, torchrun's --rdzv-id: ``scheduling.orchestrators``), or None."""
+    (a Slurm job id, a SkyPilot task, a TrainJob, torchrun's --rdzv-id: ``placement.orchestrators``), or None."""
     return ownership.current_run()
 
 

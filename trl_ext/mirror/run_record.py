@@ -1,15 +1,15 @@
-"""The run's record (``scheduling.ownership``: its failed attempts in a row, the newest checkpoint it had then) kept
+"""The run's record (``placement.ownership``: its failed attempts in a row, the newest checkpoint it had then) kept
 beside its mirrored checkpoints too, at the mirror's top (``trl_ext-run-record.json``): a run recovered onto an empty
 disk (a SkyPilot task on new VMs, a pod on a new node without its volume) keeps its count of failed attempts
-(``scheduling.failure_limit``) as it keeps its checkpoints.
+(``placement.failure_limit``) as it keeps its checkpoints.
 """
 
 import os
 from pathlib import Path
 
 from trl_ext.mirror.store import Store, first_line
+from trl_ext.placement import failure_limit, ownership
 from trl_ext.process import notice
-from trl_ext.scheduling import failure_limit, ownership
 
 NAME = "trl_ext-run-record.json"
 

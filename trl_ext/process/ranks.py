@@ -1,7 +1,7 @@
 """This process's place in the launch: its rank and the number of processes, from torch.distributed once its process
 group is up, and before that as its launcher set them; whether it runs in a process group.
 
-Before the group, the launcher's variables are read by ``scheduling.orchestrators``, the one reader of every launcher's
+Before the group, the launcher's variables are read by ``placement.orchestrators``, the one reader of every launcher's
 variables, which sits above this room: the package's root hands its readers down (``launched_by``) before anything
 else of trl_ext runs."""
 

@@ -2,7 +2,7 @@
 ``checkpoint-N`` of the output directory, the same on every rank and present on every node; and, in a run that its
 orchestrator restarted (a requeued Slurm job, torchrun's restart, recreated pods, a recovered SkyPilot task), the
 newest committed checkpoint its earlier attempt left, without being asked (``after_restart``), in the run's own
-directory only (``scheduling.ownership``): a fresh run never resumes another run's directory by itself.
+directory only (``placement.ownership``): a fresh run never resumes another run's directory by itself.
 
 Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden partial directory
 (``.checkpoint-N.trl_ext-partial``) until it is complete and checked, and ``get_last_checkpoint`` never matches it.
@@ -15,7 +15,7 @@ import os
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ext.errors import ResumeError
-from trl_ext.scheduling import orchestrators, ownership
+from trl_ext.placement import orchestrators, ownership
 from trl_ext.settings.trainer_options import MirrorOptions
 
 

@@ -10,10 +10,10 @@ raised on every rank.
 from trl_ext.errors import MirrorError, TrlExtError
 from trl_ext.mirror import downloader, lease
 from trl_ext.mirror.store import first_line
+from trl_ext.placement import orchestrators
 from trl_ext.process.collectives import decided_on_rank0
 from trl_ext.process.notices import notice
 from trl_ext.resuming.choose import last_committed
-from trl_ext.scheduling import orchestrators
 
 
 def _from_rank0(decide) -> str | None:
@@ -67,7 +67,7 @@ def args_has_local_checkpoint(args) -> bool:
 
 
 def restarted(trainer) -> str | None:
-    """In a run with an identity (a Slurm job, a SkyPilot task, a TrainJob, ...; ``scheduling.orchestrators``) whose
+    """In a run with an identity (a Slurm job, a SkyPilot task, a TrainJob, ...; ``placement.orchestrators``) whose
     output directory holds no checkpoint (a node-local directory gone with its machine, recreated pods, a recovered
     task on a new machine): if the mirror's run marker says this run was writing to it, the newest complete mirrored
     checkpoint, downloaded and checked. Collective.

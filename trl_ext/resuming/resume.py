@@ -21,11 +21,11 @@ from transformers import set_seed
 from trl_ext.engines import fsdp
 from trl_ext.errors import ResumeError
 from trl_ext.files import hub_names
+from trl_ext.placement import ownership
 from trl_ext.process.collectives import decided_on_rank0
 from trl_ext.process.notices import notice
 from trl_ext.resuming import checks, choose, fsdp2, mirrored, rng, universal, world_size
 from trl_ext.saving import supports
-from trl_ext.scheduling import ownership
 
 
 @dataclass
@@ -140,7 +140,7 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         trainer: the trainer about to train (its DeepSpeed engine is not built yet).
         resume_from_checkpoint: as given to ``train``: None or False, a path, or True (the newest committed one;
             with ``checkpoint_mirror`` and none in the output directory, the mirror's newest, downloaded:
-            ``mirrored``). In a run with an identity (``scheduling.orchestrators``), None means the newest checkpoint
+            ``mirrored``). In a run with an identity (``placement.orchestrators``), None means the newest checkpoint
             an earlier attempt of the run committed in this output directory (``choose.restarted_checkpoint``), or in
             the mirror it was writing (``mirrored.restarted``).
 

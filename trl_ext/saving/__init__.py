@@ -42,7 +42,7 @@ One word, one meaning, in this package and in the files layer under it (``trl_ex
 - **layout**: who writes which file of which replica of a save (``save_plan.Layout``), planned once per model.
 - **gathered**: a partitioned parameter's full contents on a rank (ZeRO-3's gather, ``gather``,
   ``engines.sharded.gathered``). Every rank's Python value on every rank is ``process.collectives.from_every_rank``.
-- **run directory**: not a word of saving's: ``TRL_EXT_RUN_DIR`` is a machine's run folder (``scheduling``).
+- **run directory**: not a word of saving's: ``TRL_EXT_RUN_DIR`` is a machine's run folder (``placement``).
 """
 
 from trl_ext.saving.pipeline import DEFAULT_MAX_SHARD_SIZE, save, supports

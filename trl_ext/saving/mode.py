@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trl_ext.placement.orchestrators import torchrun
 from trl_ext.process.notices import notice
-from trl_ext.scheduling.orchestrators import torchrun
 from trl_ext.settings.trainer_options import SaveOptions
 
 CPU_COST = ("the copies and writes of each checkpoint run on the cores training uses, so they slow the steps after "

@@ -9,7 +9,7 @@ theirs):
 2. the mirror: ``mirror.Mirror`` (``trainer.mirror``), its ``Progress`` first of all callbacks (the lease renewed
    and the lag logged before TRL's loggers write the step's metrics), and its upload queued once each checkpoint is
    committed;
-3. preemption: ``scheduling.preemption.Preemption`` (``trainer.preemption``), which replaces transformers'
+3. preemption: ``trainers.preemption.Preemption`` (``trainer.preemption``), which replaces transformers'
    ``JITCheckpointCallback``;
 4. the orchestrator's own, made for every trainer built inside ``joining(...)`` (``trl_ext.ray``: what Ray sees of
    the run, a watch for nodes that join), in the order given.

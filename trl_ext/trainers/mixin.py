@@ -26,15 +26,15 @@ from trl_ext.engines import (
 )
 from trl_ext.errors import DIVERGED, NONFINITE, CheckpointError, GaveUp
 from trl_ext.mirror import Mirror, run_record
+from trl_ext.placement import outcome, ownership
+from trl_ext.placement.orchestrators import torchrun
 from trl_ext.process import warning_filter
 from trl_ext.process.clean_exit import destroy_gloo_group_at_exit
 from trl_ext.process.collectives import decided_on_rank0
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
-from trl_ext.scheduling import outcome, ownership, preemption
-from trl_ext.scheduling.orchestrators import torchrun
 from trl_ext.settings.trainer_options import SaveOptions
-from trl_ext.trainers import compat, components, configs
+from trl_ext.trainers import compat, components, configs, preemption
 
 
 class TrlExtMixin:

@@ -6,7 +6,7 @@ import re
 import socket
 
 from trl_ext.errors import UsageError
-from trl_ext.scheduling.orchestrators.job import (
+from trl_ext.placement.orchestrators.job import (
     TORCHRUN_PORT,
     Job,
     integer,

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from trl_ext.files import checkpoint_dirs as checkpoints
-from trl_ext.scheduling import orchestrators
+from trl_ext.placement import orchestrators
 
 RUN_MARKER = ".trl_ext-run"  # in an output directory: the run that trains into it, and its record
 RUN_ENV = "TRL_EXT_RUN_DIR"  # for the ranks: their machine's run directory (``run_dir``), set by the node launcher

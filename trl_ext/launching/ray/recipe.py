@@ -16,10 +16,10 @@ from pathlib import Path
 
 from trl_ext.errors import RunFailed, UsageError
 from trl_ext.launching.decision import LAUNCH_ENV
+from trl_ext.launching.ray import cluster, group
+from trl_ext.launching.ray.worker import Task
+from trl_ext.placement import orchestrators, ownership
 from trl_ext.process.hosted import HOSTED
-from trl_ext.ray import cluster, group
-from trl_ext.ray.worker import Task
-from trl_ext.scheduling import orchestrators, ownership
 
 # The launch's own variables, not the run's: the workers get theirs from Ray and trl_ext.ray
 _NOT_PASSED_ON = (orchestrators.NODE_ENV, ownership.RUN_ENV, LAUNCH_ENV, HOSTED)
@@ -136,10 +136,10 @@ def _launch(task: Task, asked: tuple[int, int] | None) -> int:
     """Connect, run the group, and end in one line.
 
     Returns:
-        0; ``scheduling.restart.ERROR`` (201) for an error of the run's own; ``LOST`` (200) for more lost workers
+        0; ``launching.restart.ERROR`` (201) for an error of the run's own; ``LOST`` (200) for more lost workers
         than allowed; 1 for a group that could not start.
     """
-    from trl_ext.scheduling import restart
+    from trl_ext.launching import restart
 
     group.connect(None)
     try:

@@ -10,7 +10,7 @@ SIGUSR1), the code a process killed by that signal reports, so a scheduler that 
 
 Under Slurm, SIGUSR1 is the time-limit warning, and it says how much time is left: the ranks train on until the time
 left comes down to what the stop needs, measured on this run (``deadline``), and a warning that comes while a
-checkpoint is written is acted on once it is committed. On a Slurm node (``scheduling.node``) a planned stop ends
+checkpoint is written is acted on once it is committed. On a Slurm node (``launching.node``) a planned stop ends
 quietly: each rank leaves what it saved for its node's launcher (``outcome``) and exits with 0, so that torchrun
 prints no traceback for it; the launcher reports the node's stop, with 138 or 143, in one line.
 """
@@ -24,9 +24,10 @@ import time
 from transformers import TrainerCallback
 
 from trl_ext import patches
+from trl_ext.placement import failure_limit, outcome, ownership
 from trl_ext.process import HOSTED, decided_on_rank0, end_together, max_over_ranks, notice
-from trl_ext.scheduling import deadline, failure_limit, outcome, ownership
 from trl_ext.settings.trainer_options import SaveOptions
+from trl_ext.trainers import deadline
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 REASK_SECONDS = 10.0  # once warned, rank 0 asks Slurm for the time left this often (the limit may change)
@@ -122,7 +123,7 @@ class Preemption(TrainerCallback):
 
     def _due(self, state) -> bool:
         """Rank 0: whether the warned run must stop now."""
-        from trl_ext.scheduling.orchestrators import slurm  # the time-limit warning's timing is Slurm's
+        from trl_ext.placement.orchestrators import slurm  # the time-limit warning's timing is Slurm's
 
         job_id = slurm.job_id()
         if job_id is None:

@@ -2,7 +2,7 @@
 managed job's recoveries)."""
 
 from trl_ext.errors import UsageError
-from trl_ext.scheduling.orchestrators.job import Job, integer, meeting_port, node_rank, value
+from trl_ext.placement.orchestrators.job import Job, integer, meeting_port, node_rank, value
 
 
 def read() -> Job | None:

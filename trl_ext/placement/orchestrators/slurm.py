@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 
-from trl_ext.scheduling.orchestrators.job import Job, meeting_port, value
+from trl_ext.placement.orchestrators.job import Job, meeting_port, value
 
 
 def read(find_address: bool = True) -> Job | None:

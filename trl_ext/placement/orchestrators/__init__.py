@@ -6,10 +6,10 @@ nowhere else (``tests/unit/test_layout.py`` checks it against ``VARIABLES``): on
 Two kinds of launchers start training processes:
 
 - one process per rank: torchrun (static or elastic; also inside ``accelerate launch``, a Kubeflow pod whose command
-  is torchrun, and ``trl_ext.scheduling.node``'s launches). This process trains as that rank.
+  is torchrun, and ``trl_ext.launching.node``'s launches). This process trains as that rank.
 - one process per machine: Slurm (through ``recipes/slurm.sbatch``), SkyPilot, Kubernetes pods with torchrun's
   ``PET_*`` variables whose command is the recipe (Kubeflow Trainer, PyTorchJob, a JobSet or plain Job that sets
-  them), LeaderWorkerSet. That process starts its machine's ranks (``scheduling.node``).
+  them), LeaderWorkerSet. That process starts its machine's ranks (``launching.node``).
 - one process for the whole cluster: a Ray job's driver (``ray job submit``, KubeRay's RayJob). It starts the ranks as
   a Ray Train worker group (``trl_ext.ray``), each started with the job in ``TRL_EXT_NODE``.
 
@@ -23,8 +23,8 @@ heavy import.
 
 from dataclasses import replace
 
-from trl_ext.scheduling.orchestrators import kubernetes, ray_job, skypilot, slurm, torchrun
-from trl_ext.scheduling.orchestrators.job import (
+from trl_ext.placement.orchestrators import kubernetes, ray_job, skypilot, slurm, torchrun
+from trl_ext.placement.orchestrators.job import (
     CPU_PROCESSES_PER_NODE,
     NODE_ENV,
     PORT_BASE,

@@ -22,7 +22,7 @@ import os
 import sys
 
 from trl_ext.errors import GaveUp
-from trl_ext.scheduling import orchestrators, ownership
+from trl_ext.placement import orchestrators, ownership
 
 __all__ = ["GAVE_UP", "GaveUp", "begin", "max_failures", "next_count", "setting", "stopped"]
 

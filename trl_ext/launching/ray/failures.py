@@ -2,7 +2,7 @@
 ``FailureConfig``), or an error of the run's own (a bug, bad input, a full disk), which a restart would repeat.
 
 Each worker raises what ended it as an ``errors.RankError`` whose ``kind`` it decided where the exception and its
-chain are (``scheduling.outcome.kind_of``: a broken collective means a lost peer). Ray's own errors for a worker it
+chain are (``placement.outcome.kind_of``: a broken collective means a lost peer). Ray's own errors for a worker it
 lost (a failed health check, an actor that died with its node) carry no kind: they are lost workers. A lost worker
 decides over an error, as Ray's own policy decides for a preemption: once one rank dies, the others fail in their
 collectives with errors of every shape.
@@ -13,7 +13,7 @@ Nothing here imports Ray.
 import re
 
 from trl_ext.errors import RankError
-from trl_ext.scheduling.outcome import ERROR, PEER
+from trl_ext.placement.outcome import ERROR, PEER
 
 _NODE_ID = re.compile(r"node_id='([0-9a-f]+)'")
 

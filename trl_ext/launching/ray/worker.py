@@ -7,7 +7,7 @@ created the process group. Here the worker then:
    directory of its own) and trl_ext's variables (``TRL_EXT_*``);
 2. counts this group among the run's groups (the run's record in its output directory, read on rank 0): the
    restart number;
-3. hands the rank its job (``scheduling.orchestrators``, through ``TRL_EXT_NODE``): orchestrator "Ray", the run's
+3. hands the rank its job (``placement.orchestrators``, through ``TRL_EXT_NODE``): orchestrator "Ray", the run's
    identity, the restart, so that the rank trains as a torchrun rank would, with the accelerate config applied in
    this process, and a restarted group resumes from the run's newest committed checkpoint by itself;
 4. gives every trainer it builds what Ray sees of the run (``reporting``) and, in an elastic group short of its
@@ -24,13 +24,13 @@ import sys
 import traceback
 from dataclasses import dataclass, field, replace
 
+from trl_ext.launching.ray.failures import RankError, first_line
+from trl_ext.placement import orchestrators, outcome, ownership
 from trl_ext.process.collectives import max_over_ranks
 from trl_ext.process.hosted import HOSTED
-from trl_ext.ray.failures import RankError, first_line
-from trl_ext.scheduling import orchestrators, outcome, ownership
 
 GROW = "trl_ext_grow"  # in rank 0's return value: the group stopped at this step to restart on more workers
-GROUPS = "groups"  # in the run's record (scheduling.ownership): how many worker groups the run has started
+GROUPS = "groups"  # in the run's record (placement.ownership): how many worker groups the run has started
 
 
 @dataclass
@@ -87,7 +87,7 @@ def train(config: dict):
     rank = context.get_world_rank()
     _enter(task)
     job = _job(task, context)
-    from trl_ext.ray import growth, reporting
+    from trl_ext.launching.ray import growth, reporting
     from trl_ext.trainers.components import joining
 
     built = []

@@ -11,7 +11,7 @@ from trl_ext.errors import UsageError
 
 RUN_ID_ENV = "TRL_EXT_RUN_ID"  # the run's identity, when the orchestrator's own is not the one to use
 PORT_ENV = "TRL_EXT_MASTER_PORT"  # the rendezvous port where the orchestrator names none (Slurm, SkyPilot, LWS)
-NODE_ENV = "TRL_EXT_NODE"  # set by the node launcher (``scheduling.node``) for what it starts: its ``Job``, as JSON
+NODE_ENV = "TRL_EXT_NODE"  # set by the node launcher (``launching.node``) for what it starts: its ``Job``, as JSON
 TORCHRUN_PORT = 29500  # torchrun's and accelerate's default
 PORT_BASE, PORT_SPAN = 20000, 10000  # a port derived from a run id: the same on every node, another per run
 CPU_PROCESSES_PER_NODE = 2  # the recipes' default without a GPU
@@ -43,7 +43,7 @@ class Job:
         hosts: the job's machines as the orchestrator lists them (Slurm's compressed node list), for asking it
             about them.
         host: this machine's name as the orchestrator calls it (Slurm's node name), else None.
-        node_launched: this process was started under trl_ext's node launcher (``scheduling.node``) or a Ray
+        node_launched: this process was started under trl_ext's node launcher (``launching.node``) or a Ray
             worker, which passed this job down in ``TRL_EXT_NODE``.
     """
 

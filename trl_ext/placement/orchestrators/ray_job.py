@@ -2,7 +2,7 @@
 
 import json
 
-from trl_ext.scheduling.orchestrators.job import Job, value
+from trl_ext.placement.orchestrators.job import Job, value
 
 
 def read() -> Job | None:

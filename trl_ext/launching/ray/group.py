@@ -18,7 +18,7 @@
    or one line that says why it failed.
 
 Each restarted group resumes from the run's newest committed checkpoint by itself, at the number of workers it got,
-with the same global batch (``resuming``): the run's output directory is marked as the run's (``scheduling.ownership``)
+with the same global batch (``resuming``): the run's output directory is marked as the run's (``placement.ownership``)
 before the first group starts.
 """
 
@@ -29,10 +29,10 @@ import sys
 import time
 
 from trl_ext.errors import RunFailed
-from trl_ext.ray import cluster, failures
-from trl_ext.ray.worker import GROW, Task
-from trl_ext.scheduling import failure_limit, ownership
-from trl_ext.scheduling.outcome import ERROR
+from trl_ext.launching.ray import cluster, failures
+from trl_ext.launching.ray.worker import GROW, Task
+from trl_ext.placement import failure_limit, ownership
+from trl_ext.placement.outcome import ERROR
 
 WAIT_ENV, WAIT_SECONDS = "TRL_EXT_RAY_WAIT_S", 300.0  # for room, and for a group that cannot start
 CONNECT_SECONDS = 30.0  # for an address where nothing answers
@@ -147,7 +147,7 @@ def _fit(task: Task, group: cluster.Group, max_failures: int, wait: float):
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
-    from trl_ext.ray import controller, worker
+    from trl_ext.launching.ray import controller, worker
 
     trainer = TorchTrainer(
         worker.train, train_loop_config={"task": task},

@@ -13,8 +13,8 @@ import threading
 
 from transformers import TrainerCallback
 
+from trl_ext.launching.ray import cluster
 from trl_ext.process.notices import notice
-from trl_ext.ray import cluster
 
 CHECK_SECONDS = 10.0
 

@@ -3,7 +3,7 @@ worker and the notebook launcher set the same ones): the rank, the world, the ma
 its run id and restart count; and what a launch of torchrun is given or cleared of."""
 
 from trl_ext.errors import UsageError
-from trl_ext.scheduling.orchestrators.job import Job, integer, value
+from trl_ext.placement.orchestrators.job import Job, integer, value
 
 # The launcher's own variables: a new launch must start from a clean slate. torchrun reads PET_<OPTION> as its options,
 # so a Kubernetes pod's PET_NNODES would turn a launch on this machine into a wait for other machines.

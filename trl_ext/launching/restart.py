@@ -2,7 +2,7 @@
 the step's exit code (``srun``'s: the highest of the nodes' launchers' codes), what the first node's ranks left, the
 job's record in its output directory and Slurm's view of the job's nodes.
 
-``python -m trl_ext.scheduling.restart STATUS [--warned] [--terminated]`` prints the one line that says what happens
+``python -m trl_ext.launching.restart STATUS [--warned] [--terminated]`` prints the one line that says what happens
 and exits with ``FINISHED``, ``REQUEUE``, ``STOPPED`` or ``FAILED`` (``recipes/slurm.sbatch`` acts on it):
 
 - 0: trained and saved: finished.
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from trl_ext.scheduling import failure_limit, orchestrators, outcome, ownership
+from trl_ext.placement import failure_limit, orchestrators, outcome, ownership
 
 FINISHED, REQUEUE, STOPPED, FAILED = 0, 10, 11, 12  # this module's answer to the batch script
 WARNED, TERMINATED, KILLED = 138, 143, 137  # 128 + SIGUSR1, SIGTERM, SIGKILL
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         ``FINISHED``, ``REQUEUE``, ``STOPPED`` or ``FAILED``; the exit code for the script is printed last on stdout.
     """
-    parser = argparse.ArgumentParser(prog="python -m trl_ext.scheduling.restart")
+    parser = argparse.ArgumentParser(prog="python -m trl_ext.launching.restart")
     parser.add_argument("status", type=int)
     parser.add_argument("--warned", action="store_true")
     parser.add_argument("--terminated", action="store_true")

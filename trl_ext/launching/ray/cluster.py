@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from trl_ext import patches
 from trl_ext.errors import UsageError
-from trl_ext.ray import failures
+from trl_ext.launching.ray import failures
 
 RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
-CPU_WORKERS_PER_NODE = 2  # the recipes' default without a GPU (scheduling.orchestrators.CPU_PROCESSES_PER_NODE)
+CPU_WORKERS_PER_NODE = 2  # the recipes' default without a GPU (placement.orchestrators.CPU_PROCESSES_PER_NODE)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from trl_ext import errors
 from trl_ext.errors import UsageError
+from trl_ext.placement import orchestrators, ownership
+from trl_ext.placement.ownership import RUN_ENV
 from trl_ext.process.ranks import env_rank
-from trl_ext.scheduling import orchestrators, ownership
-from trl_ext.scheduling.ownership import RUN_ENV
 
 PEER, ERROR = "peer", "error"
 GAVE_UP = errors.GAVE_UP  # failure_limit stopped the run (errors.GaveUp's kind)
@@ -193,7 +193,7 @@ def refuse_after_error(output_dir: str | os.PathLike) -> None:
 
 
 def watch(output_dir: str | os.PathLike | None = None) -> None:
-    """Record the exception that ends this process: for its machine's launcher (under ``scheduling.node``) and, once
+    """Record the exception that ends this process: for its machine's launcher (under ``launching.node``) and, once
     ``output_dir`` is given, for the next attempt of a run its orchestrator may restart. Idempotent; the previous hook
     still runs (the traceback is printed as before).
 

@@ -13,8 +13,8 @@ import time
 import ray
 from ray.train import UserCallback
 
-from trl_ext.ray import cluster, failures
-from trl_ext.scheduling.outcome import ERROR
+from trl_ext.launching.ray import cluster, failures
+from trl_ext.placement.outcome import ERROR
 
 NODE_DEATH_WAIT_S = 60.0  # at most this long for Ray to mark a lost node dead before the group restarts
 

@@ -1,5 +1,5 @@
 """One machine of a job that an orchestrator started once per machine: ``recipes/slurm.sbatch`` runs
-``python -m trl_ext.scheduling.node RECIPE [options]`` once per node (``srun --ntasks-per-node=1``), and a recipe (or
+``python -m trl_ext.launching.node RECIPE [options]`` once per node (``srun --ntasks-per-node=1``), and a recipe (or
 ``trl-ext <command>``) that SkyPilot, a Kubernetes pod with torchrun's ``PET_*`` variables or a LeaderWorkerSet started
 re-launches itself under it (``launching.launch``). It first meets the other machines within a stated time
 (``rendezvous``; Slurm starts a job's nodes together), then runs the recipe, which launches this machine's ranks with
@@ -9,14 +9,14 @@ first machine's address and port, the processes) in place of its accelerate conf
 Schedulers deliver their signals (``scancel``, ``scontrol requeue``, preemption, the time limit, a pod's deletion) to
 the job's processes; under Slurm the batch script passes the time-limit warning on as SIGURG, which this launcher turns
 into SIGUSR1. The ranks record them and agree at the next step boundary to save a checkpoint and stop
-(``scheduling.preemption``). The processes in between stay out of it: this launcher starts its children with SIGUSR1
+(``trainers.preemption``). The processes in between stay out of it: this launcher starts its children with SIGUSR1
 and SIGTERM ignored and tells torchrun to leave SIGTERM alone (it would otherwise stop the ranks itself and kill them
 30 s later, whatever their checkpoint needs); the ranks install their own handlers when training starts. Once
 signalled, the launcher sends the signal again every few seconds to everything it started, so that a signal that came
 before training started is acted on as soon as it has.
 
-When its processes end, the launcher reads what its ranks left (``scheduling.outcome``) and says in one line how this
-machine ended, with an exit code a scheduler can act on (``scheduling.restart``; Kubernetes failure policies match
+When its processes end, the launcher reads what its ranks left (``placement.outcome``) and says in one line how this
+machine ended, with an exit code a scheduler can act on (``launching.restart``; Kubernetes failure policies match
 them): 0, 128 + the signal of a planned stop (138 for the warning, 143 for SIGTERM; the ranks themselves end quietly,
 with 0, so that torchrun prints no traceback for it), ``restart.LOST`` (200) when its ranks lost a peer or their
 machine, ``restart.ERROR`` (201) for an error of their own, ``failure_limit.GAVE_UP`` (202) when the run failed too
@@ -30,9 +30,10 @@ import subprocess
 import sys
 
 from trl_ext.errors import GaveUp, SetupError, UsageError
-from trl_ext.scheduling import failure_limit, orchestrators, outcome, ownership, rendezvous, restart
-from trl_ext.scheduling.orchestrators import torchrun
-from trl_ext.scheduling.ownership import RUN_ENV
+from trl_ext.launching import rendezvous, restart
+from trl_ext.placement import failure_limit, orchestrators, outcome, ownership
+from trl_ext.placement.orchestrators import torchrun
+from trl_ext.placement.ownership import RUN_ENV
 
 RESEND_SECONDS = 5  # once signalled, the signal is sent again this often until the processes end
 RECORDED = (signal.SIGUSR1, signal.SIGTERM)  # what the ranks act on; the processes in between ignore them
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
-        raise UsageError("usage: python -m trl_ext.scheduling.node RECIPE [recipe options] (one per machine: under "
+        raise UsageError("usage: python -m trl_ext.launching.node RECIPE [recipe options] (one per machine: under "
                          "srun, see recipes/slurm.sbatch; or as a recipe re-launches itself under SkyPilot or a "
                          "Kubernetes pod)")
     job = machine()
@@ -124,7 +125,7 @@ def machine() -> orchestrators.Job:
     """
     job = orchestrators.current()
     if job is None or job.per_rank:
-        raise UsageError("python -m trl_ext.scheduling.node runs one machine of a job that Slurm, SkyPilot, a "
+        raise UsageError("python -m trl_ext.launching.node runs one machine of a job that Slurm, SkyPilot, a "
                          "Kubernetes pod with torchrun's PET_* variables or a LeaderWorkerSet started (none of their "
                          "variables is set): under Slurm submit it with sbatch recipes/slurm.sbatch RECIPE [options]",
                          every_rank=True)
