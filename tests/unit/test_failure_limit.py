@@ -11,6 +11,7 @@ import pytest
 
 from trl_ext.launching import node, restart
 from trl_ext.placement import failure_limit, orchestrators, outcome, ownership
+from trl_ext.settings import environment
 
 REPO = Path(__file__).resolve().parents[2]
 ATTEMPT = REPO / "tests" / "scripts" / "attempt.py"
@@ -26,7 +27,7 @@ ORCHESTRATORS = {
 CLEARED = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
            "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "SLURM_JOB_ID", "SLURM_JOBID",
            "SLURM_RESTART_COUNT", "SLURM_NODEID", "RAY_JOB_SUBMISSION_ID", orchestrators.NODE_ENV,
-           orchestrators.RUN_ID_ENV, ownership.RUN_ENV, failure_limit.MAX_FAILURES_ENV, *failure_limit.FORMER_NAMES,
+           orchestrators.RUN_ID_ENV, ownership.RUN_ENV, environment.MAX_FAILURES.name, *environment.MAX_FAILURES.former,
            *{k for v in ORCHESTRATORS.values() for k in v}}
 
 
@@ -57,7 +58,7 @@ def test_how_the_attempt_before_ended_counts():
 
 
 def test_the_one_setting_and_its_former_names(monkeypatch):
-    for name in (failure_limit.MAX_FAILURES_ENV, *failure_limit.FORMER_NAMES):
+    for name in (environment.MAX_FAILURES.name, *environment.MAX_FAILURES.former):
         monkeypatch.delenv(name, raising=False)
     assert (failure_limit.max_failures(), failure_limit.setting()) == (3, "TRL_EXT_MAX_FAILURES")
     monkeypatch.setenv("TRL_EXT_SLURM_MAX_FAILURES", "5")
@@ -144,7 +145,7 @@ def test_the_node_launcher_ends_with_202_when_its_ranks_gave_up(tmp_path, monkey
 
 def test_slurm_applies_the_same_rule_with_the_same_setting(tmp_path, monkeypatch, as_process):
     as_process({"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0",
-                failure_limit.MAX_FAILURES_ENV: "1"})
+                environment.MAX_FAILURES.name: "1"})
     out, run = tmp_path / "out", tmp_path / "run"
     run.mkdir()
     ownership.claim(out)
@@ -189,7 +190,7 @@ def test_the_count_survives_a_recovery_onto_an_empty_disk_through_the_mirror(as_
         run_record.begin_attempt(store, tmp_path / disk)
         assert store.read_json(run_record.NAME)["attempts"] == attempt
     assert store.read_json(run_record.NAME)["failures"] == 2
-    as_process({failure_limit.MAX_FAILURES_ENV: "2"})
+    as_process({environment.MAX_FAILURES.name: "2"})
     ownership.claim(tmp_path / "vm4")
     with pytest.raises(failure_limit.GaveUp):
         run_record.begin_attempt(store, tmp_path / "vm4")

@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trl_ext"
 # Lowest first: a module may import from its own room and from the rooms before it, never from a later one.
-FLOORS = ["settings", "process", "errors", "patches", "assets", "engines", "files", "placement", "data", "saving",
+FLOORS = ["process", "errors", "settings", "patches", "assets", "engines", "files", "placement", "data", "saving",
           "merge", "mirror", "resuming", "trainers", "launching", "ray", "cli", "__main__", "__init__"]
 
 
@@ -128,9 +128,11 @@ def _orchestrator_variables_named(source: str, where: str) -> list[str]:
 def test_only_the_orchestrators_reader_names_their_variables():
     """Every orchestrator's variable (``orchestrators.VARIABLES`` and ``PREFIXES``: Slurm's, torchrun's and
     TorchElastic's, Kubeflow's ``PET_*``, JobSet's, LeaderWorkerSet's, SkyPilot's, Ray's job, ``TRL_EXT_RUN_ID``...) is
-    named, and so read or set, in ``placement/orchestrators/`` only: everything else asks the ``Job`` it reads."""
+    named, and so read or set, in ``placement/orchestrators/`` only: everything else asks the ``Job`` it reads. The
+    ``TRL_EXT_*`` ones are declared in ``settings/environment.py``, where every such name is listed."""
     reader = PACKAGE / "placement" / "orchestrators"
-    found = [line for path in sorted(PACKAGE.rglob("*.py")) if reader not in path.parents
+    declared = PACKAGE / "settings" / "environment.py"
+    found = [line for path in sorted(PACKAGE.rglob("*.py")) if reader not in path.parents and path != declared
              for line in _orchestrator_variables_named(path.read_text(), str(path.relative_to(REPO)))]
     assert not found, "\n".join(found)
 
@@ -203,3 +205,23 @@ def test_the_start_and_hook_scan_sees_each_kind():
                                            "_probe_starts.py:7 is a python -m entry point"]
     finally:
         probe.unlink()
+
+
+def test_every_trl_ext_variable_is_named_in_one_place():
+    """A ``TRL_EXT_*`` setting is named and read in ``settings/environment.py`` only, with its one default; a variable
+    that one process hands down to the next is named in its one owner (``environment.HANDED_DOWN``)."""
+    from trl_ext.settings import environment
+
+    home = "trl_ext/settings/environment.py"
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(REPO))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    re.fullmatch(r"TRL_EXT_[A-Z0-9_]+", node.value):
+                allowed = environment.HANDED_DOWN.get(node.value, home)
+                if where not in (allowed, home):
+                    wrong.append(f"{where}:{node.lineno} names {node.value} (its place: {allowed})")
+    assert not wrong, wrong
+    names = [s.name for s in environment.SETTINGS] + [n for s in environment.SETTINGS for n in s.former]
+    assert len(names) == len(set(names)) and not set(names) & set(environment.HANDED_DOWN)

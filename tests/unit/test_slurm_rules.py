@@ -12,7 +12,8 @@ import pytest
 from transformers import TrainerControl
 
 from trl_ext.launching import node, restart
-from trl_ext.placement import failure_limit, outcome, ownership
+from trl_ext.placement import outcome, ownership
+from trl_ext.settings import environment
 from trl_ext.trainers import deadline, preemption
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
@@ -21,8 +22,8 @@ JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", 
 @pytest.fixture
 def in_job(monkeypatch, tmp_path):
     """This process as one of job 4242's ranks on its first node, first run, with a run directory."""
-    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", failure_limit.MAX_FAILURES_ENV,
-                *failure_limit.FORMER_NAMES):
+    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT", environment.MAX_FAILURES.name,
+                *environment.MAX_FAILURES.former):
         monkeypatch.delenv(key, raising=False)
     for key, value in JOB.items():
         monkeypatch.setenv(key, value)
@@ -126,7 +127,7 @@ def test_a_node_slurm_shows_down_makes_an_unexplained_failure_a_lost_node(in_job
     assert decision.action == restart.REQUEUE and "node(s) n2 stopped responding" in decision.line
 
 
-@pytest.mark.parametrize("name", [failure_limit.MAX_FAILURES_ENV, "TRL_EXT_SLURM_MAX_FAILURES"])
+@pytest.mark.parametrize("name", [environment.MAX_FAILURES.name, "TRL_EXT_SLURM_MAX_FAILURES"])
 def test_the_limit_is_the_users(in_job, monkeypatch, tmp_path, name):
     _trained_into(in_job, tmp_path / "out", [])
     monkeypatch.setenv(name, "0")  # the one setting, or its former Slurm name

@@ -9,10 +9,11 @@ import tempfile
 from pathlib import Path
 
 from trl_ext.errors import SetupError
+from trl_ext.settings import environment
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TRL_EXT_CACHE", Path.home() / ".cache" / "trl_ext"))
+    return Path(environment.CACHE.text())
 
 
 def cached_build(name: str, builder_module: str, *builder_args: str, marker: str = "config.json") -> str:

@@ -8,14 +8,14 @@ and gives up after ``TRL_EXT_RENDEZVOUS_TIMEOUT`` seconds (default 600) naming t
 with every machine there.
 """
 
-import os
 import socket
 import time
 from datetime import timedelta
 
 from trl_ext.errors import SetupError
+from trl_ext.settings import environment
 
-TIMEOUT_ENV, TIMEOUT_SECONDS = "TRL_EXT_RENDEZVOUS_TIMEOUT", 600.0
+TIMEOUT_ENV = environment.RENDEZVOUS_TIMEOUT.name
 FIRST_SAY_SECONDS = 5.0  # a meeting that takes longer says so (a usual one is silent)
 SAY_SECONDS = 15.0  # then how often a waiting machine says what it waits for
 POLL_SECONDS = 0.2
@@ -25,11 +25,7 @@ PREFIX = "trl_ext/rendezvous"
 
 def timeout_seconds() -> float:
     """The bound on the meeting (``TRL_EXT_RENDEZVOUS_TIMEOUT``, seconds; default 600)."""
-    value = os.environ.get(TIMEOUT_ENV, "").strip()
-    try:
-        return float(value) if value else TIMEOUT_SECONDS
-    except ValueError:
-        raise SetupError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds.") from None
+    return environment.RENDEZVOUS_TIMEOUT.number()
 
 
 def _connect(job, port: int, deadline: float, say):

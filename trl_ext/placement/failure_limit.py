@@ -23,12 +23,10 @@ import sys
 
 from trl_ext.errors import GaveUp
 from trl_ext.placement import orchestrators, ownership
+from trl_ext.settings import environment
 
 __all__ = ["GAVE_UP", "GaveUp", "begin", "max_failures", "next_count", "setting", "stopped"]
 
-MAX_FAILURES_ENV, MAX_FAILURES = "TRL_EXT_MAX_FAILURES", 3
-# the settings' earlier names, under the one orchestrator each applied to: still read, where the new one is unset
-FORMER_NAMES = ("TRL_EXT_SLURM_MAX_FAILURES", "TRL_EXT_RAY_MAX_FAILURES")
 GAVE_UP = GaveUp.EXIT_CODE  # 202
 # Slurm's batch script counts between attempts (``restart``); a Ray driver restarts its group within one attempt
 NOT_COUNTED = ("Slurm", "Ray")
@@ -38,17 +36,13 @@ _begun: set[str] = set()  # output directories whose attempt this process has co
 def max_failures() -> int:
     """Failed attempts in a row without a new checkpoint that a run survives: ``TRL_EXT_MAX_FAILURES``, else the
     former ``TRL_EXT_SLURM_MAX_FAILURES`` or ``TRL_EXT_RAY_MAX_FAILURES``, else 3 (0: the first failure stops it)."""
-    for name in (MAX_FAILURES_ENV, *FORMER_NAMES):
-        text = os.environ.get(name, "").strip()
-        if text.isdigit():
-            return int(text)
-    return MAX_FAILURES
+    return environment.MAX_FAILURES.whole()
 
 
 def setting() -> str:
     """The variable that set the limit, for the one line (``TRL_EXT_MAX_FAILURES`` when none did)."""
-    return next((n for n in (MAX_FAILURES_ENV, *FORMER_NAMES) if os.environ.get(n, "").strip().isdigit()),
-                MAX_FAILURES_ENV)
+    found = environment.MAX_FAILURES.source()
+    return found[0] if found else environment.MAX_FAILURES.name
 
 
 def next_count(record: dict, newest: int) -> tuple[int, str]:

@@ -68,7 +68,7 @@ def record(exc: BaseException, run_dir: str | os.PathLike | None = None) -> str 
 
     Args:
         exc: the exception that ends the rank.
-        run_dir: the node's run directory (default: ``$TRL_EXT_SLURM_RUN``; nothing is written without one).
+        run_dir: the node's run directory (default: ``$TRL_EXT_RUN_DIR``; nothing is written without one).
 
     Returns:
         The kind recorded, or None when there is no run directory.
@@ -104,7 +104,7 @@ def stopped(signal_name: str, step: int, checkpoint: str, run_dir: str | os.Path
         signal_name: the signal all ranks agreed to stop on (``SIGTERM``, ``SIGUSR1``).
         step: the step of the checkpoint saved.
         checkpoint: its path.
-        run_dir: the node's run directory (default: ``$TRL_EXT_SLURM_RUN``).
+        run_dir: the node's run directory (default: ``$TRL_EXT_RUN_DIR``).
 
     Returns:
         Whether it was recorded (False outside a Slurm node's launcher).

@@ -33,27 +33,12 @@ from trl_ext.launching.ray import cluster, failures
 from trl_ext.launching.ray.worker import GROW, Task
 from trl_ext.placement import failure_limit, ownership
 from trl_ext.placement.outcome import ERROR
+from trl_ext.settings import environment
 
-WAIT_ENV, WAIT_SECONDS = "TRL_EXT_RAY_WAIT_S", 300.0  # for room, and for a group that cannot start
+WAIT_ENV = environment.RAY_WAIT.name  # for room, and for a group that cannot start
 CONNECT_SECONDS = 30.0  # for an address where nothing answers
 START_SECONDS = 30.0  # Ray Train's wait for a group's workers to start, before it tries again (its default: 60 s)
 NEVER = 1e9  # Ray Train's own resize of a running elastic group: off (it would not save first; ``growth`` does)
-
-
-def seconds_from_env(name: str, default: float) -> float:
-    """A number of seconds (or a count) from the environment, else ``default``."""
-    from trl_ext.errors import UsageError
-
-    value = os.environ.get(name)
-    if value is None or not value.strip():
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise UsageError(f"{name}={value!r} is not a number >= 0.")
-    return number
 
 
 def connect(address: str | None, seconds: float = CONNECT_SECONDS) -> None:
@@ -117,7 +102,7 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
     """
     import ray
 
-    wait = seconds_from_env(WAIT_ENV, WAIT_SECONDS) if wait is None else wait
+    wait = environment.RAY_WAIT.number() if wait is None else wait
     max_failures = failure_limit.max_failures() if max_failures is None else max_failures
     group = cluster.plan(cluster.alive(ray.nodes()), asked)
     cluster.wait_for_room(ray.nodes, group, wait, say)

@@ -38,6 +38,7 @@ from trl_ext.placement.orchestrators.job import (
     meeting_port,
     value,
 )
+from trl_ext.settings import environment
 
 # Every orchestrator's variable (and name prefix) that a reader here looks at or a launch sets: read nowhere else.
 VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "NODE_RANK",
@@ -74,8 +75,8 @@ def current() -> Job | None:
             if outer is not None:
                 break
     job = torchrun.read(outer) or outer
-    if job is not None and value(RUN_ID_ENV):
-        job = replace(job, run=value(RUN_ID_ENV))
+    if job is not None and environment.RUN_ID.source():
+        job = replace(job, run=environment.RUN_ID.text())
     return job
 
 

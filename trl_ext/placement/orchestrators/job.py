@@ -8,9 +8,10 @@ import zlib
 from dataclasses import asdict, dataclass
 
 from trl_ext.errors import UsageError
+from trl_ext.settings import environment
 
-RUN_ID_ENV = "TRL_EXT_RUN_ID"  # the run's identity, when the orchestrator's own is not the one to use
-PORT_ENV = "TRL_EXT_MASTER_PORT"  # the rendezvous port where the orchestrator names none (Slurm, SkyPilot, LWS)
+RUN_ID_ENV = environment.RUN_ID.name  # the run's identity, when the orchestrator's own is not the one to use
+PORT_ENV = environment.MASTER_PORT.name  # the meeting port where the orchestrator names none (Slurm, SkyPilot, LWS)
 NODE_ENV = "TRL_EXT_NODE"  # set by the node launcher (``launching.node``) for what it starts: its ``Job``, as JSON
 TORCHRUN_PORT = 29500  # torchrun's and accelerate's default
 PORT_BASE, PORT_SPAN = 20000, 10000  # a port derived from a run id: the same on every node, another per run
@@ -148,8 +149,8 @@ def meeting_port(run: str | None) -> int:
     Returns:
         The port.
     """
-    if value(PORT_ENV):
-        return port(PORT_ENV, value(PORT_ENV))
+    if environment.MASTER_PORT.source():
+        return environment.MASTER_PORT.whole(minimum=1, maximum=65535)
     return PORT_BASE + zlib.crc32(run.encode()) % PORT_SPAN if run else TORCHRUN_PORT
 
 
