@@ -216,7 +216,7 @@ def main():
     timers.wrap(saving, "write_metadata", "metadata files", group="phase")
     timers.wrap(saving, "_check_own_files", "verification", group="phase")
     timers.wrap(saving, "_check_directory", "verification", group="phase")
-    timers.wrap(saving.SaveJob, "commit", "commit (rename)", group="phase")
+    timers.wrap(saving.Save, "commit", "commit (rename)", group="phase")
     timers.wrap(readback, "_read_as_planned", "  read back header + 4 KiB/tensor", group="verify")
     timers.wrap(audit, "read_safetensors", "  parse a header that differs", group="verify")
     timers.wrap(audit, "_nonfinite", "  NaN/inf check", group="verify")

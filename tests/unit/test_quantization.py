@@ -43,7 +43,7 @@ def notices(caplog):
 def test_zero3_stores_4bit_weights_in_deepspeeds_dtype_and_says_so_once(given_as, notices):
     user_config = BitsAndBytesConfig(**FOUR_BIT) if given_as == "object" else dict(FOUR_BIT)
     args = args_for(3, {"dtype": "float32", "quantization_config": user_config})
-    quantization.prepare(args, bound_for())
+    quantization.adjust_for_engine(args, bound_for())
     config = args.model_init_kwargs["quantization_config"]
     assert isinstance(config, BitsAndBytesConfig) and config.load_in_4bit
     assert config.bnb_4bit_quant_storage == torch.float32 and config.bnb_4bit_quant_type == "nf4"
@@ -56,29 +56,29 @@ def test_zero3_stores_4bit_weights_in_deepspeeds_dtype_and_says_so_once(given_as
 def test_zero3_with_bf16_training_stores_bf16_and_the_trainer_argument_is_adjusted_too():
     args = args_for(3, bf16=True)
     bound = bound_for(quantization_config=BitsAndBytesConfig(**FOUR_BIT))
-    quantization.prepare(args, bound)
+    quantization.adjust_for_engine(args, bound)
     assert bound.arguments["quantization_config"].bnb_4bit_quant_storage == torch.bfloat16
     assert args.model_init_kwargs is None
 
 
 def test_zero2_keeps_integer_storage_and_fixes_a_float_storage_deepspeed_would_cast(notices):
     args = args_for(2, {"quantization_config": BitsAndBytesConfig(**FOUR_BIT)})
-    quantization.prepare(args, bound_for())
+    quantization.adjust_for_engine(args, bound_for())
     assert args.model_init_kwargs["quantization_config"].bnb_4bit_quant_storage == torch.uint8
     assert notices() == []
 
     args = args_for(2, {"quantization_config": {**FOUR_BIT, "bnb_4bit_quant_storage": "bfloat16"}})
-    quantization.prepare(args, bound_for())
+    quantization.adjust_for_engine(args, bound_for())
     assert args.model_init_kwargs["quantization_config"].bnb_4bit_quant_storage == torch.float32
 
 
 def test_without_deepspeed_or_quantization_nothing_changes(notices):
     config = BitsAndBytesConfig(**FOUR_BIT, bnb_4bit_quant_storage="bfloat16")
     args = args_for(None, {"quantization_config": config})
-    quantization.prepare(args, bound_for())
+    quantization.adjust_for_engine(args, bound_for())
     assert args.model_init_kwargs["quantization_config"] is config
     args = args_for(3, {"dtype": "float32"})
-    quantization.prepare(args, bound_for())
+    quantization.adjust_for_engine(args, bound_for())
     assert args.model_init_kwargs == {"dtype": "float32"} and notices() == []
 
 

@@ -16,7 +16,7 @@ PREF_ROWS = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 4
 
 def test_sft_trainer_trains_with_the_converted_config(tiny_model_path, tmp_path):
     # The reproducer: this raised AttributeError: 'TrainingArguments' object has no attribute
-    # 'model_init_kwargs' in quantization.prepare, before TRL could convert the arguments.
+    # 'model_init_kwargs' in quantization.adjust_for_engine, before TRL could convert the arguments.
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, learning_rate=3e-4, report_to="none",
                              hub_token="secret")
     trainer = trl_ext.SFTTrainer(model=tiny_model_path, args=args, train_dataset=Dataset.from_list(SFT_ROWS))

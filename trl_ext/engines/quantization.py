@@ -130,7 +130,7 @@ def _storage_for(args, storage: torch.dtype, config=None) -> torch.dtype:
     return storage
 
 
-def prepare(args, bound) -> None:
+def adjust_for_engine(args, bound) -> None:
     """Before TRL's constructor: refuse what cannot work, and set the 4-bit storage dtype for the ZeRO stage.
 
     ``bound`` holds the trainer's arguments; a quantization config there (``quantization_config=``) or in

@@ -5,14 +5,14 @@ else writes checkpoints.
 One word, one meaning, in this package and in the files layer under it (``trl_ext.files``):
 
 - **save**: one call of ``save()``: a model's weights and configuration files planned, written, checked, agreed on by
-  every rank and committed (``pipeline``; one ``save_plan.SaveJob``).
+  every rank and committed (``pipeline``; one ``save_plan.Save``).
 - **checkpoint**: a trainer's ``checkpoint-N``: a save of its weights plus the files Trainer, DeepSpeed and accelerate
   write (optimizer, scheduler, RNG and trainer states); ``Checkpoints.take`` takes one.
 - **partial directory**: where a save or a checkpoint is written, hidden beside its target (``.NAME.trl_ext-partial``),
   until its commit (``trainer_files.PartialDir.path``, which Trainer is given as its output directory;
-  ``SaveJob.partial``; ``files.commit.PARTIAL_SUFFIX``). Never "staging": that word is the CPU copies'.
+  ``Save.partial``; ``files.commit.PARTIAL_SUFFIX``). Never "staging": that word is the CPU copies'.
 - **commit**: the complete, checked partial directory renamed into place: ``files.commit.commit``, the one function of
-  that name; a save's (``SaveJob.commit_save``) and a checkpoint's, with its ``after_commit`` hooks and retention
+  that name; a save's (``Save.commit_save``) and a checkpoint's, with its ``after_commit`` hooks and retention
   (``trainer_files.commit_checkpoint``), call it. Only committed ``checkpoint-N`` folders match
   ``files.checkpoint_dirs``.
 - **mode**: whether checkpoints are written in the foreground (before training goes on) or in the background (while

@@ -27,7 +27,7 @@ One background checkpoint, step by step, with the module of ``saving`` that does
     on the executor's thread (its own gloo group):                                executor.Executor
       5. every part written, synced and read back                                 write, gather, files.readback
       6. every rank's outcome agreed on                                           errors.agree
-      7. the weights renamed into the checkpoint, the checkpoint into place,      save_plan.SaveJob.commit_save,
+      7. the weights renamed into the checkpoint, the checkpoint into place,      save_plan.Save.commit_save,
          the after_commit hooks run (the mirror, Ray's reports), older ones       trainer_files.commit_checkpoint
          rotated out
     back on the training thread, at a step boundary (poll) or wait_for_writes:

@@ -1,7 +1,7 @@
 """The one save path: plan, write the weights, check, agree, commit.
 
 Used by the trainers for the final save and for every checkpoint's weights. ``save`` plans the layout once per model
-(``plan_layout``: the weight sets, which rank writes which file of which replica) and makes the save a ``SaveJob``;
+(``plan_layout``: the weight sets, which rank writes which file of which replica) and makes the save a ``Save``;
 ``run`` then reads top to bottom, on every rank:
 
 1. ``_create_partial``: the replica's first rank creates the partial directory beside the target, with the configuration
@@ -39,7 +39,7 @@ from trl_ext.saving.executor import BackgroundCheckpoint
 from trl_ext.saving.save_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     Layout,
-    SaveJob,
+    Save,
     assign_files,
     check_dtypes,
     plan_weight_sets,
@@ -119,19 +119,19 @@ def save(model, output_dir: str, *, processing_class=None, training_args=None,
     collective, layout = _planned(model, max_shard_size, is_writer, into)
     if layout is None or not layout.replicas:  # this rank takes no part, or no rank saves (no should_save)
         return
-    job = SaveJob(model, target, layout, torch.distributed.get_rank() if collective else 0, is_writer, collective,
-                  processing_class, training_args, weight_sets=layout.weight_sets)
+    planned = Save(model, target, layout, torch.distributed.get_rank() if collective else 0, is_writer, collective,
+                     processing_class, training_args, weight_sets=layout.weight_sets)
     if into is not None:
         # the same choice on every rank: it depends on the engine's settings, not on the rank
         copied = stage_weights(layout.weight_sets, into)
         if copied is not None:
             if is_writer:  # the caller writes the rest of the checkpoint there while the weights are written
                 target.mkdir(parents=True, exist_ok=True)
-            job = job.on(copied, into.group() if collective else None)
-            into.add(target.name, lambda: write_and_check(job), commit=job.commit_save if is_writer else None)
+            planned = planned.on(copied, into.group() if collective else None)
+            into.add(target.name, lambda: write_and_check(planned), commit=planned.commit_save if is_writer else None)
             return
         into.say_foreground(CANNOT_COPY)
-    run(job)
+    run(planned)
 
 
 CANNOT_COPY = ("some parameters are offloaded to NVMe, quantized or sharded over a 2-D mesh, whose parts cannot be "
@@ -207,24 +207,24 @@ def _planned(model, max_shard_size, is_writer: bool, into: BackgroundCheckpoint 
     return collective, into.layout(key, plan)
 
 
-def run(job: SaveJob) -> None:
+def run(save: Save) -> None:
     """The save after its plan, in the foreground, on every rank: ``write_and_check``, then every rank's outcome
     agreed on and the commit.
 
     Raises:
         CheckpointError: on every rank, if any rank failed; nothing was committed.
     """
-    error = write_and_check(job)
-    if job.collective:
-        errors.agree(error, job.group, prefer=(NONFINITE,))
+    error = write_and_check(save)
+    if save.collective:
+        errors.agree(error, save.group, prefer=(NONFINITE,))
     elif error is not None:
         raise error
-    job.commit_save()
-    if job.collective:
-        torch.distributed.barrier(group=job.group)  # nobody reads the checkpoint before it is in place
+    save.commit_save()
+    if save.collective:
+        torch.distributed.barrier(group=save.group)  # nobody reads the checkpoint before it is in place
 
 
-def write_and_check(job: SaveJob) -> CheckpointError | None:
+def write_and_check(save: Save) -> CheckpointError | None:
     """Create the partial directory, stream and write the weights, sync and check the files, on every rank that takes
     part (in the foreground, or on the executor's thread with a process group of its own). Collective when the save
     is.
@@ -233,43 +233,43 @@ def write_and_check(job: SaveJob) -> CheckpointError | None:
         This rank's failure (the replica's first rank: its replica's), or None; the files of a failed save are removed,
         except those that failed verification (kept for inspection).
     """
-    error = _create_partial(job) if job.is_writer else None
-    if job.collective:  # the other writers open files in the partial directory: it must exist, or all stop here
-        error = errors.across_ranks(error, job.group)
+    error = _create_partial(save) if save.is_writer else None
+    if save.collective:  # the other writers open files in the partial directory: it must exist, or all stop here
+        error = errors.across_ranks(error, save.group)
     writers = []
     if error is None:
-        error, writers = write.write_weights(job)
-    error = error or write.synced(writers, job.partial)
+        error, writers = write.write_weights(save)
+    error = error or write.synced(writers, save.partial)
     checked = {}
     if error is None:
-        error, checked = _check_own_files(job, writers)
-    if job.collective:  # every rank's files and their checks, on the rank that leads its replica
-        error, checked = _collect_checks(job, error, checked)
-    if job.is_writer and error is None:
-        error = _check_directory(job, checked)
-    if job.is_writer and error is not None and error.kind not in (VERIFICATION, NONFINITE):
-        shutil.rmtree(job.partial, ignore_errors=True)  # files that failed verification are kept for inspection
+        error, checked = _check_own_files(save, writers)
+    if save.collective:  # every rank's files and their checks, on the rank that leads its replica
+        error, checked = _collect_checks(save, error, checked)
+    if save.is_writer and error is None:
+        error = _check_directory(save, checked)
+    if save.is_writer and error is not None and error.kind not in (VERIFICATION, NONFINITE):
+        shutil.rmtree(save.partial, ignore_errors=True)  # files that failed verification are kept for inspection
     return error
 
 
-def _create_partial(job: SaveJob) -> CheckpointError | None:
+def _create_partial(save: Save) -> CheckpointError | None:
     """A replica's first rank: an empty partial directory beside the target, with the configuration files."""
     try:
-        shutil.rmtree(job.partial, ignore_errors=True)  # left by an interrupted save
-        for ws in job.weight_sets:
-            (job.partial / ws.subdir).mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(save.partial, ignore_errors=True)  # left by an interrupted save
+        for ws in save.weight_sets:
+            (save.partial / ws.subdir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        return write.failed(f"cannot create {job.partial}: {exc}; {write.WRITE_FIX}")
-    total = sum(s.nbytes for ws in job.weight_sets for specs in ws.plan.values() for s in specs)
-    logger.info(f"[trl_ext] saving {total / 2**20:.1f} MiB to {job.target}")
+        return write.failed(f"cannot create {save.partial}: {exc}; {write.WRITE_FIX}")
+    total = sum(s.nbytes for ws in save.weight_sets for specs in ws.plan.values() for s in specs)
+    logger.info(f"[trl_ext] saving {total / 2**20:.1f} MiB to {save.target}")
     try:  # first, so that the checks run while the last weight file's fsync is still going on
-        write_metadata(job.model, job.partial, job.weight_sets, job.processing_class, job.training_args)
+        write_metadata(save.model, save.partial, save.weight_sets, save.processing_class, save.training_args)
     except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
         return write.failed(f"writing the configuration files: {type(exc).__name__}: {exc}")
     return None
 
 
-def _check_own_files(job: SaveJob, writers) -> tuple[CheckpointError | None, dict]:
+def _check_own_files(save: Save, writers) -> tuple[CheckpointError | None, dict]:
     """The files this rank wrote, re-opened and checked against the plan. Returns the error, and per weight-set
     directory each tensor's ``(shape, dtype)`` and first bytes, for the directory's check."""
     problems, checked = [], {}
@@ -279,20 +279,20 @@ def _check_own_files(job: SaveJob, writers) -> tuple[CheckpointError | None, dic
         except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
             found = ([f"the checks themselves failed: {type(exc).__name__}: {exc}"], {}, {})
         problems += found[0]
-        checked[str(writer.directory.relative_to(job.partial))] = found[1:]
-    return (_unverified(job, problems) if problems else None), checked
+        checked[str(writer.directory.relative_to(save.partial))] = found[1:]
+    return (_unverified(save, problems) if problems else None), checked
 
 
-def _collect_checks(job: SaveJob, error: CheckpointError | None, checked: dict) -> tuple[CheckpointError | None,
+def _collect_checks(save: Save, error: CheckpointError | None, checked: dict) -> tuple[CheckpointError | None,
                                                                                         dict]:
     """Every rank's outcome and checks, on every rank; the replica's first rank keeps its replica's (the others keep
     theirs)."""
-    everyone = from_every_rank((error, checked), group=job.group)
-    if not job.is_writer or error is not None:
+    everyone = from_every_rank((error, checked), group=save.group)
+    if not save.is_writer or error is not None:
         return error, checked
-    error = next((everyone[r][0] for r in job.mine if everyone[r][0] is not None), None)
+    error = next((everyone[r][0] for r in save.mine if everyone[r][0] is not None), None)
     merged = {}
-    for r in job.mine:
+    for r in save.mine:
         for subdir, (tensors, prefixes) in everyone[r][1].items():
             merged.setdefault(subdir, ({}, {}))
             merged[subdir][0].update(tensors)
@@ -300,26 +300,26 @@ def _collect_checks(job: SaveJob, error: CheckpointError | None, checked: dict) 
     return error, merged
 
 
-def _check_directory(job: SaveJob, checked: dict) -> CheckpointError | None:
+def _check_directory(save: Save, checked: dict) -> CheckpointError | None:
     """A replica's first rank, once every file passed its writer's check: each directory as a whole, against the plan
     and the trained model (``checked``: every file's tensors, per directory)."""
-    config = job.model.get_base_model().config if is_peft_model(job.model) else job.model.config
+    config = save.model.get_base_model().config if is_peft_model(save.model) else save.model.config
     problems = []
     try:
-        for ws in job.weight_sets:
-            directory = job.partial / ws.subdir
-            tensors, prefixes = checked.get(str(directory.relative_to(job.partial)), ({}, {}))
+        for ws in save.weight_sets:
+            directory = save.partial / ws.subdir
+            tensors, prefixes = checked.get(str(directory.relative_to(save.partial)), ({}, {}))
             problems += readback.check_directory(str(directory), ws.plan, tensors, prefixes, ws.peft_config,
                                                  getattr(config, "num_labels", 1))
     except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
         problems = [f"the checks themselves failed: {type(exc).__name__}: {exc}"]
-    return _unverified(job, problems) if problems else None
+    return _unverified(save, problems) if problems else None
 
 
-def _unverified(job: SaveJob, problems: list) -> CheckpointError:
+def _unverified(save: Save, problems: list) -> CheckpointError:
     diverged = [p for p in problems if getattr(p, "kind", None) == NONFINITE]  # NaN or inf: training diverged
-    return CheckpointError(f"saving failed: the checkpoint for {job.target} failed verification; nothing was "
-                           f"committed and the previous contents are untouched. The files are kept in {job.partial} "
+    return CheckpointError(f"saving failed: the checkpoint for {save.target} failed verification; nothing was "
+                           f"committed and the previous contents are untouched. The files are kept in {save.partial} "
                            "for inspection.\n  " + "\n  ".join(problems),
                            kind=NONFINITE if diverged else VERIFICATION, detail=diverged[0] if diverged else None)
 

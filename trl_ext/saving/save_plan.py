@@ -1,6 +1,6 @@
 """What a save writes, decided before anything is written and the same on every rank: the weight sets (the adapters
 of a PEFT model, or the full model in the Hub's layout), their tensors under the names they are saved with, the files
-they go to and which rank writes each (``Layout``); and one save as an object (``SaveJob``), carried through the
+they go to and which rank writes each (``Layout``); and one save as an object (``Save``), carried through the
 pipeline's steps from the plan to the commit, in the foreground or on the executor's thread."""
 
 import logging
@@ -166,7 +166,7 @@ class Layout:
 
 
 @dataclass
-class SaveJob:
+class Save:
     """One save of ``model`` to ``target``.
 
     Args:
@@ -216,6 +216,6 @@ class SaveJob:
             commit(self.partial, self.target)
             logger.info(f"[trl_ext] saved and verified {self.target} in {time.monotonic() - self.started:.1f}s")
 
-    def on(self, weight_sets: list, group=None) -> "SaveJob":
+    def on(self, weight_sets: list, group=None) -> "Save":
         """The same save, streaming ``weight_sets`` (a background checkpoint's copies) over ``group``."""
         return replace(self, weight_sets=weight_sets, group=group)

@@ -25,7 +25,7 @@ from trl_ext.errors import CheckpointError
 from trl_ext.files import hub_names
 from trl_ext.files.shards import ShardStreamWriter, TensorSpec, index_json
 from trl_ext.saving import gather
-from trl_ext.saving.save_plan import SaveJob
+from trl_ext.saving.save_plan import Save
 
 WRITE_FIX = ("nothing was committed and earlier saves are intact; free disk space or fix permissions there, then "
              "save again (or resume from the last checkpoint)")
@@ -180,7 +180,7 @@ class _Guarded:
         self._call("end")
 
 
-def _stream_units(job: SaveJob, units, sink, writer_rank: int | None) -> None:
+def _stream_units(save: Save, units, sink, writer_rank: int | None) -> None:
     """Feed the units' outputs to ``sink`` in plan order: renamed tensors streamed in chunks, converted groups gathered
     whole (one at a time) and converted on the writing rank. Every rank calls it, as ``gather.stream``."""
     run: list[tuple[str, torch.Tensor]] = []  # consecutive streamed tensors, under their Hub names
@@ -189,14 +189,14 @@ def _stream_units(job: SaveJob, units, sink, writer_rank: int | None) -> None:
             run.append((unit.outputs[0].name, unit.sources[0][1]))
             continue
         if run:
-            gather.stream(run, sink, job.collective, writer_rank, job.group)
+            gather.stream(run, sink, save.collective, writer_rank, save.group)
             run = []
         if unit is None:
             continue
-        whole = _Collect(unit.sources, copy=job.collective) if sink is not None else None
-        gather.stream(unit.sources, whole, job.collective, writer_rank, job.group)
+        whole = _Collect(unit.sources, copy=save.collective) if sink is not None else None
+        gather.stream(unit.sources, whole, save.collective, writer_rank, save.group)
         if sink is not None:
-            sink.convert_and_write(lambda: hub_names.to_hub(job.model, whole.result()), unit.outputs)
+            sink.convert_and_write(lambda: hub_names.to_hub(save.model, whole.result()), unit.outputs)
 
 
 def _units_by_file(ws) -> dict[str, list]:
@@ -208,25 +208,25 @@ def _units_by_file(ws) -> dict[str, list]:
     return by_file
 
 
-def write_weights(job: SaveJob) -> tuple[CheckpointError | None, list[tuple[ShardStreamWriter, dict]]]:
+def write_weights(save: Save) -> tuple[CheckpointError | None, list[tuple[ShardStreamWriter, dict]]]:
     """Every rank: each file's tensors streamed to the rank that writes it (with one replica, only to that rank; with a
     replica per node, gathered whole by each node's writer). A writer that already failed keeps taking part, writing
     nothing.
 
     Args:
-        job: the save.
+        save: the save.
 
     Returns:
         The error (None if fine) and this rank's file writers with their plans, still syncing.
     """
     error, writers = None, []
-    for ws, ws_owners in zip(job.weight_sets, job.layout.owners):
-        files = {f: specs for f, specs in ws.plan.items() if ws_owners[job.replica_index][f] == job.rank}
-        writer = ShardStreamWriter(job.partial / ws.subdir, files) if files else None
+    for ws, ws_owners in zip(save.weight_sets, save.layout.owners):
+        files = {f: specs for f, specs in ws.plan.items() if ws_owners[save.replica_index][f] == save.rank}
+        writer = ShardStreamWriter(save.partial / ws.subdir, files) if files else None
         sink = _Guarded(writer, error) if writer is not None else None
         for filename, units in _units_by_file(ws).items():
             writer_rank = ws_owners[0][filename] if len(ws_owners) == 1 else None
-            _stream_units(job, units, sink if filename in files else None, writer_rank)
+            _stream_units(save, units, sink if filename in files else None, writer_rank)
         if sink is None:
             continue
         writers.append((writer, files))

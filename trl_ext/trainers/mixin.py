@@ -83,7 +83,7 @@ class TrlExtMixin:
         if self._fused_lm_head:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
-        quantization.prepare(training_args, bound)  # QLoRA: storage dtype for the ZeRO stage; refusals before loading
+        quantization.adjust_for_engine(training_args, bound)  # QLoRA: the ZeRO stage's dtype; refusals
         fsdp_checkpoints = gradient_checkpointing.fsdp_checkpoints(training_args)  # one policy: FSDP's, or ours below
         user_reentrant = gradient_checkpointing.take_user_choice(training_args)
         compat.seed_before_model(training_args, bound.arguments.get("peft_config"), self._trl_class.__name__)
