@@ -54,7 +54,7 @@ def checkpointing_kwargs(args) -> dict | None:
     return getattr(args, "activation_checkpointing_kwargs", getattr(args, "gradient_checkpointing_kwargs", None))
 
 
-def fsdp_checkpoints(args) -> bool:
+def fsdp_recomputes(args) -> bool:
     """True when FSDP's own activation checkpointing is on (``fsdp_activation_checkpointing`` in the accelerate
     config, or ``fsdp_config["activation_checkpointing"]``). It wraps each decoder layer non-reentrantly; ours is then
     turned off, with a notice, so that no layer is checkpointed twice (Trainer would refuse the pair outright)."""

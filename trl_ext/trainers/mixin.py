@@ -84,7 +84,7 @@ class TrlExtMixin:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
         quantization.adjust_for_engine(training_args, bound)  # QLoRA: the ZeRO stage's dtype; refusals
-        fsdp_checkpoints = gradient_checkpointing.fsdp_checkpoints(training_args)  # one policy: FSDP's, or ours below
+        fsdp_recomputes = gradient_checkpointing.fsdp_recomputes(training_args)  # FSDP's recompute, or ours
         user_reentrant = gradient_checkpointing.take_user_choice(training_args)
         compat.seed_before_model(training_args, bound.arguments.get("peft_config"), self._trl_class.__name__)
         trl_module = sys.modules[self._trl_class.__module__]
@@ -110,7 +110,7 @@ class TrlExtMixin:
             if not use_reentrant:
                 gradient_checkpointing.remove_input_require_grads_hooks(self.model)  # TRL registered it for PEFT
             self.add_callback(gradient_checkpointing.CheckpointingPolicy(use_reentrant))
-        elif fsdp_checkpoints:
+        elif fsdp_recomputes:
             self.add_callback(gradient_checkpointing.FsdpCheckpointingCheck())
         if self.is_deepspeed_enabled:
             guard_save_pretrained(self.model)
