@@ -26,3 +26,24 @@ def raise_after_a_collective(output_dir: str) -> None:
     if os.environ["RANK"] == "0":
         raise ValueError("a bug in rank 0")
     dist.all_reduce(torch.ones(1))
+
+
+def lose_a_worker(output_dir: str, commit_on: list) -> None:
+    """Each worker group (an attempt) meets, commits ``checkpoint-<attempt>`` when its attempt is in ``commit_on``, and
+    then loses rank 1's worker (its process ends as a lost machine's would), while rank 0 waits in a collective."""
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from trl_ext.placement import ownership
+
+    attempt = int(ownership.record(output_dir).get("groups", 0))
+    dist.all_reduce(torch.ones(1))
+    if os.environ["RANK"] == "0" and attempt in commit_on:
+        (Path(output_dir) / f"checkpoint-{attempt}").mkdir()
+    dist.barrier()
+    if os.environ["RANK"] == "1":
+        os._exit(1)
+    dist.all_reduce(torch.ones(1))

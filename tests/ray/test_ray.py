@@ -140,6 +140,27 @@ def test_a_bug_ends_the_run_with_its_error_after_one_attempt(cluster, tmp_path):
     ray.shutdown()
 
 
+def test_lost_groups_are_bounded_by_the_runs_rule_in_a_row_without_a_new_checkpoint(cluster, tmp_path):
+    """Ray's own count is off: a run that commits a checkpoint between lost groups goes on past the limit, and one that
+    loses more groups in a row without a new checkpoint than the limit gives up in one line (kind "gave-up")."""
+    import ray
+
+    from tests.ray.functions import lose_a_worker
+    from trl_ext.errors import RunFailed
+    from trl_ext.placement import ownership
+    from trl_ext.ray import fit
+
+    out = tmp_path / "lost"
+    with pytest.raises(RunFailed) as failed:  # limit 1: Ray's max_failures=1 would end the run at the second loss
+        fit(lose_a_worker, str(out), [1, 2], num_workers=2, max_failures=1, address=cluster.address)
+    assert failed.value.kind == "gave-up", str(failed.value)
+    assert ("2 failed attempts in a row without a new checkpoint (newest: checkpoint-2); the limit is 1"
+            in str(failed.value)), str(failed.value)
+    record = ownership.record(out)
+    assert record["groups"] == 3 and record["gave_up"] is True and record["failures"] == 2, record
+    ray.shutdown()
+
+
 def test_a_cluster_too_small_for_the_minimum_is_refused_in_one_line_within_the_wait(cluster, tmp_path):
     import ray
 

@@ -67,6 +67,26 @@ def test_the_one_setting_and_its_former_names(monkeypatch):
     assert (failure_limit.max_failures(), failure_limit.setting()) == (0, "TRL_EXT_MAX_FAILURES")
 
 
+def test_under_ray_each_lost_group_counts_by_the_same_rule_and_a_person_starts_it_again(tmp_path):
+    """Ray restarts a run's worker group itself, within one attempt: the controller counts each lost group in the
+    run's record, as ``begin`` counts an attempt; a new checkpoint starts the count again."""
+    out = tmp_path / "out"
+    ownership.claim(out, "ray-run")
+    (out / "checkpoint-5").mkdir()
+    assert failure_limit.count_lost_group(out, 1) == (1, 5, False)  # the first in a row
+    (out / "checkpoint-10").mkdir()
+    assert failure_limit.count_lost_group(out, 1) == (1, 10, False)  # after progress: the first again
+    assert failure_limit.count_lost_group(out, 1) == (2, 10, True)  # the second in a row: over the limit
+    assert ownership.record(out)["gave_up"] is True
+    line = failure_limit.gave_up_line("Ray run r", 2, 10, 1, "the worker group is not started again")
+    assert line.startswith("Ray run r: 2 failed attempts in a row without a new checkpoint (newest: checkpoint-10); "
+                           "the limit is 1 (TRL_EXT_MAX_FAILURES), so the worker group is not started again (exit "
+                           "202)") and "\n" not in line
+    failure_limit.started_by_hand(out, "ray-run")  # the driver of a run started again by a person
+    assert (ownership.record(out)["failures"], ownership.record(out)["gave_up"]) == (0, False)
+    assert failure_limit.count_lost_group(out, 1) == (1, 10, False)
+
+
 def test_a_run_gives_up_after_too_many_failures_in_a_row_and_a_person_starts_it_again(as_process, tmp_path, capfd):
     out = tmp_path / "out"
     as_process(ORCHESTRATORS["SkyPilot"])

@@ -25,7 +25,8 @@ from trl_ext.errors import GaveUp
 from trl_ext.placement import orchestrators, ownership
 from trl_ext.settings import environment
 
-__all__ = ["GAVE_UP", "GaveUp", "begin", "max_failures", "next_count", "setting", "stopped"]
+__all__ = ["GAVE_UP", "GaveUp", "begin", "count_lost_group", "gave_up_line", "max_failures", "next_count",
+           "setting", "started_by_hand", "stopped"]
 
 GAVE_UP = GaveUp.EXIT_CODE  # 202
 # Slurm's batch script counts between attempts (``restart``); a Ray driver restarts its group within one attempt
@@ -97,17 +98,64 @@ def begin(output_dir: str | os.PathLike, limit: int | None = None, newest: int =
     ownership.update(output_dir, failures=failures, checkpoint=newest, stopped=False, gave_up=gave_up,
                      attempts=attempt)
     if gave_up:
-        newest_text = f"checkpoint-{newest}" if newest else "no checkpoint yet"
-        raise GaveUp(f"{job.label}: {failures} failed attempts in a row without a new checkpoint (newest: "
-                     f"{newest_text}); the limit is {limit} ({setting()}), so this attempt stops (exit {GAVE_UP}) "
-                     "and is not restarted. The earlier attempts' logs say why they failed; start the run again once "
-                     "that is fixed: it resumes from its newest checkpoint, and counts from 0.")
+        raise GaveUp(gave_up_line(job.label, failures, newest, limit, "this attempt stops"))
     said = {"restarted by hand": "started again after it gave up: failures are counted from 0",
             "started again": "a new launch: failures are counted from 0",
             "stopped": "the attempt before it stopped as planned, with a checkpoint",
             "failed": "the attempt before it did not finish"}[how]
     _say(f"{job.label}, attempt {attempt}: {said} ({failures} failed attempt(s) in a row without a new checkpoint; "
          f"the limit is {limit}, {setting()})")
+
+
+def gave_up_line(label: str, failures: int, newest: int, limit: int, what_stops: str) -> str:
+    """The one line of a run that gives up.
+
+    Args:
+        label: the run as its orchestrator names it.
+        failures: failed attempts in a row without a new checkpoint.
+        newest: the step of the newest committed checkpoint (0: none).
+        limit: the failures in a row the run survives.
+        what_stops: what ends now ("this attempt stops", "the worker group is not started again").
+
+    Returns:
+        The line.
+    """
+    newest_text = f"checkpoint-{newest}" if newest else "no checkpoint yet"
+    return (f"{label}: {failures} failed attempts in a row without a new checkpoint (newest: {newest_text}); the "
+            f"limit is {limit} ({setting()}), so {what_stops} (exit {GAVE_UP}) and is not restarted. The earlier "
+            "attempts' logs say why they failed; start the run again once that is fixed: it resumes from its newest "
+            "checkpoint, and counts from 0.")
+
+
+def count_lost_group(output_dir: str | os.PathLike, limit: int) -> tuple[int, int, bool]:
+    """Under Ray, where an attempt is one worker group and Ray starts the next itself: count a lost group by the same
+    rule as an attempt (``next_count``), in the run's record.
+
+    Args:
+        output_dir: the run's own output directory.
+        limit: failed attempts in a row that the run survives.
+
+    Returns:
+        ``(failures, newest, gave_up)``: the failures in a row, the newest committed checkpoint's step, and whether
+        the run gives up (more failures in a row than ``limit``).
+    """
+    newest = ownership.newest_checkpoint(output_dir)
+    failures, _ = next_count({**ownership.record(output_dir), "stopped": False}, newest)
+    gave_up = failures > limit
+    ownership.update(output_dir, failures=failures, checkpoint=newest, stopped=False, gave_up=gave_up)
+    return failures, newest, gave_up
+
+
+def started_by_hand(output_dir: str | os.PathLike, run: str) -> None:
+    """A Ray driver's start: a run that gave up and is started again was started by a person, and counts from 0
+    (``begin`` does this for an attempt elsewhere).
+
+    Args:
+        output_dir: the run's output directory.
+        run: the run's identity (a directory of another run is left alone).
+    """
+    if ownership.run_of(output_dir) == run and ownership.record(output_dir).get("gave_up"):
+        ownership.update(output_dir, failures=0, gave_up=False)
 
 
 def _say(line: str) -> None:

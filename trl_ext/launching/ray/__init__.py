@@ -25,8 +25,8 @@ def fit(train, output_dir: str, *args, accelerate_config: str | None = None,
         accelerate_config: an accelerate config (``accelerate_configs/zero3.yaml``), or None for data parallel.
         num_workers: a number, or ``(MIN, MAX)`` (or ``"MIN-MAX"``) for an elastic group; default one per GPU of the
             cluster, 2 per node without GPUs.
-        max_failures: lost workers or nodes the run survives (default ``TRL_EXT_MAX_FAILURES``, else the former
-            ``TRL_EXT_RAY_MAX_FAILURES``, else 3).
+        max_failures: lost worker groups in a row without a new committed checkpoint that the run survives (default
+            ``TRL_EXT_MAX_FAILURES``, else the former ``TRL_EXT_RAY_MAX_FAILURES``, else 3).
         run: the run's identity (default: the Ray job's, else a new one); the same identity resumes the same run.
         address: the cluster (default ``RAY_ADDRESS``, else the one started on this machine).
         wait: seconds to wait for the cluster to have room for the minimum (default ``TRL_EXT_RAY_WAIT_S``, else 300).
@@ -36,8 +36,8 @@ def fit(train, output_dir: str, *args, accelerate_config: str | None = None,
         ``output_dir``), ``metrics``, ``metrics_dataframe``.
 
     Raises:
-        trl_ext.errors.RunFailed: an error of the run's own, more lost workers than ``max_failures``, or a group
-            that could not start.
+        trl_ext.errors.RunFailed: an error of the run's own (``kind`` "error"), more lost groups in a row without a
+            new checkpoint than ``max_failures`` (``kind`` "gave-up"), or a group that could not start.
         UsageError: no cluster at the address, or too few resources for the minimum after ``wait``.
     """
     import os

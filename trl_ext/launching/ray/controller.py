@@ -2,7 +2,9 @@
 
 - An error of the run's own ends the run at once: raised here, it becomes a controller error, which Ray's failure
   policy never retries; the driver then says it in one line (``group``).
-- A lost worker or node: Ray restarts the group (``max_failures`` times). First, the nodes whose workers Ray could
+- A lost worker or node: counted by the run's own rule (``failure_limit.count_lost_group``: lost groups in a row
+  without a new committed checkpoint); past its limit the run gives up, raised here as above; else Ray restarts the
+  group (its own ``max_failures`` is off). First, the nodes whose workers Ray could
   no longer reach are given a bounded time to be marked dead, and Ray's view of the cluster is refreshed (patch
   ``ray-fresh-cluster-view``): an elastic group restarted on a stale view is sized for the dead node too and waits out
   a whole start timeout for workers that cannot start.
@@ -13,7 +15,9 @@ import time
 import ray
 from ray.train import UserCallback
 
+from trl_ext.errors import GAVE_UP
 from trl_ext.launching.ray import cluster, failures
+from trl_ext.placement import failure_limit
 from trl_ext.placement.outcome import ERROR
 
 NODE_DEATH_WAIT_S = 60.0  # at most this long for Ray to mark a lost node dead before the group restarts
@@ -24,17 +28,25 @@ class Verdict(UserCallback):
 
     Args:
         run: the run's name, for its lines.
+        output_dir: the run's output directory, where its record counts the lost groups.
+        limit: lost groups in a row without a new checkpoint that the run survives.
     """
 
-    def __init__(self, run: str):
-        self.run = run
+    def __init__(self, run: str, output_dir: str, limit: int):
+        self.run, self.output_dir, self.limit = run, output_dir, limit
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
         kind, line = failures.verdict(worker_exceptions)
         if kind == ERROR:
             raise failures.RankError(f"{line} (an error of the run's own: not retried)", kind=ERROR)
+        in_a_row, newest, gave_up = failure_limit.count_lost_group(self.output_dir, self.limit)
+        if gave_up:
+            raise failures.RankError(failure_limit.gave_up_line(
+                f"Ray run {self.run}", in_a_row, newest, self.limit, "the worker group is not started again") +
+                f" The last: {line}", kind=GAVE_UP)
         _say(f"Ray run {self.run}: {line}; the worker group restarts on the nodes left and resumes from the newest "
-             "committed checkpoint")
+             f"committed checkpoint ({in_a_row} lost group(s) in a row without a new checkpoint; the limit is "
+             f"{self.limit}, {failure_limit.setting()})")
         lost = failures.lost_nodes(worker_exceptions)
         if not lost:
             return

@@ -10,10 +10,11 @@
    - ``RunConfig``: the run's output directory as Ray's storage for the run (``storage_path`` its parent, ``name``
      its name), so that each committed checkpoint is registered with Ray where it is (``reporting``); Ray keeps its
      own small files there (``checkpoint_manager_snapshot.json``);
-   - ``FailureConfig(max_failures=K)``: a lost worker or node costs a restart of the group, at most K times
-     (``TRL_EXT_MAX_FAILURES``, default 3; the former ``TRL_EXT_RAY_MAX_FAILURES`` is still read; Ray Train counts
-     every restart of the group, even one after new checkpoints); an error of the run's own is never retried
-     (``controller.Verdict``); a group that cannot start waits at most the stated time too.
+   - a lost worker or node costs a restart of the group, bounded by the run's own rule (``failure_limit``): after
+     ``TRL_EXT_MAX_FAILURES`` (default 3; the former ``TRL_EXT_RAY_MAX_FAILURES`` is still read) lost groups in a
+     row without a new committed checkpoint, the run gives up (``controller.Verdict``; Ray's own ``max_failures``,
+     which counts every restart even after new checkpoints, is off); an error of the run's own is never retried; a
+     group that cannot start waits at most the stated time too.
 4. A group that stopped to grow (``growth``) is started again, larger; any other ending is the run's: its ``Result``,
    or one line that says why it failed.
 
@@ -28,7 +29,7 @@ import socket
 import sys
 import time
 
-from trl_ext.errors import RunFailed
+from trl_ext.errors import GAVE_UP, RunFailed
 from trl_ext.launching.ray import cluster, failures
 from trl_ext.launching.ray.worker import GROW, Task
 from trl_ext.placement import failure_limit, ownership
@@ -90,7 +91,8 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
         task: what every worker runs (``Task.run``, ``Task.output_dir`` set).
         asked: ``(MIN, MAX)`` workers, or None for the default (``cluster.plan``).
         say: prints one line.
-        max_failures: lost workers or nodes the run survives (default ``failure_limit.max_failures()``).
+        max_failures: lost groups in a row without a new checkpoint that the run survives (default
+            ``failure_limit.max_failures()``).
         wait: seconds to wait for room (default ``TRL_EXT_RAY_WAIT_S``, else 300).
 
     Returns:
@@ -98,7 +100,8 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
 
     Raises:
         UsageError: the cluster lacks room for the minimum after ``wait``.
-        RunFailed: an error of the run's own, more lost workers than ``max_failures``, a group that never started.
+        RunFailed: an error of the run's own, more lost groups in a row than ``max_failures``, a group that never
+            started.
     """
     import ray
 
@@ -108,6 +111,7 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
     cluster.wait_for_room(ray.nodes, group, wait, say)
     if task.claim:  # before Ray writes its own files there
         ownership.claim(task.output_dir, task.run)
+    failure_limit.started_by_hand(task.output_dir, task.run)
     task.most = group.workers[1] if group.elastic else 0
     task.per_worker = dict(group.per_worker)
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(START_SECONDS))  # passed on to Ray Train
@@ -141,26 +145,22 @@ def _fit(task: Task, group: cluster.Group, max_failures: int, wait: float):
                                      elastic_resize_monitor_interval_s=NEVER),
         run_config=RunConfig(
             name=os.path.basename(task.output_dir), storage_path=os.path.dirname(task.output_dir),
-            failure_config=FailureConfig(max_failures=max_failures,
+            # Ray's own count of lost groups counts every one, even after new checkpoints: off (-1); the run's rule
+            # decides instead, in the controller (``Verdict``), as under every orchestrator (``failure_limit``)
+            failure_config=FailureConfig(max_failures=-1,
                                          controller_failure_limit=max(1, math.ceil(wait / START_SECONDS))),
-            callbacks=[controller.Verdict(task.run)]))
+            callbacks=[controller.Verdict(task.run, task.output_dir, max_failures)]))
     try:
         return trainer.fit()
     except TrainingFailedError as exc:
-        raise _failed(task, exc, max_failures, wait) from None
+        raise _failed(task, exc, wait) from None
 
 
-def _failed(task: Task, exc: BaseException, max_failures: int, wait: float) -> RunFailed:
+def _failed(task: Task, exc: BaseException, wait: float) -> RunFailed:
     """One line for a run that failed (Ray's own traceback is in the log above it)."""
     cause = getattr(exc, "controller_failure", None)
     if isinstance(cause, failures.RankError):
-        return RunFailed(f"Ray run {task.run} failed: {cause}", kind=ERROR)
-    workers = getattr(exc, "worker_failures", None)
-    if workers:
-        _, line = failures.verdict(workers)
-        return RunFailed(f"Ray run {task.run} failed: workers were lost {max_failures + 1} time(s), more than "
-                         f"max_failures={max_failures} ({failure_limit.setting()}) allows; the last: {line}",
-                         kind="peer")
+        return RunFailed(f"Ray run {task.run} failed: {cause}", kind=GAVE_UP if cause.kind == GAVE_UP else ERROR)
     if cause is not None and "StartupTimeout" in type(cause).__name__:
         return RunFailed(f"Ray run {task.run} failed: its worker group could not start within {wait:.0f} s "
                          f"({WAIT_ENV}); the cluster lacks the room it had when the run began", kind="setup")

@@ -14,11 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from trl_ext.errors import RunFailed, UsageError
+from trl_ext.errors import GAVE_UP, RunFailed, UsageError
 from trl_ext.launching.decision import LAUNCH_ENV
 from trl_ext.launching.ray import cluster, group
 from trl_ext.launching.ray.worker import Task
-from trl_ext.placement import orchestrators, ownership
+from trl_ext.placement import failure_limit, orchestrators, ownership
 from trl_ext.process.hosted import HOSTED
 
 # The launch's own variables, not the run's: the workers get theirs from Ray and trl_ext.ray
@@ -136,8 +136,8 @@ def _launch(task: Task, asked: tuple[int, int] | None) -> int:
     """Connect, run the group, and end in one line.
 
     Returns:
-        0; ``launching.restart.ERROR`` (201) for an error of the run's own; ``LOST`` (200) for more lost workers
-        than allowed; 1 for a group that could not start.
+        0; ``launching.restart.ERROR`` (201) for an error of the run's own; ``failure_limit.GAVE_UP`` (202) for
+        more lost groups in a row without a new checkpoint than allowed; 1 for a group that could not start.
     """
     from trl_ext.launching import restart
 
@@ -146,7 +146,7 @@ def _launch(task: Task, asked: tuple[int, int] | None) -> int:
         result = group.run(task, asked, group.printer)
     except RunFailed as exc:
         group.printer(str(exc))
-        return {"error": restart.ERROR, "peer": restart.LOST}.get(exc.kind, 1)
+        return {"error": restart.ERROR, GAVE_UP: failure_limit.GAVE_UP}.get(exc.kind, 1)
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     group.printer(f"Ray run {task.run} finished: {task.output_dir}"
                   + (f"; its newest checkpoint, registered with Ray: {checkpoint}" if checkpoint else ""))
