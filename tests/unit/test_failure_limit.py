@@ -78,9 +78,9 @@ def test_under_ray_each_lost_group_counts_by_the_same_rule_and_a_person_starts_i
     assert failure_limit.count_lost_group(out, 1) == (1, 10, False)  # after progress: the first again
     assert failure_limit.count_lost_group(out, 1) == (2, 10, True)  # the second in a row: over the limit
     assert ownership.record(out)["gave_up"] is True
-    line = failure_limit.gave_up_line("Ray run r", 2, 10, 1, "the worker group is not started again")
+    line = failure_limit.gave_up_line("Ray run r", 2, 10, 1, "the run ends")
     assert line.startswith("Ray run r: 2 failed attempts in a row without a new checkpoint (newest: checkpoint-10); "
-                           "the limit is 1 (TRL_EXT_MAX_FAILURES), so the worker group is not started again (exit "
+                           "the limit is 1 (TRL_EXT_MAX_FAILURES), so the run ends (exit "
                            "202)") and "\n" not in line
     failure_limit.started_by_hand(out, "ray-run")  # the driver of a run started again by a person
     assert (ownership.record(out)["failures"], ownership.record(out)["gave_up"]) == (0, False)

@@ -115,7 +115,7 @@ def gave_up_line(label: str, failures: int, newest: int, limit: int, what_stops:
         failures: failed attempts in a row without a new checkpoint.
         newest: the step of the newest committed checkpoint (0: none).
         limit: the failures in a row the run survives.
-        what_stops: what ends now ("this attempt stops", "the worker group is not started again").
+        what_stops: what ends now ("this attempt stops", "the run ends").
 
     Returns:
         The line.

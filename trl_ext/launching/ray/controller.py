@@ -42,7 +42,7 @@ class Verdict(UserCallback):
         in_a_row, newest, gave_up = failure_limit.count_lost_group(self.output_dir, self.limit)
         if gave_up:
             raise failures.RankError(failure_limit.gave_up_line(
-                f"Ray run {self.run}", in_a_row, newest, self.limit, "the worker group is not started again") +
+                f"Ray run {self.run}", in_a_row, newest, self.limit, "the run ends") +
                 f" The last: {line}", kind=GAVE_UP)
         _say(f"Ray run {self.run}: {line}; the worker group restarts on the nodes left and resumes from the newest "
              f"committed checkpoint ({in_a_row} lost group(s) in a row without a new checkpoint; the limit is "
