@@ -183,27 +183,9 @@ def load_adapter(path: Path, model: torch.nn.Module) -> Adapter:
     adapter, used = Adapter(config, weights), set()
     for name, module in peft_model.get_base_model().named_modules():
         if isinstance(module, LoraLayer):
-            if type(module).__name__ == "ParamWrapper":  # target_parameters, also refused from the config
-                raise AdapterError(f"LoRA on parameters of {name} is not something the streamed merge applies: "
-                                   "merge it in memory with trl_ext.merge.in_memory.merge")
-            delta = _lora_delta(name, module, names)
-            adapter.deltas[f"{name}.weight"] = delta
-            if delta.bias is not None:
-                adapter.bias_deltas[f"{name}.bias"] = delta
-            used |= {n for n in (delta.a, delta.b, delta.magnitude, delta.bias) if n}
-            base_layer = f"{PEFT_PREFIX}{name}.base_layer."
-            for key in sorted(n for n in names if n.startswith(base_layer)):
-                adapter.overrides[f"{name}.{key.removeprefix(base_layer)}"] = key
-                used.add(key)
+            used |= _take_lora_layer(adapter, name, module, names)
         elif isinstance(module, ModulesToSaveWrapper):
-            prefix = f"{PEFT_PREFIX}{name}."
-            for key in sorted(n for n in names if n.startswith(prefix)):
-                rest = key.removeprefix(prefix)
-                if rest.startswith("original_module."):  # the untrained module, as PEFT loads it (tied aliases see it)
-                    adapter.overrides[f"{name}.{rest.removeprefix('original_module.')}"] = key
-                elif not rest.startswith("modules_to_save."):  # that copy of the trained module PEFT does not load
-                    adapter.replacements[f"{name}.{rest}"] = key
-                used.add(key)
+            used |= _take_modules_to_save(adapter, name, names)
         elif isinstance(module, AuxiliaryTrainingWrapper):
             raise AdapterError(f"the adapter trains {name} through {type(module).__name__} (e.g. "
                                "trainable_token_indices), which the streamed merge does not apply: merge it in memory "
@@ -213,6 +195,38 @@ def load_adapter(path: Path, model: torch.nn.Module) -> Adapter:
         raise AdapterError(f"the adapter does not fit this base model: {len(unused)} of its tensors belong to no "
                            f"module the base has (e.g. {unused[0]})")
     return adapter
+
+
+def _take_lora_layer(adapter: Adapter, name: str, module, names: set[str]) -> set[str]:
+    """One LoRA layer's delta (and bias delta), and the base layer's tensors the adapter saved; returns the names
+    taken."""
+    if type(module).__name__ == "ParamWrapper":  # target_parameters, also refused from the config
+        raise AdapterError(f"LoRA on parameters of {name} is not something the streamed merge applies: "
+                           "merge it in memory with trl_ext.merge.in_memory.merge")
+    delta = _lora_delta(name, module, names)
+    adapter.deltas[f"{name}.weight"] = delta
+    if delta.bias is not None:
+        adapter.bias_deltas[f"{name}.bias"] = delta
+    used = {n for n in (delta.a, delta.b, delta.magnitude, delta.bias) if n}
+    base_layer = f"{PEFT_PREFIX}{name}.base_layer."
+    for key in sorted(n for n in names if n.startswith(base_layer)):
+        adapter.overrides[f"{name}.{key.removeprefix(base_layer)}"] = key
+        used.add(key)
+    return used
+
+
+def _take_modules_to_save(adapter: Adapter, name: str, names: set[str]) -> set[str]:
+    """A module PEFT saves whole (``modules_to_save``): its trained tensors replace the base's; returns the names
+    taken."""
+    used, prefix = set(), f"{PEFT_PREFIX}{name}."
+    for key in sorted(n for n in names if n.startswith(prefix)):
+        rest = key.removeprefix(prefix)
+        if rest.startswith("original_module."):  # the untrained module, as PEFT loads it (tied aliases see it)
+            adapter.overrides[f"{name}.{rest.removeprefix('original_module.')}"] = key
+        elif not rest.startswith("modules_to_save."):  # that copy of the trained module PEFT does not load
+            adapter.replacements[f"{name}.{rest}"] = key
+        used.add(key)
+    return used
 
 
 @dataclass

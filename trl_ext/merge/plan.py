@@ -117,16 +117,7 @@ def build_plan(reader: SafetensorsReader, model: torch.nn.Module, adapter: Adapt
     """
     sources = _Sources(reader, model, adapter)
     changed = set(adapter.deltas) | set(adapter.bias_deltas) | set(adapter.replacements) | set(adapter.overrides)
-    for name in sorted(changed):
-        if name in sources.fused:
-            raise PlanError(f"the adapter changes {name}, which transformers builds from several checkpoint tensors "
-                            "(fused MoE experts, say); the streamed merge does not split such deltas: merge it in "
-                            "memory with trl_ext.merge.in_memory.merge")
-        if name not in sources.meta and name in adapter.bias_deltas:
-            raise PlanError(f"the adapter has lora_bias for {name.removesuffix('.bias')}, whose base layer has no "
-                            "bias: there is nothing to merge it into (PEFT refuses this merge too)")
-        if name not in sources.meta:
-            raise PlanError(f"the adapter does not fit this base model: it changes {name}, which the model lacks")
+    _refuse_what_cannot_change(sources, adapter, changed)
     plan = MergePlan(untie=any(name in sources.tied for name in changed))
     plan.vocab_size = _check_shapes(sources, model)
 
@@ -157,6 +148,21 @@ def build_plan(reader: SafetensorsReader, model: torch.nn.Module, adapter: Adapt
         if name in changed or (plan.untie and any(n in changed for n in sources.tied.get(name, []))):
             plan.outputs.append(output(saved_name(model, name), name))
     return plan
+
+
+def _refuse_what_cannot_change(sources: "_Sources", adapter: Adapter, changed: set[str]) -> None:
+    """A change to a tensor the checkpoint stores fused, a bias delta without a base bias, or a tensor the model
+    lacks: one line each."""
+    for name in sorted(changed):
+        if name in sources.fused:
+            raise PlanError(f"the adapter changes {name}, which transformers builds from several checkpoint tensors "
+                            "(fused MoE experts, say); the streamed merge does not split such deltas: merge it in "
+                            "memory with trl_ext.merge.in_memory.merge")
+        if name not in sources.meta and name in adapter.bias_deltas:
+            raise PlanError(f"the adapter has lora_bias for {name.removesuffix('.bias')}, whose base layer has no "
+                            "bias: there is nothing to merge it into (PEFT refuses this merge too)")
+        if name not in sources.meta:
+            raise PlanError(f"the adapter does not fit this base model: it changes {name}, which the model lacks")
 
 
 def _check_shapes(sources: _Sources, model: torch.nn.Module) -> int | None:
