@@ -12,6 +12,9 @@ The steps, in this order, so that a short stretch of GPU time still yields the f
 2. ``checkpoint``: whole checkpoints of a ~0.5B full fine-tune with AdamW (bench/_device_whole_checkpoints.py),
    foreground against ``save_in_background``: how long each holds training, steps with a save in flight against the
    others; the background checkpoints equal the foreground's, pass the audit, reload, and a resume from one is exact.
+   Two cases against the foreground (bench/_checkpoint_cases.py): checkpoints due faster than the disk writes them
+   (each waits for the previous write), and spaced at twice the measured write time (~40 s more on the H200); per
+   checkpoint the time it held training, the final save apart.
 3. ``zero3`` and 4. ``fsdp2``: one process each (NCCL on a GPU): a LoRA DPO run with non-reentrant gradient
    checkpointing and a full SFT run, bf16 (tests/scripts/train.py): the saves hold the trained tensors, pass the
    audit and reload in plain transformers/peft.
@@ -57,7 +60,7 @@ from tests.harness import kill_tree  # noqa: E402
 # (name, title, time limit on a GPU in seconds): the order is the issue's
 STEPS = [
     ("throughput", "Throughput: TRL vs trl_ext, ~0.5B bf16, gradient checkpointing on", 140),
-    ("checkpoint", "Whole checkpoints of a ~0.5B full fine-tune (AdamW): foreground vs save_in_background", 160),
+    ("checkpoint", "Whole checkpoints of a ~0.5B full fine-tune (AdamW): foreground vs save_in_background", 200),
     ("zero3", "DeepSpeed ZeRO-3 (one process on a GPU): saves verify and reload", 120),
     ("fsdp2", "FSDP2 (one process on a GPU): saves verify and reload", 80),
     ("qlora", "QLoRA, bitsandbytes 4-bit: trains, saves, merges, reloads", 60),
