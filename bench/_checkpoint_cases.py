@@ -77,16 +77,21 @@ def what_happened(c: dict) -> str:
     """One line: whether checkpoints waited for the previous write, skipped any, and what to set."""
     skipped = sorted(set(c["expected"]) - set(c["committed"]))
     waits = [w for w in c["waited_previous_s"][1:] if w > 0]  # the first background checkpoint has none before it
-    line = ("skipped " + ", ".join(skipped) if skipped else "none skipped") + "; "
+    final = c["final_waited_previous_s"] or 0.0
+    parts = ["skipped " + ", ".join(skipped) if skipped else "none skipped"]
     if waits:
-        line += (f"each checkpoint after the first waited {statistics.median(waits):.3g} s (median) for the previous "
-                 "write to be committed (checkpoint/held_previous_s): training ran at the disk's pace. Set save_steps "
-                 "to at least 2 x checkpoint/write_s / step time")
+        parts.append(f"{len(waits)} background checkpoint(s) after the first waited {statistics.median(waits):.3g} s "
+                     "(median) for the previous write to be committed (checkpoint/held_previous_s)")
     else:
-        line += "no checkpoint waited for the previous write: each held training only for its own save call"
-    if c["final_waited_previous_s"]:
-        line += f"; the final save waited {c['final_waited_previous_s']:.3g} s for the one before it"
-    return line
+        parts.append("no background checkpoint waited for the previous write")
+    if final:
+        parts.append(f"the final save waited {final:.3g} s for the one before it")
+    if waits or final:
+        parts.append("checkpoints came faster than the disk wrote them and training ran at its pace: set save_steps "
+                     "to at least 2 x checkpoint/write_s / step time")
+    else:
+        parts.append("each held training only for its own save call")
+    return "; ".join(parts)
 
 
 def rows(cases: dict) -> list[dict]:

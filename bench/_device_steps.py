@@ -271,8 +271,8 @@ def checkpoint_figures(report: dict) -> dict:
     if "faster" in cases:  # the case must have occurred (trl_ext logged a wait) for its figures to say what happens
         c = cases["faster"]
         waited = any(c["waited_previous_s"][1:]) or bool(c["final_waited_previous_s"])
-        checks["faster: checkpoints came faster than the writes"] = ok(
-            (c["interval_over_write"] or 9) < 1 and waited,
+        checks["faster: checkpoints came faster than the writes"] = ok(  # trl_ext's log says so: the interval is
+            waited,                                                       # only an estimate (the median step's)
             f"interval {c['interval_s']:.3g} s, write {c['write_s']:.3g} s, "
             + ("a checkpoint waited for the previous write" if waited else "no checkpoint waited: lower --save_steps"))
     s = runs.get("background", {}).get("summary")

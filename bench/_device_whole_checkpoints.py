@@ -26,7 +26,7 @@ the foreground model's outputs on fixed inputs at ``checkpoint-K``. Deterministi
 ``torch.use_deterministic_algorithms`` (warnings only: a non-deterministic op is named in the log) and eager attention
 (PyTorch's flash attention backward is not deterministic).
 
-Writes ``--report`` (JSON) and prints the table. ``--smoke``: a 2-layer model, fp32 on the CPU, 3 steps. ``--cpu``: a
+Writes ``--report`` (JSON) and prints the table. ``--smoke``: a 2-layer model, fp32 on the CPU, 4 steps. ``--cpu``: a
 70M model on the CPU, whose checkpoints (0.8 GB) take seconds to write: the cases measured without a GPU. The learning
 rate (1e-4) is high enough for Adam's bf16 updates to change bf16 weights (lower ones round away), so the comparisons
 compare something.
@@ -233,11 +233,11 @@ def main():
     parser.add_argument("--save_steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=1024)
-    parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on the CPU, 3 steps")
+    parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on the CPU, 4 steps")
     parser.add_argument("--cpu", action="store_true", help="a 70M fp32 model on the CPU, 6 steps, 0.8 GB checkpoints")
     cli = parser.parse_args()
     if cli.smoke:  # a checkpoint every step: its writes take longer than a step
-        cli.steps, cli.save_steps, cli.batch, cli.seq_len = 3, 1, 1, 32
+        cli.steps, cli.save_steps, cli.batch, cli.seq_len = 4, 1, 1, 32  # 3 in the background: 2 that may wait
     elif cli.cpu:
         cli.steps, cli.save_steps, cli.batch, cli.seq_len = 6, 2, 2, 64
     assert cli.steps % cli.save_steps == 0 and cli.steps // cli.save_steps >= 3, "need 2 background checkpoints"
