@@ -3,10 +3,13 @@ Qwen2.5-shaped Llama (random weights) in bf16, as TRL's examples load models (``
 states in bf16 too: 3 GB a checkpoint), a ``checkpoint-N`` every ``--save_steps`` steps. Three runs in this process,
 one after another:
 
-1. ``foreground``: checkpoints written in the foreground (Trainer's loop waits for each);
+1. ``foreground``: checkpoints written in the foreground (Trainer's loop waits for each): the anchor;
 2. ``background``: the same run with ``save_in_background`` (the last checkpoint is written in the foreground, as
-   always);
-3. ``resumed``: the background run resumed from its last background checkpoint (``checkpoint-K``) and trained to the
+   always), its checkpoints due faster than the disk writes them (the ``faster`` case of bench/_checkpoint_cases.py;
+   measured, and failed when the interval turns out longer than the write);
+3. ``spaced``: the save interval picked from the write time measured by runs 1 and 2, at least twice it
+   (``_checkpoint_cases.pick_interval``), three checkpoints (the ``spaced`` case);
+4. ``resumed``: the background run resumed from its last background checkpoint (``checkpoint-K``) and trained to the
    end.
 
 Measured per run: each step's start and end (``time.monotonic``; the GPU synchronised at each step's end, not at its
@@ -23,8 +26,10 @@ the foreground model's outputs on fixed inputs at ``checkpoint-K``. Deterministi
 ``torch.use_deterministic_algorithms`` (warnings only: a non-deterministic op is named in the log) and eager attention
 (PyTorch's flash attention backward is not deterministic).
 
-Writes ``--report`` (JSON). ``--smoke``: a 2-layer model, fp32 on the CPU, 6 steps. The learning rate (1e-4) is high
-enough for Adam's bf16 updates to change bf16 weights (lower ones round away), so the comparisons compare something.
+Writes ``--report`` (JSON) and prints the table. ``--smoke``: a 2-layer model, fp32 on the CPU, 4 steps. ``--cpu``: a
+70M model on the CPU, whose checkpoints (0.8 GB) take seconds to write: the cases measured without a GPU. The learning
+rate (1e-4) is high enough for Adam's bf16 updates to change bf16 weights (lower ones round away), so the comparisons
+compare something.
 """
 
 import argparse
@@ -42,6 +47,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA start
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: _gpu_worker
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.saved_compare
 
+import _checkpoint_cases
 import torch
 from _gpu_worker import SHAPE_0P5B, SHAPE_SMOKE, data
 from accelerate.state import AcceleratorState, GradientState
@@ -54,8 +60,8 @@ from trl_ext.files.audit import audit
 
 # What trl_ext logs per checkpoint (when it does): how long it held training, split into the foreground save and the
 # wait for the previous copy; the background write's duration and the checkpoint's size.
-LOGGED = ("checkpoint/held_s", "checkpoint/held_save_s", "checkpoint/held_copy_wait_s", "checkpoint/write_s",
-          "checkpoint/bytes")
+LOGGED = ("checkpoint/held_s", "checkpoint/held_save_s", "checkpoint/held_copy_wait_s", "checkpoint/held_previous_s",
+          "checkpoint/write_s", "checkpoint/bytes")
 PROBE_IDS = [[10 + i for i in range(12)], [40 + 3 * i for i in range(12)]]  # as bench/_device_reload.py
 
 
@@ -104,8 +110,18 @@ def timed(owner, name: str, record: list, clock=time.monotonic) -> None:
     setattr(owner, name, wrapper)
 
 
+# --cpu: 70M parameters (the embedded tokenizer's vocabulary fits 512), AdamW in fp32: 0.8 GB a checkpoint
+SHAPE_CPU = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True)
+
+
+# --smoke: 2 layers as bench/_gpu_worker.py's smoke model, wider, so that a checkpoint (0.1 GB) takes longer to write
+# and sync than a step takes (the faster case)
+SHAPE_SMOKE_CHECKPOINTS = {**SHAPE_SMOKE, "hidden_size": 512, "intermediate_size": 2048}
+
+
 def build(cli, tokenizer, on_gpu: bool):
-    shape = SHAPE_SMOKE if cli.smoke else SHAPE_0P5B
+    shape = SHAPE_SMOKE_CHECKPOINTS if cli.smoke else SHAPE_CPU if cli.cpu else SHAPE_0P5B
     config = LlamaConfig(max_position_embeddings=2 * cli.seq_len, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **shape)
     config._attn_implementation = "eager"  # deterministic backward (see the module docstring)
@@ -115,18 +131,21 @@ def build(cli, tokenizer, on_gpu: bool):
 
 
 def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from: str | None = None,
-          probe_at: int | None = None) -> dict:
-    """One run; returns what it measured (see the module docstring)."""
+          probe_at: int | None = None, save_steps: int | None = None) -> dict:
+    """One run (``save_steps`` apart, 3 checkpoints; default ``--save_steps``, ``--steps``); returns what it measured
+    (see the module docstring)."""
     out = Path(cli.work) / name
+    save_steps = save_steps or cli.save_steps
+    steps = cli.steps if save_steps == cli.save_steps else 3 * save_steps
     args = trl_ext.SFTConfig(
-        output_dir=str(out), max_steps=cli.steps, save_strategy="steps", save_steps=cli.save_steps,
+        output_dir=str(out), max_steps=steps, save_strategy="steps", save_steps=save_steps,
         per_device_train_batch_size=cli.batch, max_length=cli.seq_len, learning_rate=1e-4, logging_steps=1,
         report_to="none", seed=0, gradient_checkpointing=False, bf16=on_gpu, dataloader_num_workers=0,
         optim="adamw_torch_fused" if on_gpu else "adamw_torch", save_in_background=background,
     )
     clock = Clock(on_gpu, probe_at)
     trainer = trl_ext.SFTTrainer(model=build(cli, tokenizer, on_gpu), args=args, processing_class=tokenizer,
-                                 train_dataset=data("sft", cli.seq_len, rows=cli.steps * cli.batch),
+                                 train_dataset=data("sft", cli.seq_len, rows=steps * cli.batch),
                                  callbacks=[clock])
     saves, reserve = [], []
     timed(trainer, "_save_checkpoint", saves)
@@ -143,7 +162,7 @@ def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from
     history = trainer.state.log_history
     last = getattr(checkpoints, "last", None)
     found = {
-        "name": name, "output_dir": str(out), "background": background, "total_s": total,
+        "name": name, "output_dir": str(out), "background": background, "total_s": total, "save_steps": save_steps,
         "steps": clock.steps, "saves": saves, "reserve_s": sum(b - a for a, b in reserve),
         "windows": windows(events), "logged": [{k: v for k, v in cost.metrics().items() if k in LOGGED}
                                               for cost in getattr(checkpoints, "history", [])],
@@ -152,7 +171,7 @@ def train(cli, name: str, tokenizer, on_gpu: bool, background: bool, resume_from
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "snapshot_bytes": getattr(last, "weight_bytes", None),
     }
-    found["summary"] = summarise(found, cli.save_steps, cli.steps)
+    found["summary"] = summarise(found, save_steps, steps)
     del trainer, clock
     for cls in (AcceleratorState, GradientState):  # the next run builds its own accelerator
         cls._shared_state.clear()
@@ -209,16 +228,20 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", required=True, help="a directory for the runs' checkpoints (several GB each)")
     parser.add_argument("--report", required=True)
-    parser.add_argument("--steps", type=int, default=45)
-    parser.add_argument("--save_steps", type=int, default=15)
+    # a checkpoint every 10 steps of ~0.17 s on the H200: faster than its 3.7-s write (the faster case)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--save_steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=1024)
-    parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on the CPU, 6 steps")
+    parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on the CPU, 4 steps")
+    parser.add_argument("--cpu", action="store_true", help="a 70M fp32 model on the CPU, 6 steps, 0.8 GB checkpoints")
     cli = parser.parse_args()
-    if cli.smoke:
+    if cli.smoke:  # a checkpoint every step: its writes take longer than a step
+        cli.steps, cli.save_steps, cli.batch, cli.seq_len = 4, 1, 1, 32  # 3 in the background: 2 that may wait
+    elif cli.cpu:
         cli.steps, cli.save_steps, cli.batch, cli.seq_len = 6, 2, 2, 64
     assert cli.steps % cli.save_steps == 0 and cli.steps // cli.save_steps >= 3, "need 2 background checkpoints"
-    on_gpu = torch.cuda.is_available() and not cli.smoke
+    on_gpu = torch.cuda.is_available() and not (cli.smoke or cli.cpu)
     torch.use_deterministic_algorithms(True, warn_only=True)
     # Deterministic kernels only: filling every new tensor (3 GB of pinned copies included) would distort the timings
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -235,6 +258,19 @@ def main():
     shutil.rmtree(Path(runs["foreground"]["output_dir"]) / f"checkpoint-{cli.steps}", ignore_errors=True)  # unused
     write()
     runs["background"] = train(cli, "background", tokenizer, on_gpu, background=True)
+    write()
+    # the spaced case: its interval from the slowest write measured so far, in the foreground or the background (on a
+    # CPU a write beside training is slower than alone)
+    write_s = max([e["checkpoint/write_s"] for e in runs["foreground"]["logged"]]
+                  + runs["background"]["summary"]["write_s"])
+    step_s = runs["foreground"]["summary"]["step_s"]
+    report["spaced"] = {"write_s": write_s, "step_s": step_s, "save_steps": _checkpoint_cases.pick_interval(write_s,
+                                                                                                          step_s)}
+    runs["spaced"] = train(cli, "spaced", tokenizer, on_gpu, background=True,
+                           save_steps=report["spaced"]["save_steps"])
+    shutil.rmtree(runs["spaced"]["output_dir"], ignore_errors=True)  # timed, not compared: the background run is
+    report["cases"] = {name: _checkpoint_cases.case(runs[run], runs["foreground"])
+                       for name, run in (("spaced", "spaced"), ("faster", "background"))}
     write()
     fg, bg = (Path(runs[n]["output_dir"]) for n in ("foreground", "background"))
     checks = report["checks"]
@@ -265,6 +301,9 @@ def main():
     write()
     print(json.dumps({name: run["summary"] for name, run in runs.items()}, indent=1))
     print(json.dumps(checks, indent=1))
+    import _device_steps  # the device check's table of this report (tests.saved_compare: the repository is on the path)
+
+    print("\n".join(_device_steps.checkpoint_table(report)))
 
 
 if __name__ == "__main__":

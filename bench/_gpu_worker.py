@@ -34,6 +34,7 @@ import traceback
 import torch
 import trl
 from _device_figures import collect as collect_figures
+from _device_profile import ProfileSteps
 from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 from peft import LoraConfig
@@ -172,6 +173,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU, same code path")
     parser.add_argument("--flop_check", action="store_true", help="check the FLOPs formula with torch's counter")
+    parser.add_argument("--reentrant", action="store_true",
+                        help="gradient_checkpointing_kwargs={'use_reentrant': True} (bench/_device_steps.diagnose)")
+    parser.add_argument("--profile_steps", type=int, default=0,
+                        help="profile the last N steps with torch's profiler (bench/_device_profile.py)")
+    parser.add_argument("--results", help="also append each result to this file, one JSON line each")
     cli = parser.parse_args(argv)
     if not cli.plan and None in (cli.impl, cli.trainer, cli.tuning, cli.gc):
         parser.error("give --impl, --trainer, --tuning and --gc, or --plan")
@@ -209,6 +215,8 @@ def run(cli: argparse.Namespace) -> dict:
         output_dir=tempfile.mkdtemp(prefix="bench-gpu-"), max_steps=cli.steps, per_device_train_batch_size=per_device,
         max_length=cli.seq_len, learning_rate=1e-5, logging_steps=10_000, save_strategy="no", report_to="none",
         seed=0, gradient_checkpointing=cli.gc == "on", bf16=on_gpu, dataloader_num_workers=0,
+        # trl_ext honours an explicit choice (its default is non-reentrant); TRL passes it on to transformers
+        gradient_checkpointing_kwargs={"use_reentrant": True} if cli.reentrant else None,
     )
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if cli.tuning == "lora" else None
     extra = {}
@@ -216,9 +224,14 @@ def run(cli: argparse.Namespace) -> dict:
         extra["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
     meter = StepMeter()
     figures = Figures()
+    callbacks = [meter, figures]
+    profile = None
+    if cli.profile_steps:  # the last steps: the first ones build caches
+        profile = ProfileSteps(max(1, cli.steps - cli.profile_steps + 1), min(cli.profile_steps, cli.steps), on_gpu)
+        callbacks.append(profile)
     dataset = data(cli.trainer, cli.seq_len, rows=cli.steps * per_device)  # one epoch: no row is tokenized for nothing
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[meter, figures], peft_config=peft_config, **extra)
+                          processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config, **extra)
     figures.trainer = trainer
 
     training_step = trainer.training_step  # the same wrapper on both sides: it only reads the batch
@@ -246,10 +259,11 @@ def run(cli: argparse.Namespace) -> dict:
         "tokens_per_s": sum(tokens) / sum(times), "model_flops_per_s": flops / sum(times),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "peak_mem_bytes": torch.cuda.max_memory_allocated() if on_gpu else None, "held_before_bytes": held_before,
-        "flop_check": flop_check, "figures": figures.found,
+        "flop_check": flop_check, "figures": figures.found, "reentrant": cli.reentrant,
+        "profile": profile.summary if profile else None,
     }
     shutil.rmtree(args.output_dir, ignore_errors=True)
-    del trainer, model, extra, counted_step, figures
+    del trainer, model, extra, counted_step, figures, profile, callbacks
     for cls in (AcceleratorState, GradientState):  # a next run in this process builds its own accelerator
         cls._shared_state.clear()
     gc.collect()
@@ -258,15 +272,24 @@ def run(cli: argparse.Namespace) -> dict:
     return result
 
 
+def emit(cli: argparse.Namespace, result: dict) -> None:
+    """One result: printed as a ``BENCH`` line, and appended to ``--results`` when given."""
+    line = json.dumps(result)
+    print("BENCH " + line, flush=True)
+    if cli.results:
+        with open(cli.results, "a") as f:
+            f.write(line + "\n")
+
+
 def main():
     cli = parse()
     if not cli.plan:
-        print("BENCH " + json.dumps(run(cli)), flush=True)
+        emit(cli, run(cli))
         return
     failed = 0
     for workload in json.loads(cli.plan):  # a workload that fails (out of memory...) does not stop the next ones
         try:
-            print("BENCH " + json.dumps(run(argparse.Namespace(**{**vars(cli), **workload}))), flush=True)
+            emit(cli, run(argparse.Namespace(**{**vars(cli), **workload})))
         except Exception:  # noqa: BLE001 - reported on its own line; the exit code says it
             failed += 1
             print("BENCH_FAILED " + json.dumps({**workload, "error": traceback.format_exc()[-3000:]}), flush=True)
