@@ -1,28 +1,29 @@
-"""Every change trl_ext makes to another library's internals, in one place.
+"""Every change trl_ext makes to another library's internals, declared in one place; the fixes live by their callers.
 
 ``PATCHES`` declares each one: what it changes, why, the upstream issue or PR, when it can go, and its guard (a
 version check or a feature probe against the installed releases). Every private name of another library that trl_ext
-reads or overrides is declared there too, and read through a helper below that falls back to the library's public
-behaviour where the guard fails. Nothing is patched on import or while a config is
-built: the code that needs a patch applies it explicitly, through the helpers below, scoped to the call where it can
-be (``swapped``, ``setting``). Where a guard fails (a release that moved the internals) the patch is skipped with one
-notice and the library's own behaviour stays. ``tests/unit/test_patches.py`` lists them and checks every guard
-against the installed versions.
+reads or overrides is declared there too. This module holds the declarations and the guards only: each fix's body sits
+beside the code that needs it, and asks the registry first (``applies``), or makes its change through it, scoped to the
+call where it can be (``swapped``, ``setting``); where the guard fails it keeps the library's public behaviour.
+Nothing is patched on import or while a config is built. Where a guard fails (a release that moved the internals) the
+patch is skipped with one notice and the library's own behaviour stays. The registry imports nothing of trl_ext, so
+that every room can use it, ``process/`` included. ``tests/unit/test_patches.py`` lists them, checks every guard
+against the installed versions, and that every change or private read elsewhere asks its patch's guard.
 """
 
 import contextlib
-import copy
-import dataclasses
 import functools
 import importlib
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from packaging.version import Version
 
-from trl_ext.errors import CheckpointError
-from trl_ext.process.notices import notice
+# Where a guard fails, the one notice (per process: ``applies`` is cached) goes here. The registry imports nothing of
+# trl_ext, so that every room can use it; ``process.notices`` lets only the process that says notices print it.
+logger = logging.getLogger("trl_ext.patches")
 
 
 @dataclass(frozen=True)
@@ -499,8 +500,8 @@ def applies(name: str) -> bool:
     except Exception:  # noqa: BLE001 - a probe that fails means the internals moved
         ok = False
     if not ok:
-        notice(f"{patch.target} is not what trl_ext expects in the installed release: skipping the '{name}' fix "
-               f"({patch.why}). Upstream: {patch.upstream}.")
+        logger.warning(f"[trl_ext] {patch.target} is not what trl_ext expects in the installed release: skipping the "
+                       f"'{name}' fix ({patch.why}). Upstream: {patch.upstream}.")
     return ok
 
 
@@ -535,337 +536,3 @@ def setting(name: str, owner, attribute: str, value) -> bool:
         return False
     setattr(owner, attribute, value)
     return True
-
-
-# ------------------------------------------------------------------ the replacements that need only the library
-
-
-def fsdp_on_cpu():
-    """Context: accelerate chooses FSDP for a multi-process CPU launch (MULTI_CPU) with an FSDP plugin, as it does on
-    GPUs (patch ``fsdp-on-cpu``). Around the trainer's constructor, which builds the accelerator state once."""
-    from accelerate.state import AcceleratorState, DistributedType, PartialState
-
-    original = AcceleratorState.__dict__["__init__"]
-
-    @functools.wraps(original)
-    def __init__(self, *args, fsdp_plugin=None, **kwargs):
-        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
-            PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate does at the end
-            self.fsdp_plugin = fsdp_plugin
-            if self._mixed_precision != "no":
-                fsdp_plugin.set_mixed_precision(self._mixed_precision)
-            if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # pinned memory needs an accelerator
-                fsdp_plugin.cpu_offload = dataclasses.replace(fsdp_plugin.cpu_offload, pin_memory=False)
-
-    return swapped("fsdp-on-cpu", AcceleratorState, "__init__", __init__)
-
-
-@contextlib.contextmanager
-def sharded_optimizer_states(accelerator):
-    """accelerate's FSDP plugin set to ``SHARDED_STATE_DICT`` inside the block (patch ``sharded-optimizer-states``):
-    optimizer states saved and loaded per rank with DCP, whatever the config says."""
-    from torch.distributed.fsdp import StateDictType
-
-    state = accelerator.state
-    original = state.fsdp_plugin
-    if original.state_dict_type == StateDictType.SHARDED_STATE_DICT or not applies("sharded-optimizer-states"):
-        yield original
-        return
-    sharded = copy.copy(original)
-    sharded.state_dict_config = sharded.optim_state_dict_config = None
-    sharded.set_state_dict_type("SHARDED_STATE_DICT")
-    with swapped("sharded-optimizer-states", state, "fsdp_plugin", sharded):
-        yield sharded
-
-
-def _skip_input_require_grads():
-    """Stands in for ``enable_input_require_grads`` on a model trained with non-reentrant checkpointing."""
-
-
-def drop_input_require_grads(model) -> None:
-    """Remove the input-require-grads hook from every transformers model inside ``model``, and keep it from coming
-    back: the model's own ``enable_input_require_grads`` becomes a no-op (patch ``no-input-require-grads``)."""
-    from transformers import PreTrainedModel
-
-    if not applies("no-input-require-grads"):
-        return
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            module.disable_input_require_grads()
-            module.enable_input_require_grads = _skip_input_require_grads
-
-
-def refuse_save_pretrained(model, refuse: Callable[[object], str | None]) -> None:
-    """Make ``model.save_pretrained(dir)`` raise ``RuntimeError(refuse(model))`` whenever ``refuse`` returns a message
-    (patch ``save-pretrained-guard``). Calls that pass their own ``state_dict`` (what Trainer does) are left alone.
-
-    Args:
-        model: a transformers or PEFT model; for PEFT the base model's method is guarded too.
-        refuse: returns the message to raise with, or None to save as usual.
-    """
-    if not applies("save-pretrained-guard"):
-        return
-    targets = [model, model.get_base_model()] if hasattr(model, "get_base_model") else [model]
-    for target in targets:
-        original = target.save_pretrained
-
-        def guarded(save_directory, *args, _original=original, _model=target, **kwargs):
-            message = refuse(_model) if kwargs.get("state_dict") is None else None
-            if message:
-                raise CheckpointError(message, kind="zero3-placeholders")
-            return _original(save_directory, *args, **kwargs)
-
-        target.save_pretrained = guarded
-
-
-def keep_used_weight_conversions(model) -> None:
-    """Keep only the weight conversions that matched the checkpoint, as ``from_pretrained`` does outside ZeRO-3
-    (patch ``unused-weight-conversions``). Fixing the model also fixes the user's own ``save_pretrained``."""
-    conversions = getattr(model, "_weight_conversions", None)
-    if conversions and applies("unused-weight-conversions") and not all(c.was_used() for c in conversions):
-        model._weight_conversions = [c for c in conversions if c.was_used()]
-
-
-def no_import_check():
-    """Context: accelerate's ``notebook_launcher`` without its imported-libraries refusal (patch
-    ``notebook-import-check``); the caller checks ``torch.cuda.is_initialized()`` itself."""
-    import accelerate.launchers
-
-    return swapped("notebook-import-check", accelerate.launchers, "are_libraries_initialized", lambda *names: [])
-
-
-@contextlib.contextmanager
-def accelerate_state_set_aside():
-    """Context: accelerate's shared state emptied for a notebook launch, the kernel's put back after it (patch
-    ``accelerate-state-set-aside``)."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    if not applies("accelerate-state-set-aside"):
-        yield
-        return
-    saved = {cls: dict(cls._shared_state) for cls in (PartialState, AcceleratorState, GradientState)}
-    for cls in saved:
-        cls._shared_state.clear()
-    try:
-        yield
-    finally:
-        for cls, state in saved.items():
-            cls._shared_state.clear()
-            cls._shared_state.update(state)
-
-
-def keep_4bit_off_packed_path(model) -> int:
-    """Keep bitsandbytes' 4-bit layers on the kernel they train with (patch ``bnb-cpu-packed-4bit``). Returns how
-    many layers were switched."""
-    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
-    if layers and applies("bnb-cpu-packed-4bit"):
-        for layer in layers:
-            layer.support_avx512bf16_for_cpu = False
-        return len(layers)
-    return 0
-
-
-def cast_partition(param, dtype) -> None:
-    """Cast a parameter and, under ZeRO-3, the partition that holds its values (patch ``partitioned-adapter-dtype``)."""
-    param.data = param.data.to(dtype)
-    if getattr(param, "ds_tensor", None) is not None and applies("partitioned-adapter-dtype"):
-        param.ds_tensor.data = param.ds_tensor.data.to(dtype)
-
-
-def _update_recompute_parameters(sub_module, param) -> None:
-    """DeepSpeed's ``update_recompute_parameters`` with the owner moved: the innermost backward submodule running that
-    contains the parameter's module (its layer, its MLP), else DeepSpeed's choice."""
-    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
-
-    owners = getattr(param, "_trl_ext_recompute_owners", None)  # (containing modules' ds_ids, active backward ones)
-    if owners is not None:
-        chain, active = owners
-        sub_module = next((active[ds_id] for ds_id in chain if ds_id in active), sub_module)
-    coordinator_module._deepspeed_update_recompute_parameters(sub_module, param)
-
-
-def keep_recomputed_params_for_their_module(module, coordinator) -> bool:
-    """Under ZeRO-3, keep each frozen parameter a non-reentrant recompute gathers until the backward of a module that
-    contains it has ended, as reentrant checkpointing does (patch ``recompute-owner``).
-
-    Only the owner of the release changes: it is still a backward submodule running at the recompute, so DeepSpeed
-    releases it when that submodule's backward ends, or at the end of the backward if its hook never fires.
-
-    Args:
-        module: the model DeepSpeed's engine wraps (``engine.module``).
-        coordinator: the engine's ``PartitionedParameterCoordinator``.
-
-    Returns:
-        Whether the patch is in place for ``module``.
-    """
-    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
-
-    active = getattr(coordinator, "_PartitionedParameterCoordinator__active_backward_submodules", None)
-    if not isinstance(active, dict) or not applies("recompute-owner"):
-        return False
-    stack, seen = [(module, ())], set()
-    while stack:  # each frozen parameter learns its modules, innermost first (a tied one: the first that holds it)
-        current, outer = stack.pop()
-        chain = (current.ds_id, *outer) if hasattr(current, "ds_id") else outer
-        for param in current.parameters(recurse=False):
-            if not param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                param._trl_ext_recompute_owners = (chain, active)  # this engine's, if an earlier one trained it
-        stack.extend((child, chain) for child in current.children())
-    if coordinator_module.update_recompute_parameters is not _update_recompute_parameters:
-        coordinator_module._deepspeed_update_recompute_parameters = coordinator_module.update_recompute_parameters
-        coordinator_module.update_recompute_parameters = _update_recompute_parameters
-    return True
-
-
-def forget_zero3_trace(coordinator) -> bool:
-    """After a forward that is not a training step (the vLLM sync check's), forget the module order ZeRO-3 recorded
-    or followed, so that the next training forward records its own (patch ``zero3-forward-outside-trace``).
-
-    Args:
-        coordinator: the engine's ``PartitionedParameterCoordinator``.
-
-    Returns:
-        Whether the trace was forgotten (False where the patch does not apply).
-    """
-    if not applies("zero3-forward-outside-trace"):
-        return False
-    if not coordinator.is_invalid_trace():
-        coordinator._invalidate_trace()
-    return True
-
-
-def repair_zero3_universal_load(zero_optimizer, universal_zero_dir) -> bool:
-    """After DeepSpeed's ZeRO-3 optimizer loaded a universal checkpoint: each sub-group its own Adam step count, each
-    parameter group its own saved hyperparameters (patch ``zero3-universal-load``).
-
-    Args:
-        zero_optimizer: the engine's optimizer (``engine.optimizer``); only ZeRO-3's is repaired.
-        universal_zero_dir: the universal checkpoint's ``zero`` folder (its ``optimizer_state.pt``).
-
-    Returns:
-        Whether it was repaired.
-    """
-    import torch
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    if not isinstance(zero_optimizer, DeepSpeedZeroOptimizer_Stage3) or not applies("zero3-universal-load"):
-        return False
-    base = zero_optimizer.optimizer
-    for flat in zero_optimizer.fp32_partitioned_groups_flat:
-        state = base.state.get(flat, {})
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
-    # mmap: only the parameter groups are read, not the partition of the states the file also holds
-    saved = torch.load(f"{universal_zero_dir}/optimizer_state.pt", map_location="cpu", weights_only=False, mmap=True)
-    groups = saved["optimizer_state_dict"]["param_groups"]
-    if len(groups) == len(base.param_groups):  # the same trainer builds the same groups, in the same order
-        for group, saved_group in zip(base.param_groups, groups):
-            group.update({key: value for key, value in saved_group.items() if key != "params"})
-    return True
-
-
-def refresh_ray_cluster_view(timeout: float = 30.0) -> None:
-    """Make Ray's AutoscalingCoordinator look at the cluster's nodes now, so that the worker group Ray Train restarts
-    next is sized for the nodes alive (patch ``ray-fresh-cluster-view``). On the Ray Train controller, once a lost node
-    is marked dead; on the driver, before a group that stopped to grow starts again; nothing where the patch does not
-    apply.
-
-    Args:
-        timeout: seconds to wait for the coordinator's answer.
-    """
-    if not applies("ray-fresh-cluster-view"):
-        return
-    import ray
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator,
-    )
-
-    coordinator = get_or_create_autoscaling_coordinator()
-    ray.get(coordinator.get_reserved_resources.remote("trl_ext", recompute=True), timeout=timeout)
-
-
-# ------------------------------------------------------------------ the private names trl_ext reads
-
-
-def checkpoint_wrapper_prefix() -> str | None:
-    """The prefix torch's ``CheckpointWrapper`` adds to the names of the modules it wraps (patch
-    ``checkpoint-wrapper``), or None where the release moved it."""
-    if not applies("checkpoint-wrapper"):
-        return None
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-
-    return _CHECKPOINT_PREFIX
-
-
-def non_reentrant_checkpoint_wrapped(model) -> set[int] | None:
-    """The ``id`` of each module of ``model`` that torch's ``CheckpointWrapper`` wraps non-reentrantly (FSDP's
-    activation checkpointing; patch ``checkpoint-wrapper``), or None where the release moved the wrapper."""
-    if not applies("checkpoint-wrapper"):
-        return None
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
-
-    return {id(m._checkpoint_wrapped_module) for m in model.modules()
-            if isinstance(m, CheckpointWrapper) and m.checkpoint_impl == CheckpointImpl.NO_REENTRANT}
-
-
-def storage_key(storage) -> int:
-    """A storage's identity, the same for every Python object that stands for it, as ``torch.save`` keys storages
-    (patch ``storage-identity``); where the release moved it, the address of its data (unique among live storages
-    that hold bytes)."""
-    return storage._cdata if applies("storage-identity") else storage.data_ptr()
-
-
-def dtensor_shard(dtensor):
-    """The local shard a DTensor holds, the same tensor object at every call (patch ``dtensor-local-tensor``);
-    where the release moved it, ``to_local()`` without autograd."""
-    local = getattr(dtensor, "_local_tensor", None)
-    if local is not None and applies("dtensor-local-tensor"):
-        return local
-    import torch
-
-    with torch.no_grad():
-        return dtensor.to_local()
-
-
-def own_tensors(module) -> tuple[dict, dict]:
-    """A module's own parameters and persistent buffers (by name, None entries left out), read without its
-    state-dict hooks (patch ``module-own-tensors``); where the release moved them, ``named_parameters`` and
-    ``named_buffers`` with every buffer taken as persistent.
-
-    Returns:
-        ``(parameters, buffers)``.
-    """
-    if not applies("module-own-tensors"):
-        return (dict(module.named_parameters(recurse=False, remove_duplicate=False)),
-                dict(module.named_buffers(recurse=False, remove_duplicate=False)))
-    return ({k: p for k, p in module._parameters.items() if p is not None},
-            {k: b for k, b in module._buffers.items() if b is not None and k not in module._non_persistent_buffers_set})
-
-
-def model_from_config(cls, config):
-    """A model of ``cls`` built from ``config``: an Auto class's public ``from_config``, else the class's
-    ``_from_config`` as ``from_pretrained`` builds it (patch ``model-from-config``), or ``cls(config)`` where the
-    release moved it."""
-    if cls.__name__.startswith("Auto"):
-        return cls.from_config(config)
-    return cls._from_config(config) if applies("model-from-config") else cls(config)
-
-
-def jit_checkpoint_sigterm_handler(callback):
-    """The SIGTERM handler transformers' ``JITCheckpointCallback`` replaced (patch
-    ``jit-checkpoint-sigterm-handler``), or None (none replaced, or the release moved it)."""
-    manager = getattr(callback, "jit_manager", None)
-    if manager is None or not applies("jit-checkpoint-sigterm-handler"):
-        return None
-    return getattr(manager, "_original_sigterm_handler", None)
-
-
-def parser_destinations(parser) -> set[str] | None:
-    """The destinations of every option ``parser`` declares (patch ``parser-destinations``), or None where the
-    release moved them."""
-    if not applies("parser-destinations"):
-        return None
-    return {action.dest for action in parser._actions}

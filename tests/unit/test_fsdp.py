@@ -7,8 +7,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
 
 from tests.unit.test_runtime import _fields, cpu_only, gpu  # noqa: F401 - fixtures
-from trl_ext import patches
-from trl_ext.engines import quantization, rank0_loading, runtime
+from trl_ext.engines import fsdp, quantization, rank0_loading, runtime
 
 
 @pytest.fixture
@@ -22,7 +21,7 @@ def fake_state(monkeypatch):
         self.distributed_type, self._mixed_precision, self.fsdp_plugin = self.chosen, "no", None
 
     monkeypatch.setattr(AcceleratorState, "__init__", fake_init)
-    with patches.fsdp_on_cpu():
+    with runtime.accelerate_fsdp_on_cpu():
         yield
     assert AcceleratorState.__init__ is fake_init  # scoped: restored after the constructor
     AcceleratorState._shared_state.clear()
@@ -60,7 +59,7 @@ def test_gpus_and_plain_cpu_ddp_are_left_alone(fake_state):
 
 def test_applied_only_for_an_fsdp_launch_without_gpu_and_never_by_a_config(cpu_only, monkeypatch):  # noqa: F811
     calls = []
-    monkeypatch.setattr(patches, "fsdp_on_cpu", lambda: calls.append(1))
+    monkeypatch.setattr(runtime, "accelerate_fsdp_on_cpu", lambda: calls.append(1))
     monkeypatch.setenv("WORLD_SIZE", "2")
     original = AcceleratorState.__init__
     runtime.fsdp_on_cpu(_fields(bf16=False, fsdp=""))
@@ -73,7 +72,7 @@ def test_applied_only_for_an_fsdp_launch_without_gpu_and_never_by_a_config(cpu_o
 
 
 def test_nothing_applied_on_a_gpu_machine(gpu, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(patches, "fsdp_on_cpu", lambda: pytest.fail("patched accelerate on a GPU machine"))
+    monkeypatch.setattr(runtime, "accelerate_fsdp_on_cpu", lambda: pytest.fail("patched accelerate on a GPU machine"))
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     runtime.adapt_to_hardware(_fields(bf16=True, fsdp=""))
@@ -84,7 +83,7 @@ def test_optimizer_states_are_sharded_whatever_the_config_says():
     plugin = _plugin(state_dict_type="FULL_STATE_DICT")
     state = type("State", (), {"fsdp_plugin": plugin})()
     accelerator = type("Accelerator", (), {"state": state})()
-    with patches.sharded_optimizer_states(accelerator) as sharded:
+    with fsdp.sharded_optimizer_states(accelerator) as sharded:
         assert state.fsdp_plugin is sharded and sharded.state_dict_type == StateDictType.SHARDED_STATE_DICT
     assert state.fsdp_plugin is plugin and plugin.state_dict_type == StateDictType.FULL_STATE_DICT
 

@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trl_ext"
 # Lowest first: a module may import from its own room and from the rooms before it, never from a later one.
-FLOORS = ["process", "errors", "settings", "patches", "assets", "engines", "files", "placement", "data", "saving",
+FLOORS = ["patches", "process", "errors", "settings", "assets", "engines", "files", "placement", "data", "saving",
           "merge", "mirror", "resuming", "trainers", "launching", "ray", "cli", "__main__", "__init__"]
 
 

@@ -7,8 +7,7 @@ import pytest
 from accelerate.state import PartialState
 
 from trl_ext import SFTConfig
-from trl_ext.launching.notebook import _deepspeed_config, launch
-from trl_ext.patches import accelerate_state_set_aside
+from trl_ext.launching.notebook import _deepspeed_config, accelerate_state_set_aside, launch
 
 
 def test_zero_stage_alone_keeps_deepspeed_defaults():

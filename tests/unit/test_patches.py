@@ -1,7 +1,8 @@
 """Every change to another library's internals is declared in trl_ext.patches, with its guard, its upstream
 reference and when it can go; every guard holds on the installed (tested) versions; a failed guard leaves the
-library alone; no other module patches a library directly or reads its private names; and each private read gives what
-the library holds, or its public fallback where the release moved it."""
+library alone; patches.py holds the declarations and the guards only, and imports nothing of trl_ext; every module
+that patches a library directly or reads its private names does so in a function that asks that patch's guard; and
+each private read gives what the library holds, or its public fallback where the release moved it."""
 
 import ast
 from pathlib import Path
@@ -74,25 +75,77 @@ def _root(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def test_no_module_but_patches_changes_a_library_directly():
+def _units(tree: ast.Module) -> list[ast.AST]:
+    """A module's top-level functions and its classes' methods, each with the functions inside it; and each other
+    top-level statement (code that runs on import)."""
+    units = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            units += node.body
+        else:
+            units.append(node)
+    return units
+
+
+def _patches_asked(unit: ast.AST) -> set[str]:
+    """The patches a function asks the registry about: ``patches.applies/swapped/setting("<name>", ...)``."""
+    return {node.args[0].value for node in ast.walk(unit) if isinstance(node, ast.Call)
+            and ast.unparse(node.func) in ("patches.applies", "patches.swapped", "patches.setting")
+            and node.args and isinstance(node.args[0], ast.Constant)}
+
+
+def _direct_changes(unit: ast.AST, libraries: set[str]) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(unit):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign) else []
+        found += [(node.lineno, f"assigns {ast.unparse(target)}") for target in targets
+                  if isinstance(target, ast.Attribute) and _root(target) in libraries]
+        if isinstance(node, ast.Call):
+            call = ast.unparse(node.func)
+            if call.startswith(("mock.patch", "patch.object")) or (
+                    call == "setattr" and node.args and _root(node.args[0]) in libraries):
+                found.append((node.lineno, f"calls {call}"))
+    return found
+
+
+def test_every_direct_change_to_a_library_asks_its_patchs_guard():
+    """A fix lives beside its caller, in a function that asks the registry (``patches.applies``, ``swapped`` or
+    ``setting``) about a declared patch: none is applied unguarded, on import, or reimplemented with a probe of its
+    own."""
     found = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "patches.py":
             continue
         tree = ast.parse(path.read_text())
         libraries = _library_names(tree)
-        for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, ast.AugAssign) else []
-            for target in targets:
-                if isinstance(target, ast.Attribute) and _root(target) in libraries:
-                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} assigns {ast.unparse(target)}")
-            if isinstance(node, ast.Call):
-                call = ast.unparse(node.func)
-                if call.startswith(("mock.patch", "patch.object")) or (
-                        call == "setattr" and node.args and _root(node.args[0]) in libraries):
-                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} calls {call}")
+        for unit in _units(tree):
+            asked = _patches_asked(unit)
+            assert asked <= set(patches.PATCHES), (path, asked - set(patches.PATCHES))
+            if not asked:
+                found += [f"{path.relative_to(PACKAGE)}:{line} {what}" for line, what in _direct_changes(unit,
+                                                                                                        libraries)]
     assert not found, found
+
+
+def test_patches_holds_declarations_and_guards_only():
+    """patches.py defines the registry (``Patch``, ``PATCHES``, ``applies``, ``swapped``, ``setting``, its logger)
+    and the guards' probe helpers, nothing else: a fix's body lives beside its caller. It imports nothing of trl_ext,
+    so that every room can use it."""
+    tree = ast.parse(Path(patches.__file__).read_text())
+    registry = {"Patch", "PATCHES", "applies", "swapped", "setting", "logger"}
+    guard_helpers = {"_version", "_resolve", "_has", "_source_has", "_all"}
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            defined |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                        if isinstance(t, ast.Name)}
+    assert defined == registry | guard_helpers, sorted(defined ^ (registry | guard_helpers))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m.split(".")[0] == "trl_ext"}, imported
 
 
 def test_a_recomputed_frozen_weight_goes_to_the_innermost_running_module_that_contains_it(monkeypatch):
@@ -103,6 +156,8 @@ def test_a_recomputed_frozen_weight_goes_to_the_innermost_running_module_that_co
         pytest.skip("DeepSpeed < 0.19.3 has no recompute attribution to fix")
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
     from torch import nn
+
+    from trl_ext.engines import gradient_checkpointing
 
     monkeypatch.setattr(coordinator_module, "update_recompute_parameters",
                         coordinator_module.update_recompute_parameters)  # restored after the test
@@ -122,7 +177,7 @@ def test_a_recomputed_frozen_weight_goes_to_the_innermost_running_module_that_co
     coordinator = type("Coordinator", (), {})()
     coordinator._PartitionedParameterCoordinator__active_backward_submodules = {m.ds_id: m for m in running}
 
-    assert patches.keep_recomputed_params_for_their_module(model, coordinator)
+    assert gradient_checkpointing.keep_recomputed_params_for_their_module(model, coordinator)
     innermost = layer.mlp.down_proj.lora_B  # what DeepSpeed passes: the innermost running backward submodule
     coordinator_module.update_recompute_parameters(innermost, layer.attn.weight)
     coordinator_module.update_recompute_parameters(innermost, layer.mlp.down_proj.weight)
@@ -132,41 +187,35 @@ def test_a_recomputed_frozen_weight_goes_to_the_innermost_running_module_that_co
     assert innermost.ds_recompute_parameters == set()
 
 
-# The private names of other libraries that trl_ext reads, each through its helper in patches.py; where one is still
-# read elsewhere, the file named owes the change (listed here so that a new one is noticed).
+# The private names of other libraries that trl_ext reads, each declared in a patch's target and read in a function
+# that asks that patch's guard (listed here so that a new one is noticed).
 PRIVATE_NAMES = ("_CHECKPOINT_PREFIX", "CheckpointWrapper", "_cdata", "_local_tensor", "_parameters", "_buffers",
                  "_non_persistent_buffers_set", "_from_config", "_original_sigterm_handler", "_actions",
-                 "_run_exitfuncs", "_shutdown")
-# process/ sits below patches/ (patches imports process): its guard is a getattr of the private name with a default,
-# the name declared in a patch's target.
-GUARDED_BELOW = {("process/clean_exit.py", "_run_exitfuncs"): "exit-callbacks-now",
-                 ("process/clean_exit.py", "_shutdown"): "exit-threads-now"}
+                 "_run_exitfuncs", "_shutdown", "_register_atexit", "algorithms._checkpoint")
 
 
-def _guarded_getattrs(tree: ast.AST) -> set[int]:
-    """The ids of the name constants read as ``getattr(module, "_name", default)``: a guard, with a fallback."""
-    return {id(node.args[1]) for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and ast.unparse(node.func) == "getattr" and len(node.args) == 3 and isinstance(node.args[1], ast.Constant)}
+def _private_reads(unit: ast.AST) -> set[tuple[int, str]]:
+    found = set()
+    for node in ast.walk(unit):
+        if isinstance(node, ast.ImportFrom) and node.module and "algorithms._checkpoint" in node.module:
+            found.add((node.lineno, "algorithms._checkpoint"))
+        name = node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant) \
+            else None
+        if name in PRIVATE_NAMES and not (isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self"):
+            found.add((node.lineno, name))
+    return found
 
 
-def test_no_module_but_patches_reads_another_librarys_private_names():
-    found, guarded = set(), set()
+def test_every_private_read_asks_the_guard_of_the_patch_that_declares_it():
+    found = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "patches.py":
             continue
-        tree = ast.parse(path.read_text())
-        guards = _guarded_getattrs(tree)
-        for node in ast.walk(tree):
-            name = node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant) \
-                else None
-            if name in PRIVATE_NAMES and not (isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self"):
-                (guarded if id(node) in guards else found).add((str(path.relative_to(PACKAGE)), name))
-        found |= {(str(path.relative_to(PACKAGE)), "algorithms._checkpoint")
-                  for line in path.read_text().splitlines() if "algorithms._checkpoint" in line}
+        for unit in _units(ast.parse(path.read_text())):
+            targets = " ".join(patches.PATCHES[name].target for name in _patches_asked(unit) if name in patches.PATCHES)
+            found += [f"{path.relative_to(PACKAGE)}:{line} reads {name}" for line, name in _private_reads(unit)
+                      if name not in targets]
     assert not found, sorted(found)
-    assert guarded == set(GUARDED_BELOW), sorted(guarded ^ set(GUARDED_BELOW))
-    for (where, name), patch in GUARDED_BELOW.items():
-        assert where.startswith("process/") and name in patches.PATCHES[patch].target, (where, name, patch)
 
 
 def test_the_private_reads_give_what_the_library_holds_and_fall_back_where_it_moved(monkeypatch):
@@ -177,12 +226,21 @@ def test_the_private_reads_give_what_the_library_holds_and_fall_back_where_it_mo
 
     import torch
 
+    from trl_ext.engines.gradient_checkpointing import non_reentrant_checkpoint_wrapped
+    from trl_ext.engines.sharded import own_tensors
+    from trl_ext.files.audit import model_from_config
+    from trl_ext.launching.scripting import _unknown_arguments_message
+    from trl_ext.saving.save_plan import checkpoint_wrapper_prefix
+    from trl_ext.saving.snapshot import storage_key
+    from trl_ext.trainers.preemption import jit_checkpoint_sigterm_handler
+
     module = torch.nn.Module()
     module.weight = torch.nn.Parameter(torch.ones(2))
     module.register_buffer("kept", torch.zeros(1))
     module.register_buffer("scratch", torch.zeros(1), persistent=False)
     parser = argparse.ArgumentParser()
     parser.add_argument("--max_steps")
+    unknown = "unrecognized arguments: '--max_step'"
     handler = signal.getsignal(signal.SIGTERM)
     jit = SimpleNamespace(jit_manager=SimpleNamespace(_original_sigterm_handler=handler))
     a = torch.zeros(4)
@@ -196,26 +254,45 @@ def test_the_private_reads_give_what_the_library_holds_and_fall_back_where_it_mo
         def __init__(self, config):
             self.config = config
 
-    assert patches.storage_key(a.untyped_storage()) == patches.storage_key(a[1:].untyped_storage())
-    assert patches.storage_key(a.untyped_storage()) != patches.storage_key(torch.zeros(4).untyped_storage())
-    assert patches.own_tensors(module) == ({"weight": module.weight}, {"kept": module.kept})
-    assert patches.parser_destinations(parser) == {"help", "max_steps"}
-    assert patches.jit_checkpoint_sigterm_handler(jit) is handler
-    assert patches.model_from_config(Model, config) == ("_from_config", config)
-    assert patches.checkpoint_wrapper_prefix() == "_checkpoint_wrapped_module."
-    assert patches.non_reentrant_checkpoint_wrapped(module) == set()
+    assert storage_key(a.untyped_storage()) == storage_key(a[1:].untyped_storage())
+    assert storage_key(a.untyped_storage()) != storage_key(torch.zeros(4).untyped_storage())
+    assert own_tensors(module) == ({"weight": module.weight}, {"kept": module.kept})
+    assert "max_step (did you mean max_steps?)" in _unknown_arguments_message(parser, unknown, "")
+    assert jit_checkpoint_sigterm_handler(jit) is handler
+    assert model_from_config(Model, config) == ("_from_config", config)
+    assert checkpoint_wrapper_prefix() == "_checkpoint_wrapped_module."
+    assert non_reentrant_checkpoint_wrapped(module) == set()
 
     for name in ("storage-identity", "module-own-tensors", "parser-destinations", "jit-checkpoint-sigterm-handler",
                  "model-from-config", "checkpoint-wrapper"):
         monkeypatch.setitem(patches.PATCHES, name, dataclasses.replace(patches.PATCHES[name], guard=lambda: False))
     patches.applies.cache_clear()
     try:
-        assert patches.storage_key(a.untyped_storage()) == a.data_ptr()
-        assert patches.own_tensors(module) == ({"weight": module.weight}, {"kept": module.kept,
-                                                                           "scratch": module.scratch})
-        assert patches.parser_destinations(parser) is None
-        assert patches.jit_checkpoint_sigterm_handler(jit) is None
-        assert isinstance(patches.model_from_config(Model, config), Model)
-        assert patches.checkpoint_wrapper_prefix() is None and patches.non_reentrant_checkpoint_wrapped(module) is None
+        assert storage_key(a.untyped_storage()) == a.data_ptr()
+        assert own_tensors(module) == ({"weight": module.weight}, {"kept": module.kept, "scratch": module.scratch})
+        assert "did you mean" not in _unknown_arguments_message(parser, unknown, "")
+        assert jit_checkpoint_sigterm_handler(jit) is None
+        assert isinstance(model_from_config(Model, config), Model)
+        assert checkpoint_wrapper_prefix() is None and non_reentrant_checkpoint_wrapped(module) is None
+    finally:
+        patches.applies.cache_clear()
+
+
+def test_a_failed_guards_notice_is_said_by_the_process_that_says_notices(monkeypatch, caplog):
+    """The registry logs its notice itself (it imports nothing of trl_ext); ``process.notices`` keeps it to the one
+    process that says notices, once per process."""
+    from trl_ext.process import notices
+
+    monkeypatch.setitem(patches.PATCHES, "moved", patches.Patch("lib.Owner.attribute", "why", "lib#1", "never",
+                                                               guard=lambda: False))
+    try:
+        with caplog.at_level("WARNING", logger="trl_ext"):
+            monkeypatch.setattr(notices, "_speaks", [False])
+            assert not patches.applies("moved")
+            assert "skipping the 'moved' fix" not in caplog.text
+            patches.applies.cache_clear()
+            monkeypatch.setattr(notices, "_speaks", [True])
+            assert not patches.applies("moved") and not patches.applies("moved")
+        assert caplog.text.count("[trl_ext] lib.Owner.attribute is not what trl_ext expects") == 1
     finally:
         patches.applies.cache_clear()

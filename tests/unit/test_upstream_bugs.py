@@ -231,11 +231,13 @@ def test_notebook_launcher_refuses_after_single_process_use():
     from accelerate import Accelerator, notebook_launcher
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
+    from trl_ext.launching import notebook
+
     saved = {cls: dict(cls._shared_state) for cls in (PartialState, AcceleratorState, GradientState)}
     refused = None
     try:
         Accelerator()  # what single-process training earlier in a notebook leaves behind
-        with patches.no_import_check():
+        with notebook.no_import_check():
             try:
                 notebook_launcher(lambda: None, num_processes=2)
             except ValueError as exc:
@@ -483,7 +485,7 @@ def _zero3_universal_load(rank: int, folder: str) -> dict:
                 "weight_decay": [group["weight_decay"] for group in zero.optimizer.param_groups]}
 
     before = seen()
-    repaired = patches.repair_zero3_universal_load(zero, universal.folder(folder, "global_step1") / "zero")
+    repaired = universal.repair_zero3_universal_load(zero, universal.folder(folder, "global_step1") / "zero")
     return {"deepspeed": before, "repaired": repaired, "after": seen()}
 
 

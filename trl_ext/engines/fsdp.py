@@ -5,8 +5,11 @@ On machines without a GPU accelerate's FSDP path runs on CPU processes with gloo
 resuming reads each rank's own rows of trl_ext's Hub-format checkpoints (``resuming.fsdp2``).
 """
 
+import contextlib
+import copy
 import os
 
+from trl_ext import patches
 from trl_ext.process.notices import notice
 
 
@@ -48,3 +51,21 @@ def wrap_layers_the_model_has(accelerator, model) -> None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         notice(f"FSDP2 wraps {', '.join(sorted(present)) or 'no layer class'}: {type(base).__name__} also lists "
                f"{missing} in _no_split_modules, which it does not contain (accelerate would stop there).")
+
+
+@contextlib.contextmanager
+def sharded_optimizer_states(accelerator):
+    """accelerate's FSDP plugin set to ``SHARDED_STATE_DICT`` inside the block (patch ``sharded-optimizer-states``):
+    optimizer states saved and loaded per rank with DCP, whatever the config says."""
+    from torch.distributed.fsdp import StateDictType
+
+    state = accelerator.state
+    original = state.fsdp_plugin
+    if original.state_dict_type == StateDictType.SHARDED_STATE_DICT or not patches.applies("sharded-optimizer-states"):
+        yield original
+        return
+    sharded = copy.copy(original)
+    sharded.state_dict_config = sharded.optim_state_dict_config = None
+    sharded.set_state_dict_type("SHARDED_STATE_DICT")
+    with patches.swapped("sharded-optimizer-states", state, "fsdp_plugin", sharded):
+        yield sharded

@@ -6,7 +6,7 @@ parameters during the recompute ("CheckpointError: Recomputed values ... have di
 >= 0.19.3 (PR #8148) keeps them gathered, so we only fall back where that fix is missing.
 That fix hands each frozen parameter a recompute gathers to the backward submodule running at the time (a lora_B)
 and frees it when that one finishes, so every frozen weight is all-gathered a second time by its own module's
-backward (0.93x the model per step). ``patches.keep_recomputed_params_for_their_module`` hands it instead to the
+backward (0.93x the model per step). ``keep_recomputed_params_for_their_module`` (below) hands it instead to the
 innermost running backward submodule that contains it, so non-reentrant gathers what reentrant gathers
 (bench/RESULTS.md, "Non-reentrant checkpointing without the extra all-gather").
 """
@@ -74,7 +74,7 @@ def fsdp_recomputes(args) -> bool:
 def fsdp_checkpointed_layers(model) -> tuple[int, int]:
     """``(decoder layers inside a non-reentrant CheckpointWrapper, decoder layers)``, as FSDP's checkpointing left
     them (the wrapped layers all of them where the release moved torch's wrapper: nothing to check)."""
-    wrapped = patches.non_reentrant_checkpoint_wrapped(model)
+    wrapped = non_reentrant_checkpoint_wrapped(model)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if wrapped is None:
         return len(layers), len(layers)
@@ -141,9 +141,9 @@ def remove_input_require_grads_hooks(model) -> None:
     """Non-reentrant checkpointing needs no grad-requiring inputs; the hook only costs memory.
 
     transformers re-registers the hook each time checkpointing is enabled, and TRL's DPO re-enables it every step
-    (around the reference forward), so the model's own method becomes a no-op too (see ``patches``).
+    (around the reference forward), so the model's own method becomes a no-op too (patch ``no-input-require-grads``).
     """
-    patches.drop_input_require_grads(model)
+    drop_input_require_grads(model)
 
 
 def layer_settings(model) -> dict[str, object]:
@@ -181,7 +181,7 @@ class CheckpointingPolicy(TrainerCallback):
             remove_input_require_grads_hooks(model)
             offload = zero3_offload(kwargs.get("optimizer"))
             if offload is not None and deepspeed_keeps_frozen_params_on_recompute():
-                patches.keep_recomputed_params_for_their_module(offload.module, offload.get_param_coordinator())
+                keep_recomputed_params_for_their_module(offload.module, offload.get_param_coordinator())
         settings = layer_settings(model)
         wrong = sorted(name for name, value in settings.items() if value is not self.use_reentrant)
         if not settings or wrong:
@@ -190,3 +190,77 @@ class CheckpointingPolicy(TrainerCallback):
                 + (f"{len(wrong)} layers use another setting (e.g. {wrong[0]})." if wrong else "no layer checkpoints.")
                 + " Something overrode `activation_checkpointing_kwargs` after the trainer was built."
             )
+
+
+def _skip_input_require_grads():
+    """Stands in for ``enable_input_require_grads`` on a model trained with non-reentrant checkpointing."""
+
+
+def drop_input_require_grads(model) -> None:
+    """Remove the input-require-grads hook from every transformers model inside ``model``, and keep it from coming
+    back: the model's own ``enable_input_require_grads`` becomes a no-op (patch ``no-input-require-grads``)."""
+    from transformers import PreTrainedModel
+
+    if not patches.applies("no-input-require-grads"):
+        return
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.disable_input_require_grads()
+            module.enable_input_require_grads = _skip_input_require_grads
+
+
+def non_reentrant_checkpoint_wrapped(model) -> set[int] | None:
+    """The ``id`` of each module of ``model`` that torch's ``CheckpointWrapper`` wraps non-reentrantly (FSDP's
+    activation checkpointing; patch ``checkpoint-wrapper``), or None where the release moved the wrapper."""
+    if not patches.applies("checkpoint-wrapper"):
+        return None
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+
+    return {id(m._checkpoint_wrapped_module) for m in model.modules()
+            if isinstance(m, CheckpointWrapper) and m.checkpoint_impl == CheckpointImpl.NO_REENTRANT}
+
+
+def _update_recompute_parameters(sub_module, param) -> None:
+    """DeepSpeed's ``update_recompute_parameters`` with the owner moved: the innermost backward submodule running that
+    contains the parameter's module (its layer, its MLP), else DeepSpeed's choice."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
+
+    owners = getattr(param, "_trl_ext_recompute_owners", None)  # (containing modules' ds_ids, active backward ones)
+    if owners is not None:
+        chain, active = owners
+        sub_module = next((active[ds_id] for ds_id in chain if ds_id in active), sub_module)
+    coordinator_module._deepspeed_update_recompute_parameters(sub_module, param)
+
+
+def keep_recomputed_params_for_their_module(module, coordinator) -> bool:
+    """Under ZeRO-3, keep each frozen parameter a non-reentrant recompute gathers until the backward of a module that
+    contains it has ended, as reentrant checkpointing does (patch ``recompute-owner``).
+
+    Only the owner of the release changes: it is still a backward submodule running at the recompute, so DeepSpeed
+    releases it when that submodule's backward ends, or at the end of the backward if its hook never fires.
+
+    Args:
+        module: the model DeepSpeed's engine wraps (``engine.module``).
+        coordinator: the engine's ``PartitionedParameterCoordinator``.
+
+    Returns:
+        Whether the patch is in place for ``module``.
+    """
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
+
+    active = getattr(coordinator, "_PartitionedParameterCoordinator__active_backward_submodules", None)
+    if not isinstance(active, dict) or not patches.applies("recompute-owner"):
+        return False
+    stack, seen = [(module, ())], set()
+    while stack:  # each frozen parameter learns its modules, innermost first (a tied one: the first that holds it)
+        current, outer = stack.pop()
+        chain = (current.ds_id, *outer) if hasattr(current, "ds_id") else outer
+        for param in current.parameters(recurse=False):
+            if not param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                param._trl_ext_recompute_owners = (chain, active)  # this engine's, if an earlier one trained it
+        stack.extend((child, chain) for child in current.children())
+    if coordinator_module.update_recompute_parameters is not _update_recompute_parameters:
+        coordinator_module._deepspeed_update_recompute_parameters = coordinator_module.update_recompute_parameters
+        coordinator_module.update_recompute_parameters = _update_recompute_parameters
+    return True

@@ -219,7 +219,7 @@ def match_adapter_dtype(args, model) -> None:
         return
     for param in model.parameters():
         if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
-            patches.cast_partition(param, dtype)  # under ZeRO-3 its partition holds the values
+            cast_partition(param, dtype)  # under ZeRO-3 its partition holds the values
 
 
 def disable_cpu_packed_path(model) -> int:
@@ -230,4 +230,22 @@ def disable_cpu_packed_path(model) -> int:
     Under ZeRO-3 the next gather then meets the repacked layout and fails; otherwise, the next ``state_dict()``
     (every save) unpacks it with the bf16 scales kept, so the base silently differs from the one loaded.
     """
-    return patches.keep_4bit_off_packed_path(model)
+    return keep_4bit_off_packed_path(model)
+
+
+def keep_4bit_off_packed_path(model) -> int:
+    """Keep bitsandbytes' 4-bit layers on the kernel they train with (patch ``bnb-cpu-packed-4bit``). Returns how
+    many layers were switched."""
+    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+    if layers and patches.applies("bnb-cpu-packed-4bit"):
+        for layer in layers:
+            layer.support_avx512bf16_for_cpu = False
+        return len(layers)
+    return 0
+
+
+def cast_partition(param, dtype) -> None:
+    """Cast a parameter and, under ZeRO-3, the partition that holds its values (patch ``partitioned-adapter-dtype``)."""
+    param.data = param.data.to(dtype)
+    if getattr(param, "ds_tensor", None) is not None and patches.applies("partitioned-adapter-dtype"):
+        param.ds_tensor.data = param.ds_tensor.data.to(dtype)

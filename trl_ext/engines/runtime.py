@@ -6,6 +6,8 @@ nothing changes.
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -81,7 +83,7 @@ def fsdp_on_cpu(args):
     """Context for the trainer's constructor (which builds accelerate's state once): a multi-process FSDP launch
     without a GPU runs FSDP on CPU processes with gloo, as DeepSpeed does, instead of unsharded data parallelism."""
     if fsdp.requested(args) and is_distributed_launch() and not has_accelerator():
-        return patches.fsdp_on_cpu()
+        return accelerate_fsdp_on_cpu()
     return contextlib.nullcontext()
 
 
@@ -147,3 +149,25 @@ def check_offloading_has_an_accelerator(args) -> None:
         raise SetupError("activation_offloading=True needs a GPU: TRL's activation offloading moves activations with "
                          "a CUDA or XPU device's streams, and this run has none. Set activation_offloading=False "
                          "(--activation_offloading false), or train on a GPU.")
+
+
+def accelerate_fsdp_on_cpu():
+    """Context: accelerate chooses FSDP for a multi-process CPU launch (MULTI_CPU) with an FSDP plugin, as it does on
+    GPUs (patch ``fsdp-on-cpu``). Around the trainer's constructor, which builds the accelerator state once."""
+    from accelerate.state import AcceleratorState, DistributedType, PartialState
+
+    original = AcceleratorState.__dict__["__init__"]
+
+    @functools.wraps(original)
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate does at the end
+            self.fsdp_plugin = fsdp_plugin
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # pinned memory needs an accelerator
+                fsdp_plugin.cpu_offload = dataclasses.replace(fsdp_plugin.cpu_offload, pin_memory=False)
+
+    return patches.swapped("fsdp-on-cpu", AcceleratorState, "__init__", __init__)

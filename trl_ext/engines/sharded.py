@@ -89,7 +89,7 @@ def module_tensors(module: torch.nn.Module, recurse: bool = True) -> dict[str, t
     owners = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
     for prefix, owner in owners:
         dot = f"{prefix}." if prefix else ""
-        parameters, buffers = patches.own_tensors(owner)
+        parameters, buffers = own_tensors(owner)
         tensors.update({dot + k: p for k, p in parameters.items()})
         tensors.update({dot + k: b for k, b in buffers.items()})
     return tensors
@@ -227,3 +227,18 @@ class FsdpUnits:
         finally:
             for unit in reversed(units):
                 unit.reshard()
+
+
+def own_tensors(module) -> tuple[dict, dict]:
+    """A module's own parameters and persistent buffers (by name, None entries left out), read without its
+    state-dict hooks (patch ``module-own-tensors``); where the release moved them, ``named_parameters`` and
+    ``named_buffers`` with every buffer taken as persistent.
+
+    Returns:
+        ``(parameters, buffers)``.
+    """
+    if not patches.applies("module-own-tensors"):
+        return (dict(module.named_parameters(recurse=False, remove_duplicate=False)),
+                dict(module.named_buffers(recurse=False, remove_duplicate=False)))
+    return ({k: p for k, p in module._parameters.items() if p is not None},
+            {k: b for k, b in module._buffers.items() if b is not None and k not in module._non_persistent_buffers_set})

@@ -156,7 +156,7 @@ def _base_shapes(base: str, sequence_classification: bool, num_labels: int,
     if sequence_classification:
         config.num_labels, auto = num_labels, AutoModelForSequenceClassification
     with torch.device("meta"):
-        model = patches.model_from_config(auto, config)
+        model = model_from_config(auto, config)
     if hub_layout:
         from trl_ext.files.hub_names import to_hub
 
@@ -385,3 +385,12 @@ def verify_or_raise(path: str, **kwargs) -> Report:
     if not report.ok:
         raise CheckpointError(report.format())
     return report
+
+
+def model_from_config(cls, config):
+    """A model of ``cls`` built from ``config``: an Auto class's public ``from_config``, else the class's
+    ``_from_config`` as ``from_pretrained`` builds it (patch ``model-from-config``), or ``cls(config)`` where the
+    release moved it."""
+    if cls.__name__.startswith("Auto"):
+        return cls.from_config(config)
+    return cls._from_config(config) if patches.applies("model-from-config") else cls(config)

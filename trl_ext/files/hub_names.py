@@ -55,7 +55,7 @@ def _meta(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def _revert(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from transformers.core_model_loading import revert_weight_conversion
 
-    patches.keep_used_weight_conversions(model)  # under ZeRO-3 transformers keeps unused ones (see patches)
+    keep_used_weight_conversions(model)  # under ZeRO-3 transformers keeps unused ones
     return revert_weight_conversion(model, dict(tensors))
 
 
@@ -134,3 +134,11 @@ def is_converted(model) -> bool:
 
 def _differs(reverted: dict[str, torch.Tensor], meta: dict[str, torch.Tensor]) -> bool:
     return set(reverted) != set(meta) or any(reverted[n].shape != meta[n].shape for n in meta)
+
+
+def keep_used_weight_conversions(model) -> None:
+    """Keep only the weight conversions that matched the checkpoint, as ``from_pretrained`` does outside ZeRO-3
+    (patch ``unused-weight-conversions``). Fixing the model also fixes the user's own ``save_pretrained``."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions and patches.applies("unused-weight-conversions") and not all(c.was_used() for c in conversions):
+        model._weight_conversions = [c for c in conversions if c.was_used()]

@@ -198,9 +198,38 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
         what = f"DeepSpeed ZeRO-{ds_config['zero_optimization']['stage']}" if ds_config else "data parallel (DDP)"
         where = "" if torch.cuda.is_available() else " on CPU (gloo)"
         print(f"[trl_ext] launch: {num_processes} processes, {what}{where}", flush=True)
-        with (_environment(env), patches.accelerate_state_set_aside(), patches.no_import_check(),
+        with (_environment(env), accelerate_state_set_aside(), no_import_check(),
               _without_launcher_banner()):
             notebook_launcher(_run_and_report(function, scratch), args=args, num_processes=num_processes,
                               use_port=str(get_free_port()))  # a fresh port: a second launch never collides
         result_file = Path(scratch) / _RESULT_FILE
         return pickle.loads(result_file.read_bytes()) if result_file.exists() else None
+
+
+def no_import_check():
+    """Context: accelerate's ``notebook_launcher`` without its imported-libraries refusal (patch
+    ``notebook-import-check``); the caller checks ``torch.cuda.is_initialized()`` itself."""
+    import accelerate.launchers
+
+    return patches.swapped("notebook-import-check", accelerate.launchers, "are_libraries_initialized",
+                           lambda *names: [])
+
+
+@contextlib.contextmanager
+def accelerate_state_set_aside():
+    """Context: accelerate's shared state emptied for a notebook launch, the kernel's put back after it (patch
+    ``accelerate-state-set-aside``)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    if not patches.applies("accelerate-state-set-aside"):
+        yield
+        return
+    saved = {cls: dict(cls._shared_state) for cls in (PartialState, AcceleratorState, GradientState)}
+    for cls in saved:
+        cls._shared_state.clear()
+    try:
+        yield
+    finally:
+        for cls, state in saved.items():
+            cls._shared_state.clear()
+            cls._shared_state.update(state)

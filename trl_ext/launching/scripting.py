@@ -84,7 +84,7 @@ def _unknown_arguments_message(parser, error: str, config: str) -> str:
     unknown = [a.lstrip("-") for a in re.findall(r"'(--[^']+)'", error)]
     if not unknown:
         return error
-    known = patches.parser_destinations(parser) or set()
+    known = {a.dest for a in parser._actions} if patches.applies("parser-destinations") else set()
     hints = [f"{u} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(u, known, n=1)) else u for u in unknown]
     where = f"config file '{config}'" if "config file" in error else "the command line"
     return f"unknown option(s) in {where}: {', '.join(hints)}. `python {sys.argv[0]} --help` lists the options."

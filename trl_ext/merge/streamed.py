@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from trl_ext import patches
 from trl_ext.data.model_paths import check_model_path
 from trl_ext.errors import AdapterError, MergeError, PlanError, UnreadableCheckpoint
 from trl_ext.files import audit, commit, hub_names, readback
@@ -143,7 +142,7 @@ def _meta_model(config, sequence_classification: bool) -> torch.nn.Module:
     with torch.device("meta"):
         for cls in classes:
             try:
-                return patches.model_from_config(cls, config)
+                return audit.model_from_config(cls, config)
             except ValueError:  # an Auto class without this model type
                 continue
     raise MergeError(f"transformers has no model class for {config.model_type} ({config.architectures})")

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 
+from trl_ext import patches
 from trl_ext.process.hosted import HOSTED
 from trl_ext.process.notices import logger
 from trl_ext.process.ranks import distributed
@@ -29,11 +30,10 @@ def before_exit(callback) -> None:
         _before_exit_hooked[0] = True
         # threading's own exit hooks run before threads are joined, newest first: registered after concurrent.futures'
         # (imported by now), this one runs before that hook shuts the pools. Private to CPython 3.9+ (patch
-        # 'exit-before-thread-pools': patches imports process, so the guard is this getattr); where it is missing, a
-        # plain atexit hook runs later, when pools refuse work.
-        register = getattr(threading, "_register_atexit", None)
+        # 'exit-before-thread-pools'); where its guard fails, a plain atexit hook runs later, when pools refuse work.
+        register = threading._register_atexit if patches.applies("exit-before-thread-pools") else atexit.register
         try:
-            (register or atexit.register)(_run_before_exit)
+            register(_run_before_exit)
         except RuntimeError:  # the interpreter is exiting already
             atexit.register(_run_before_exit)
     _before_exit.append(callback)
@@ -88,18 +88,16 @@ def exit_now() -> None:
     The hooks come before the joins, as in the interpreter: an idle ThreadPoolExecutor's workers are non-daemon
     threads that end only once concurrent.futures' hook tells them to (a colocated vLLM leaves such pools). Joined
     first, they never ended, and a finished run hung. Off the main thread, or where CPython lacks the private functions
-    this needs (patches 'exit-threads-now' and 'exit-callbacks-now': patches imports process, so the guards are these
-    getattrs), it returns, and the process exits as the interpreter does (the group destroyed by an atexit hook).
+    this needs (the guards of patches 'exit-threads-now' and 'exit-callbacks-now' fail), it returns, and the process
+    exits as the interpreter does (the group destroyed by an atexit hook).
     """
-    shutdown_threads = getattr(threading, "_shutdown", None)
-    run_exit_callbacks = getattr(atexit, "_run_exitfuncs", None)
-    if shutdown_threads is None or run_exit_callbacks is None or threading.current_thread() is not \
-            threading.main_thread():
+    if not (patches.applies("exit-threads-now") and patches.applies("exit-callbacks-now")) \
+            or threading.current_thread() is not threading.main_thread():
         destroy_gloo_group_at_exit()
         return
-    shutdown_threads()  # the interpreter's first exit step: threading's hooks, then the non-daemon threads joined
+    threading._shutdown()  # the interpreter's first exit step: threading's hooks, then the non-daemon threads joined
     _destroy_gloo_group()
-    run_exit_callbacks()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

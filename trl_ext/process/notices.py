@@ -2,6 +2,7 @@
 
 import logging
 
+from trl_ext import patches
 from trl_ext.process.ranks import env_rank
 
 logger = logging.getLogger("trl_ext")
@@ -15,8 +16,18 @@ def speaks_here(speaks: bool) -> None:
     _speaks[0] = speaks
 
 
+def _says_notices() -> bool:
+    """Whether this process prints notices: rank 0 when distributed; before the ranks exist, the first machine's
+    launcher process."""
+    return env_rank() == 0 and _speaks[0]
+
+
 def notice(message: str) -> None:
     """One-line notice, printed once per run (rank 0 only when distributed; before the ranks exist, the first
     machine's launcher process)."""
-    if env_rank() == 0 and _speaks[0]:
+    if _says_notices():
         logger.warning(f"[trl_ext] {message}")
+
+
+# The patch registry sits below this room and logs a failed guard's notice itself: the same process says it.
+patches.logger.addFilter(lambda record: _says_notices())

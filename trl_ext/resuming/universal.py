@@ -93,4 +93,34 @@ def repair_after_load(engine, checkpoint: str | os.PathLike, plan: Plan) -> bool
     """
     if not plan.changed or plan.tag is None:
         return False
-    return patches.repair_zero3_universal_load(engine.optimizer, folder(checkpoint, plan.tag) / "zero")
+    return repair_zero3_universal_load(engine.optimizer, folder(checkpoint, plan.tag) / "zero")
+
+
+def repair_zero3_universal_load(zero_optimizer, universal_zero_dir) -> bool:
+    """After DeepSpeed's ZeRO-3 optimizer loaded a universal checkpoint: each sub-group its own Adam step count, each
+    parameter group its own saved hyperparameters (patch ``zero3-universal-load``).
+
+    Args:
+        zero_optimizer: the engine's optimizer (``engine.optimizer``); only ZeRO-3's is repaired.
+        universal_zero_dir: the universal checkpoint's ``zero`` folder (its ``optimizer_state.pt``).
+
+    Returns:
+        Whether it was repaired.
+    """
+    import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if not isinstance(zero_optimizer, DeepSpeedZeroOptimizer_Stage3) or not patches.applies("zero3-universal-load"):
+        return False
+    base = zero_optimizer.optimizer
+    for flat in zero_optimizer.fp32_partitioned_groups_flat:
+        state = base.state.get(flat, {})
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    # mmap: only the parameter groups are read, not the partition of the states the file also holds
+    saved = torch.load(f"{universal_zero_dir}/optimizer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    groups = saved["optimizer_state_dict"]["param_groups"]
+    if len(groups) == len(base.param_groups):  # the same trainer builds the same groups, in the same order
+        for group, saved_group in zip(base.param_groups, groups):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
+    return True

@@ -48,13 +48,13 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from trl_ext import errors, patches
+from trl_ext import errors
 from trl_ext.saving import deferred
 from trl_ext.saving.cost import Cost, max_over_ranks
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, as_failure
 from trl_ext.saving.mode import Mode, OptimizerHooks, Where, say_cpu_cost
 from trl_ext.saving.reserve import reserve_copies
-from trl_ext.saving.snapshot import Snapshot
+from trl_ext.saving.snapshot import Snapshot, storage_key
 from trl_ext.saving.trainer_files import ModelCard, PartialDir, commit_checkpoint, fix_trainer_files
 
 
@@ -208,7 +208,7 @@ class Checkpoints:
         """A background checkpoint of ``target``, collected from now on (``collecting``), on every rank."""
         self.snapshot.begin()
         # the model's buffers: a forward pass may change them before the next optimizer step
-        self.snapshot.copy_at_once = {patches.storage_key(b.untyped_storage()) for b in self.trainer.model.buffers()}
+        self.snapshot.copy_at_once = {storage_key(b.untyped_storage()) for b in self.trainer.model.buffers()}
         checkpoint = BackgroundCheckpoint(target, self.executor, self.snapshot)
         checkpoint.say_foreground = self._go_foreground
         self.collecting = checkpoint

@@ -39,7 +39,7 @@ def _adapter_weight_sets(model) -> list[WeightSet]:
     name, ``modules_to_save`` under the plain module name. One set per adapter, laid out as PEFT does."""
     from peft import get_peft_model_state_dict
 
-    live, wrapper = model.state_dict(keep_vars=True), patches.checkpoint_wrapper_prefix() or ""
+    live, wrapper = model.state_dict(keep_vars=True), checkpoint_wrapper_prefix() or ""
     if wrapper and any(wrapper in name for name, _ in model.named_modules()):
         # Activation-checkpoint wrappers (FSDP's fsdp_activation_checkpointing) strip their prefix from state_dict
         # keys but not from module names, and PEFT finds adapter weights by module name: it would drop every LoRA
@@ -219,3 +219,13 @@ class Save:
     def on(self, weight_sets: list, group=None) -> "Save":
         """The same save, streaming ``weight_sets`` (a background checkpoint's copies) over ``group``."""
         return replace(self, weight_sets=weight_sets, group=group)
+
+
+def checkpoint_wrapper_prefix() -> str | None:
+    """The prefix torch's ``CheckpointWrapper`` adds to the names of the modules it wraps (patch
+    ``checkpoint-wrapper``), or None where the release moved it."""
+    if not patches.applies("checkpoint-wrapper"):
+        return None
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return _CHECKPOINT_PREFIX

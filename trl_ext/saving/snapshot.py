@@ -140,7 +140,7 @@ class Snapshot:
         self.allocated = 0  # bytes allocated so far: after the first checkpoint (or a reserve), nothing more
         self.nbytes = 0  # the bytes this checkpoint's copies take
         self.on_copies: Callable[[str], None] | None = None  # tests: called on the copies' thread ("start", "end")
-        self.copy_at_once: set[int] = set()  # storages (``patches.storage_key``) that change outside the optimizer step
+        self.copy_at_once: set[int] = set()  # storages (``storage_key``) that change outside the optimizer step
         self.thread = CallThread("trl_ext-copies")
         self._stream = None
         # The copies' tensors, kept from one checkpoint to the next: a copy is a view of a buffer with the source's
@@ -187,11 +187,11 @@ class Snapshot:
         def walk(o):
             nonlocal total
             if dtensor is not None and isinstance(o, dtensor):
-                o = patches.dtensor_shard(o)
+                o = dtensor_shard(o)
             if isinstance(o, torch.Tensor):
                 storage = o.untyped_storage()
-                if patches.storage_key(storage) not in seen:
-                    seen.add(patches.storage_key(storage))
+                if storage_key(storage) not in seen:
+                    seen.add(storage_key(storage))
                     total += storage.nbytes()
             elif isinstance(o, dict):
                 for v in o.values():
@@ -204,7 +204,7 @@ class Snapshot:
         return total
 
     def _storage_copy(self, source: torch.UntypedStorage, key: str, at_once: bool) -> torch.UntypedStorage:
-        identity = patches.storage_key(source)
+        identity = storage_key(source)
         found = self._storages.get(identity)
         if found is not None:
             return found[1]
@@ -273,7 +273,7 @@ class Snapshot:
             if id(o) in memo:
                 return memo[id(o)]
             if dtensor is not None and isinstance(o, dtensor):  # FSDP2: this rank's shard, as placed
-                local = tensor(patches.dtensor_shard(o))
+                local = tensor(dtensor_shard(o))
                 placed = ("dtensor", id(local), o.device_mesh, tuple(o.placements), tuple(o.shape), tuple(o.stride()))
                 copied = self._view(placed, lambda: dtensor.from_local(
                     local, o.device_mesh, o.placements, run_check=False, shape=o.shape, stride=o.stride()))
@@ -345,3 +345,22 @@ class Snapshot:
         """The copies' thread ended once the copies started are done (waiting at most ``timeout`` seconds); a later
         ``start`` starts it again. Returns whether it has ended."""
         return self.thread.close(timeout)
+
+
+def storage_key(storage) -> int:
+    """A storage's identity, the same for every Python object that stands for it, as ``torch.save`` keys storages
+    (patch ``storage-identity``); where the release moved it, the address of its data (unique among live storages
+    that hold bytes)."""
+    return storage._cdata if patches.applies("storage-identity") else storage.data_ptr()
+
+
+def dtensor_shard(dtensor):
+    """The local shard a DTensor holds, the same tensor object at every call (patch ``dtensor-local-tensor``);
+    where the release moved it, ``to_local()`` without autograd."""
+    local = getattr(dtensor, "_local_tensor", None)
+    if local is not None and patches.applies("dtensor-local-tensor"):
+        return local
+    import torch
+
+    with torch.no_grad():
+        return dtensor.to_local()

@@ -261,7 +261,7 @@ class TrlExtMixin:
         # Not super(): Trainer's FSDP branch would also write the weights again (save_fsdp_model); the scheduler line
         # below is the rest of that branch.
 
-        with patches.sharded_optimizer_states(self.accelerator) as plugin:
+        with fsdp.sharded_optimizer_states(self.accelerator) as plugin:
             save_fsdp_optimizer(plugin, self.accelerator, self.optimizer, self.model, output_dir)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -274,7 +274,7 @@ class TrlExtMixin:
             return None
         if checkpoint is None or not fsdp.is_fsdp2(self.accelerator):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        with patches.sharded_optimizer_states(self.accelerator):
+        with fsdp.sharded_optimizer_states(self.accelerator):
             return super()._load_optimizer_and_scheduler(checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -363,7 +363,7 @@ class TrlExtMixin:
 def guard_save_pretrained(model) -> None:
     """Make ``model.save_pretrained(dir)`` refuse, with the fix, while its parameters are ZeRO-3 placeholders.
 
-    A plain ``save_pretrained`` would write the empty ``(0,)`` shards silently (see ``patches``).
+    A plain ``save_pretrained`` would write the empty ``(0,)`` shards silently (patch ``save-pretrained-guard``).
     """
 
     def refuse(target) -> str | None:
@@ -374,4 +374,27 @@ def guard_save_pretrained(model) -> None:
                 "trainer.save_model(output_dir) on every rank instead (it gathers the weights, writes them from one "
                 "rank and verifies the result), or trl_ext.saving.save(model, output_dir) on every rank.")
 
-    patches.refuse_save_pretrained(model, refuse)
+    _refuse_save_pretrained(model, refuse)
+
+
+def _refuse_save_pretrained(model, refuse: Callable[[object], str | None]) -> None:
+    """Make ``model.save_pretrained(dir)`` raise ``RuntimeError(refuse(model))`` whenever ``refuse`` returns a message
+    (patch ``save-pretrained-guard``). Calls that pass their own ``state_dict`` (what Trainer does) are left alone.
+
+    Args:
+        model: a transformers or PEFT model; for PEFT the base model's method is guarded too.
+        refuse: returns the message to raise with, or None to save as usual.
+    """
+    if not patches.applies("save-pretrained-guard"):
+        return
+    targets = [model, model.get_base_model()] if hasattr(model, "get_base_model") else [model]
+    for target in targets:
+        original = target.save_pretrained
+
+        def guarded(save_directory, *args, _original=original, _model=target, **kwargs):
+            message = refuse(_model) if kwargs.get("state_dict") is None else None
+            if message:
+                raise CheckpointError(message, kind="zero3-placeholders")
+            return _original(save_directory, *args, **kwargs)
+
+        target.save_pretrained = guarded

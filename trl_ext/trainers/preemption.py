@@ -49,7 +49,7 @@ def replace_jit_checkpoint(trainer) -> None:
     replaced: ``Preemption`` saves instead, once, on every rank together, so the two never both save."""
     for callback in list(trainer.callback_handler.callbacks):
         if type(callback).__name__ == "JITCheckpointCallback":
-            original = patches.jit_checkpoint_sigterm_handler(callback)
+            original = jit_checkpoint_sigterm_handler(callback)
             if original is not None:
                 signal.signal(signal.SIGTERM, original)
             trainer.remove_callback(callback)
@@ -208,3 +208,12 @@ class Preemption(TrainerCallback):
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
+
+
+def jit_checkpoint_sigterm_handler(callback):
+    """The SIGTERM handler transformers' ``JITCheckpointCallback`` replaced (patch
+    ``jit-checkpoint-sigterm-handler``), or None (none replaced, or the release moved it)."""
+    manager = getattr(callback, "jit_manager", None)
+    if manager is None or not patches.applies("jit-checkpoint-sigterm-handler"):
+        return None
+    return getattr(manager, "_original_sigterm_handler", None)

@@ -227,7 +227,7 @@ class BoundedVLLMGeneration(VLLMGeneration):
             wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
             offload = zero3_offload(getattr(getattr(wrapped, "engine", None), "optimizer", None))
             if offload is not None:
-                patches.forget_zero3_trace(offload.get_param_coordinator())
+                forget_zero3_trace(offload.get_param_coordinator())
 
     def _sync_colocated(self):
         """Load the merged, Hub-named stream through vLLM's ``reload_weights``, then prove it landed (if due)."""
@@ -270,3 +270,20 @@ class BoundedVLLMGeneration(VLLMGeneration):
             yield from super()._iter_named_params()
         else:
             yield from bounded_named_params(self)
+
+
+def forget_zero3_trace(coordinator) -> bool:
+    """After a forward that is not a training step (the vLLM sync check's), forget the module order ZeRO-3 recorded
+    or followed, so that the next training forward records its own (patch ``zero3-forward-outside-trace``).
+
+    Args:
+        coordinator: the engine's ``PartitionedParameterCoordinator``.
+
+    Returns:
+        Whether the trace was forgotten (False where the patch does not apply).
+    """
+    if not patches.applies("zero3-forward-outside-trace"):
+        return False
+    if not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()
+    return True

@@ -177,6 +177,26 @@ def refresh_view(say) -> None:
         say: prints one line, where the refresh fails (Ray's own view, ticked every 20 s, then sizes the group).
     """
     try:
-        patches.refresh_ray_cluster_view()
+        refresh_ray_cluster_view()
     except Exception as exc:  # noqa: BLE001 - Ray's own view then sizes the group, as without the patch
         say(f"could not refresh Ray's view of the cluster ({failures.first_line(exc)})")
+
+
+def refresh_ray_cluster_view(timeout: float = 30.0) -> None:
+    """Make Ray's AutoscalingCoordinator look at the cluster's nodes now, so that the worker group Ray Train restarts
+    next is sized for the nodes alive (patch ``ray-fresh-cluster-view``). On the Ray Train controller, once a lost node
+    is marked dead; on the driver, before a group that stopped to grow starts again; nothing where the patch does not
+    apply.
+
+    Args:
+        timeout: seconds to wait for the coordinator's answer.
+    """
+    if not patches.applies("ray-fresh-cluster-view"):
+        return
+    import ray
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    ray.get(coordinator.get_reserved_resources.remote("trl_ext", recompute=True), timeout=timeout)
