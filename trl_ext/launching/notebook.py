@@ -166,35 +166,10 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
     from accelerate import notebook_launcher
     from accelerate.utils.other import get_free_port
 
-    if not isinstance(num_processes, int) or num_processes < 2:
-        raise ConfigError(f"num_processes must be 2 or more, got {num_processes!r}; for one process call "
-                         "the function directly")
+    _refuse_what_cannot_launch(num_processes)
     ds_config = _deepspeed_config(zero_stage, deepspeed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise SetupError("launch() forks new processes, and CUDA is already initialized in this one (a cell used "
-                           "the GPU); restart the kernel and call launch() before anything touches the GPU")
-    if torch.cuda.is_available() and torch.cuda.device_count() < num_processes:  # device_count() does not init CUDA
-        raise ConfigError(f"num_processes={num_processes} but this machine has {torch.cuda.device_count()} GPU(s); "
-                         "use one process per GPU")
-    if torch.distributed.is_initialized():
-        raise SetupError("launch() was called inside a distributed process (a process group exists); call it "
-                           "from the notebook or a plain `python` process, not under accelerate launch/torchrun")
-
     with tempfile.TemporaryDirectory(prefix="trl_ext-launch-") as scratch:
-        env = {
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # as torchrun: no thread oversubscription
-            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),  # no fork warning
-        }
-        if ds_config is None and not torch.cuda.is_available():
-            # Without this accelerate sets up no data parallelism on CPU (distributed type NO): each process would
-            # train alone on all the data while torch.distributed reports 2 processes.
-            env["ACCELERATE_USE_CPU"] = "true"
-        if ds_config is not None:
-            config_file = Path(scratch) / "deepspeed.json"
-            config_file.write_text(json.dumps(ds_config, indent=2))
-            # What `accelerate launch` sets for a DeepSpeed config; TrainingArguments turns it into a plugin.
-            env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=str(config_file),
-                       ACCELERATE_DEEPSPEED_ZERO3_INIT=str(ds_config["zero_optimization"]["stage"] == 3).lower())
+        env = _processes_environment(ds_config, scratch)
         what = f"DeepSpeed ZeRO-{ds_config['zero_optimization']['stage']}" if ds_config else "data parallel (DDP)"
         where = "" if torch.cuda.is_available() else " on CPU (gloo)"
         print(f"[trl_ext] launch: {num_processes} processes, {what}{where}", flush=True)
@@ -204,6 +179,41 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
                               use_port=str(get_free_port()))  # a fresh port: a second launch never collides
         result_file = Path(scratch) / _RESULT_FILE
         return pickle.loads(result_file.read_bytes()) if result_file.exists() else None
+
+
+def _refuse_what_cannot_launch(num_processes) -> None:
+    """Fewer than 2 processes, more than the GPUs, CUDA already initialized here, or a process group here: one line."""
+    if not isinstance(num_processes, int) or num_processes < 2:
+        raise ConfigError(f"num_processes must be 2 or more, got {num_processes!r}; for one process call "
+                          "the function directly")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise SetupError("launch() forks new processes, and CUDA is already initialized in this one (a cell used "
+                         "the GPU); restart the kernel and call launch() before anything touches the GPU")
+    if torch.cuda.is_available() and torch.cuda.device_count() < num_processes:  # device_count() does not init CUDA
+        raise ConfigError(f"num_processes={num_processes} but this machine has {torch.cuda.device_count()} GPU(s); "
+                          "use one process per GPU")
+    if torch.distributed.is_initialized():
+        raise SetupError("launch() was called inside a distributed process (a process group exists); call it "
+                         "from the notebook or a plain `python` process, not under accelerate launch/torchrun")
+
+
+def _processes_environment(ds_config: dict | None, scratch: str) -> dict[str, str]:
+    """The variables the launched processes get: what ``accelerate launch`` would set for the engine."""
+    env = {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # as torchrun: no thread oversubscription
+        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),  # no fork warning
+    }
+    if ds_config is None and not torch.cuda.is_available():
+        # Without this accelerate sets up no data parallelism on CPU (distributed type NO): each process would
+        # train alone on all the data while torch.distributed reports 2 processes.
+        env["ACCELERATE_USE_CPU"] = "true"
+    if ds_config is not None:
+        config_file = Path(scratch) / "deepspeed.json"
+        config_file.write_text(json.dumps(ds_config, indent=2))
+        # What `accelerate launch` sets for a DeepSpeed config; TrainingArguments turns it into a plugin.
+        env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=str(config_file),
+                   ACCELERATE_DEEPSPEED_ZERO3_INIT=str(ds_config["zero_optimization"]["stage"] == 3).lower())
+    return env
 
 
 def no_import_check():

@@ -54,6 +54,16 @@ from trl_ext.saving.call_thread import CallThread
 SMALL_BYTES = 4 << 10  # at most this, a tensor is copied at once (counters, scalars): a queued copy costs more
 
 
+def _view_in(x: torch.Tensor, target: torch.UntypedStorage) -> torch.Tensor:
+    """``x``'s view (offset, size, stride, parameter or not, requires_grad) over the copy ``target`` of its storage."""
+    y = torch.empty(0, dtype=x.dtype).set_(target, x.storage_offset(), x.size(), x.stride())
+    if isinstance(x, torch.nn.Parameter):
+        y = torch.nn.Parameter(y, requires_grad=x.requires_grad)
+    elif x.requires_grad:
+        y.requires_grad_(True)
+    return y
+
+
 def _dtensor_class():
     try:
         from torch.distributed.tensor import DTensor
@@ -248,25 +258,17 @@ class Snapshot:
         dtensor = _dtensor_class()
         memo: dict[int, object] = {}
 
-        def view(x: torch.Tensor, target: torch.UntypedStorage) -> torch.Tensor:
-            y = torch.empty(0, dtype=x.dtype).set_(target, x.storage_offset(), x.size(), x.stride())
-            if isinstance(x, torch.nn.Parameter):
-                y = torch.nn.Parameter(y, requires_grad=x.requires_grad)
-            elif x.requires_grad:
-                y.requires_grad_(True)
-            return y
-
         def tensor(x: torch.Tensor) -> torch.Tensor:
             target = self._storage_copy(x.untyped_storage(), key, at_once)
             attributes = getattr(x, "__dict__", None)
             if attributes:  # ZeRO-3's ds_id: torch.save pickles it; copied at every checkpoint
-                y = memo[id(x)] = view(x, target)
+                y = memo[id(x)] = _view_in(x, target)
                 for name, value in attributes.items():
                     setattr(y, name, walk(value))
                 return y
             geometry = (id(target), x.storage_offset(), tuple(x.size()), tuple(x.stride()), x.dtype,
                         isinstance(x, torch.nn.Parameter), x.requires_grad)
-            y = memo[id(x)] = self._view(geometry, lambda: view(x, target))
+            y = memo[id(x)] = self._view(geometry, lambda: _view_in(x, target))
             return y
 
         def walk(o):
