@@ -15,49 +15,17 @@ ranks.launched_by(torchrun.launched_rank, torchrun.launched_world_size)
 
 from typing import TYPE_CHECKING  # noqa: E402
 
-if TYPE_CHECKING:  # what type checkers and editors see; at run time, ``__getattr__`` below imports them on first use
-    from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+from trl_ext import trainers  # noqa: E402  (the registration only: no trainer, no TRL)
 
-    from trl_ext.trainers import (
-        DPOConfig,
-        DPOTrainer,
-        GRPOConfig,
-        GRPOTrainer,
-        KTOConfig,
-        KTOTrainer,
-        RewardConfig,
-        RewardTrainer,
-        RLOOConfig,
-        RLOOTrainer,
-        SFTConfig,
-        SFTTrainer,
-        TrlExtMixin,
-    )
+if TYPE_CHECKING:  # what type checkers and editors see; at run time, ``__getattr__`` below imports them on first use
+    from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config  # noqa: F401
+
+    from trl_ext.trainers import *  # noqa: F403  (each trainer as its registration line in trainers/ imports it)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DPOConfig",
-    "DPOTrainer",
-    "GRPOConfig",
-    "GRPOTrainer",
-    "KTOConfig",
-    "KTOTrainer",
-    "ModelConfig",
-    "RewardConfig",
-    "RewardTrainer",
-    "RLOOConfig",
-    "RLOOTrainer",
-    "SFTConfig",
-    "SFTTrainer",
-    "ScriptArguments",
-    "TrlExtMixin",
-    "TrlParser",
-    "get_peft_config",
-    "get_quantization_config",
-]
-
-_FROM_TRL = {"ModelConfig", "ScriptArguments", "TrlParser", "get_peft_config", "get_quantization_config"}
+_FROM_TRL = ["ModelConfig", "ScriptArguments", "TrlParser", "get_peft_config", "get_quantization_config"]
+__all__ = sorted([*trainers.__all__, *_FROM_TRL], key=str.lower)
 
 
 def __getattr__(name: str):

@@ -25,6 +25,10 @@ from packaging.version import Version
 # trl_ext, so that every room can use it; ``process.notices`` lets only the process that says notices print it.
 logger = logging.getLogger("trl_ext.patches")
 
+# TRL's trainer classes (``trl.trainer.sft_trainer.SFTTrainer``) whose dataset preparation trl_ext's trainers wrap,
+# handed down by each trainer's class as it is defined (trainers/mixin.py): the guard of dataset-preparation-refusal
+DATASET_PREPARERS: set[str] = set()
+
 
 @dataclass(frozen=True)
 class Patch:
@@ -456,14 +460,12 @@ PATCHES: dict[str, Patch] = {
         guard=_has("transformers.modeling_utils.PreTrainedModel._from_config", "config"),
     ),
     "dataset-preparation-refusal": Patch(
-        target="trl.{SFT,Reward,DPO,KTO}Trainer._prepare_dataset, overridden",
+        target="trl.<Name>Trainer._prepare_dataset of each trainer that takes a dataset kind, overridden",
         why="TRL prepares the rows inside its constructor and raises what the tokenizer or a map says; the trainers "
             "wrap it to say, in one line, which rows TRL cannot prepare (or prepares into nothing)",
         upstream="none: TRL has no public dataset check",
         remove_when="TRL says which rows it cannot prepare",
-        guard=_all(*(_has(f"trl.trainer.{module}.{cls}._prepare_dataset", "dataset")
-                     for module, cls in (("sft_trainer", "SFTTrainer"), ("reward_trainer", "RewardTrainer"),
-                                         ("dpo_trainer", "DPOTrainer"), ("kto_trainer", "KTOTrainer")))),
+        guard=lambda: all(_has(f"{trl_class}._prepare_dataset", "dataset")() for trl_class in DATASET_PREPARERS),
     ),
     "jit-checkpoint-sigterm-handler": Patch(
         target="transformers.trainer_jit_checkpoint.CheckpointManager._original_sigterm_handler, read",

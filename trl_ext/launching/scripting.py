@@ -30,9 +30,9 @@ def parse_recipe_args(parser, recipe: str, dataset_kind: str | None, argv: list[
     """``(script_args, training_args, model_args)`` for a recipe, checked; or a re-launch under an accelerate config
     or an orchestrator (``launching.launch.start``: decided before anything heavy is imported).
 
-    ``recipe``: "sft", "reward" or "dpo", whose TRL trainer judges the dataset; ``dataset_kind``: "sft" or
-    "preference", the formats an error message suggests (see ``input_checks.FORMATS``), or None for prompt datasets
-    (GRPO), whose rows only the trainer and its reward functions interpret.
+    ``recipe``: a trainer's command ("sft", "reward", "dpo"), whose TRL trainer judges the dataset; ``dataset_kind``:
+    "sft" or "preference", the formats an error message suggests (see ``input_checks.FORMATS``), or None for prompt
+    datasets (GRPO), whose rows only the trainer and its reward functions interpret.
     Recipe-level flags on top of TRL's: ``--overwrite_output_dir`` and ``--num_processes`` (with an accelerate config).
     Under a multi-process launch every rank checks the input; what depends on the disk (the output directory) is
     decided on rank 0 for all.
@@ -205,8 +205,8 @@ def check_dataset(script_args, training_args, model_args, recipe: str, kind: str
         script_args: TRL's ``ScriptArguments`` (dataset name, config and splits).
         training_args: the trainer's config.
         model_args: TRL's ``ModelConfig``.
-        recipe: "sft", "reward", "dpo" or "kto" (whose TRL trainer judges the rows), or another name with ``kind``
-            None.
+        recipe: a trainer's command ("sft", "reward", "dpo", "kto": ``trainers.commands()``), whose TRL trainer
+            judges the rows, or another name with ``kind`` None.
         kind: a key of ``input_checks.FORMATS``, or None for prompt datasets (GRPO, RLOO).
         load: ``load(name, config)`` returning the ``DatasetDict`` the run trains on (default: the recipes' loader,
             which knows the bundled datasets).
@@ -214,8 +214,7 @@ def check_dataset(script_args, training_args, model_args, recipe: str, kind: str
     Raises:
         UsageError: the dataset does not load, lacks a split, or TRL cannot prepare its first rows.
     """
-    import trl
-
+    from trl_ext import trainers
     from trl_ext.assets import load_dataset_by_name, resolve_model
     from trl_ext.data.input_checks import probe_datasets
     from trl_ext.data.model_paths import check_dataset_path
@@ -244,8 +243,7 @@ def check_dataset(script_args, training_args, model_args, recipe: str, kind: str
                              f"--dataset_{'test' if hint else 'train'}_split{hint}.")
     if kind is None:
         return  # prompt datasets (GRPO): the trainer and its reward functions interpret the rows
-    trainer = {"sft": trl.SFTTrainer, "reward": trl.RewardTrainer, "dpo": trl.DPOTrainer, "kto": trl.KTOTrainer}[recipe]
-    trainer = getattr(trainer, "_trl_class", trainer)  # TRL's own, also while `trl-ext <command>` maps trl's names
+    trainer = trainers.trainer_for(recipe)._trl_class  # TRL's own, also while `trl-ext <command>` maps trl's names
     model = resolve_model(model_args.model_name_or_path)
     try:
         for split in splits:

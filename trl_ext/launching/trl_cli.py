@@ -14,12 +14,11 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
-from trl_ext import patches
+from trl_ext import patches, trainers
 
-# command -> the prefix of its trainer and config classes in `trl` and `trl_ext`
-COMMANDS = {"sft": "SFT", "dpo": "DPO", "reward": "Reward", "kto": "KTO", "grpo": "GRPO", "rloo": "RLOO"}
+# command -> the prefix of its trainer and config classes in `trl` and `trl_ext`: one per registered trainer
+COMMANDS = trainers.commands()
 RUNNER = Path(__file__).with_name("trl_script.py")
-DATASET_KINDS = {"sft": "sft", "dpo": "preference", "reward": "preference", "kto": "unpaired_preference"}
 
 
 @contextlib.contextmanager
@@ -59,7 +58,8 @@ def _check_before_launch(command: str, training_script_args: list[str]) -> None:
     scripting.check_mirror(training_args)
     if (dataset_args is not None and dataset_args.datasets) or script_args.dataset_streaming:
         return
-    scripting.check_dataset(script_args, training_args, model_args, command, DATASET_KINDS.get(command),
+    kind = trainers.trainer_for(command)._dataset_kind  # None: prompts, which only the trainer interprets
+    scripting.check_dataset(script_args, training_args, model_args, command, kind,
                             load=lambda name, config: load_dataset(name, name=config))
 
 

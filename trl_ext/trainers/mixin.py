@@ -45,6 +45,7 @@ class TrlExtMixin:
 
     _config_class: type  # the trl_ext config used when the caller passes no ``args``
     _default_run_suffix: str
+    _dataset_kind: str | None = None  # the rows it takes (``input_checks.FORMATS``); None: prompts (GRPO, RLOO)
     _fused_lm_head = True  # TRL computes this trainer's loss through its fused LM head (trl >= 1.15)
 
     def __init__(self, *args, **kwargs):
@@ -357,6 +358,8 @@ class TrlExtMixin:
 
         cls.__init__ = __init__
         cls._trl_class = trl_base
+        if cls._dataset_kind is not None:  # its TRL class's dataset preparation is wrapped: the patch's guard probes it
+            patches.DATASET_PREPARERS.add(f"{trl_base.__module__}.{trl_base.__qualname__}")
         cls._trl_config_class = next(c for c in cls._config_class.__mro__ if c.__module__.startswith("trl."))
 
 
