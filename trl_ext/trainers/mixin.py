@@ -53,34 +53,8 @@ class TrlExtMixin:
         self._storage: nodes.Storage | None = None  # output_dir's storage across nodes, known once train() starts
         self._resume = resuming.Resume()  # what train() resumes (nothing until it says)
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
-        training_args = bound.arguments.get("args")
-        if training_args is None:
-            # Same default as TRL (``<model>-<Suffix>``), built from our hardware-aware config so it also runs on CPU.
-            model = bound.arguments["model"]
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
-            bound.arguments["args"] = training_args = self._config_class(
-                output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{self._default_run_suffix}"
-            )
-        elif not isinstance(training_args, self._trl_config_class):
-            # A plain TrainingArguments: converted here, as TRL would, so that every check below sees the config
-            # TRL trains with (TRL keeps it: it is already its config class).
-            bound.arguments["args"] = training_args = configs.from_training_arguments(
-                training_args, self._config_class, self._trl_class)
-        runtime.check_distributed_setup(training_args)
-        runtime.check_offloading_has_an_accelerator(training_args)
-        outcome.watch(training_args.output_dir)  # restarted by its orchestrator, an error of its own is not repeated:
-        if ownership.is_own(training_args.output_dir):
-            outcome.refuse_after_error(training_args.output_dir)  # refused before the model loads
-        self._mirror = Mirror.for_args(training_args)  # checkpoint_mirror: the store checked before the model loads
-        # and one that failed too often in a row without a new checkpoint (the count kept on the mirror too), decided
-        # on rank 0's view of the directory for every rank (a node-local disk may hold no record on the others)
-        store = self._mirror.store if self._mirror is not None else None
-        try:
-            if ownership.current_run() is not None:  # the same on every rank; a run without one has no attempts
-                decided_on_rank0(lambda: run_record.begin_attempt(store, training_args.output_dir))
-        except GaveUp as gave_up:
-            outcome.record(gave_up)  # for this machine's node launcher, whose exit code it becomes (202)
-            raise
+        training_args = self._config_for(bound)
+        self._refuse_before_loading(training_args)
         if self._fused_lm_head:
             compat.check_fused_loss_runs_here(training_args, type(self).__name__)
         self._check_input(bound)
@@ -103,8 +77,49 @@ class TrlExtMixin:
         if not getattr(self.args, "packing", False):  # packing changes the row count by design
             input_checks.check_rows_kept(bound.arguments.get("train_dataset"), self.train_dataset, "train_dataset",
                                          getattr(self.args, "max_length", None))
+        self._apply_gradient_checkpointing(user_reentrant, fsdp_recomputes)
+        if self.is_deepspeed_enabled:
+            guard_save_pretrained(self.model)
+        self._join_components()
 
-        # Gradient checkpointing: non-reentrant unless the user or an unfixed DeepSpeed says otherwise.
+    def _config_for(self, bound) -> object:
+        """The config TRL trains with, set in ``bound``: TRL's default (``<model>-<Suffix>``) built from trl_ext's
+        hardware-aware config when none is given, a plain ``TrainingArguments`` converted as TRL would convert it."""
+        training_args = bound.arguments.get("args")
+        if training_args is None:
+            model = bound.arguments["model"]
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            bound.arguments["args"] = training_args = self._config_class(
+                output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{self._default_run_suffix}"
+            )
+        elif not isinstance(training_args, self._trl_config_class):
+            # every check below sees the config TRL trains with (TRL keeps one of its own class as it is)
+            bound.arguments["args"] = training_args = configs.from_training_arguments(
+                training_args, self._config_class, self._trl_class)
+        return training_args
+
+    def _refuse_before_loading(self, training_args) -> None:
+        """What is refused before the model loads: a launch that cannot run, an error of the run's own that a restart
+        would repeat, a mirror that cannot be used, a run that failed too often in a row without a new checkpoint."""
+        runtime.check_distributed_setup(training_args)
+        runtime.check_offloading_has_an_accelerator(training_args)
+        outcome.watch(training_args.output_dir)  # restarted by its orchestrator, an error of its own is not repeated
+        if ownership.is_own(training_args.output_dir):
+            outcome.refuse_after_error(training_args.output_dir)
+        self._mirror = Mirror.for_args(training_args)  # checkpoint_mirror: the store checked now
+        # the attempts (their count kept on the mirror too), decided on rank 0's view of the directory for every rank
+        # (a node-local disk may hold no record on the others)
+        store = self._mirror.store if self._mirror is not None else None
+        try:
+            if ownership.current_run() is not None:  # the same on every rank; a run without one has no attempts
+                decided_on_rank0(lambda: run_record.begin_attempt(store, training_args.output_dir))
+        except GaveUp as gave_up:
+            outcome.record(gave_up)  # for this machine's node launcher, whose exit code it becomes (202)
+            raise
+
+    def _apply_gradient_checkpointing(self, user_reentrant, fsdp_recomputes: bool) -> None:
+        """Gradient checkpointing: non-reentrant unless the user or an unfixed DeepSpeed says otherwise; FSDP's own
+        recompute checked instead where it is on."""
         use_reentrant = gradient_checkpointing.decide(self.args, self.model, user_reentrant)
         gradient_checkpointing.apply(self.args, use_reentrant)
         if use_reentrant is not None:
@@ -113,9 +128,6 @@ class TrlExtMixin:
             self.add_callback(gradient_checkpointing.CheckpointingPolicy(use_reentrant))
         elif fsdp_recomputes:
             self.add_callback(gradient_checkpointing.FsdpCheckpointingCheck())
-        if self.is_deepspeed_enabled:
-            guard_save_pretrained(self.model)
-        self._join_components()
 
     def _join_components(self) -> None:
         """The components, in the order ``components`` states: checkpoints, the mirror, preemption, the
