@@ -297,3 +297,28 @@ def test_the_copies_and_executor_threads_start_once_end_with_train_and_run_in_or
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     started_saves = [name for kind, name, _ in trainer.checkpoints.executor.events if kind == "started"]
     assert started_saves == ["checkpoint-2", "checkpoint-4"] * 2, started_saves
+
+
+def test_a_checkpoint_due_before_the_previous_write_ends_waits_and_says_so_once(tmp_path, tiny_model_path,
+                                                                                monkeypatch, caplog):
+    """Checkpoints due faster than the disk writes them: none is skipped, each waits for the previous write (logged as
+    held_previous_s), and the first wait long enough to matter is said in one line, once, with what to set."""
+    write_synced = deferred.write_synced
+
+    def slow_disk(write, path):  # every checkpoint's optimizer state takes 0.8 s to write
+        if Path(path).name == "optimizer.pt":
+            threading.Event().wait(0.8)
+        return write_synced(write, path)
+
+    monkeypatch.setattr(deferred, "write_synced", slow_disk)
+    trainer = _trainer(tmp_path / "run", tiny_model_path, save_in_background=True)
+    with caplog.at_level("WARNING", logger="trl_ext"):
+        trainer.train()
+    out = tmp_path / "run"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        f"checkpoint-{n}" for n in range(1, 5)]  # none skipped
+    waits = [cost.held_previous_s for cost in trainer.checkpoints.history]
+    assert max(waits) >= 0.5, waits
+    said = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(said) == 1 and "for the previous checkpoint's write to end" in said[0], said
+    assert "set save_steps to at least twice a write's time" in said[0] and "\n" not in said[0]

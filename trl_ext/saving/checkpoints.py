@@ -49,6 +49,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_ext import errors
+from trl_ext.process.notices import notice
 from trl_ext.saving import deferred
 from trl_ext.saving.cost import Cost, max_over_ranks
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, as_failure
@@ -56,6 +57,8 @@ from trl_ext.saving.mode import Mode, OptimizerHooks, Where, say_cpu_cost
 from trl_ext.saving.reserve import reserve_copies
 from trl_ext.saving.snapshot import Snapshot, storage_key
 from trl_ext.saving.trainer_files import ModelCard, PartialDir, commit_checkpoint, fix_trainer_files
+
+SAY_WAIT_SECONDS = 0.5  # a checkpoint that waited this long for the previous one's write says so, once per run
 
 
 class Checkpoints:
@@ -82,6 +85,7 @@ class Checkpoints:
         self._reserved = False
         self._taking = False
         self._said_cpu_cost = False
+        self._said_waits = False
         self.callback = CheckpointCallback(self)  # the lifecycle at the points of Trainer's loop
 
     # The lifecycle
@@ -97,6 +101,12 @@ class Checkpoints:
         """
         trainer = self.trainer
         previous = self.wait_for_writes()
+        if previous >= SAY_WAIT_SECONDS and not self._said_waits:
+            self._said_waits = True
+            notice(f"save_in_background: {name} waited {previous:.1f} s for the previous checkpoint's write to end: "
+                   "checkpoints are due faster than the disk writes them, so each waits for the one before (none is "
+                   "skipped). To train without waiting, set save_steps to at least twice a write's time "
+                   "(checkpoint/write_s in the logs) over a step's time (docs/saving.md#in-the-background).")
         start = time.monotonic()
         partial = PartialDir(trainer.args.output_dir, name, trainer.writes_files())
         checkpoint = self._collect(partial.final) if self._in_background() else None
