@@ -217,7 +217,7 @@ def test_one_process_run_resumes_under_fsdp2_on_two_processes(fsdp2_two_process_
     assert_continues(ref, got, (1, 2), 4, ONE_TO_TWO, "FSDP2 1 -> 2 at step 4 (epoch 1.33)")
 
 
-class _Args:  # what read_plan reads from TrainingArguments
+class _Args:  # what read_reshard reads from TrainingArguments
     def __init__(self, world_size, per_device_train_batch_size):
         self.world_size, self.per_device_train_batch_size = world_size, per_device_train_batch_size
 
@@ -225,18 +225,18 @@ class _Args:  # what read_plan reads from TrainingArguments
 def test_a_global_batch_that_cannot_be_kept_is_refused_with_the_arithmetic(two_process_run, tmp_path):
     _, ref = two_process_run
     checkpoint = ref / "checkpoint-2"
-    plan = world_size.read_plan(checkpoint, _Args(1, 2))
+    plan = world_size.read_reshard(checkpoint, _Args(1, 2))
     assert (plan.saved_world_size, plan.global_batch_size, plan.gradient_accumulation_steps) == (2, 4, 2)
-    assert world_size.read_plan(checkpoint, _Args(4, 1)).gradient_accumulation_steps == 1
+    assert world_size.read_reshard(checkpoint, _Args(4, 1)).gradient_accumulation_steps == 1
     with pytest.raises(ValueError, match=r"global batch size of 4 samples \(saved on 2 processes\) on 3 processes x "
                                          r"per_device_train_batch_size 2 = 6 samples per micro-step"):
-        world_size.read_plan(checkpoint, _Args(3, 2))
+        world_size.read_reshard(checkpoint, _Args(3, 2))
     # A node-local copy (only rank 0's ZeRO states) resumes on the same 2 processes, and only there
     node_copy = tmp_path / "checkpoint-2"
     shutil.copytree(checkpoint, node_copy)
     for rank_file in (node_copy / "global_step2").glob("zero_pp_rank_1_*"):
         rank_file.unlink()
-    assert world_size.read_plan(node_copy, _Args(2, 2)).changed is False
+    assert world_size.read_reshard(node_copy, _Args(2, 2)).changed is False
     with pytest.raises(ValueError, match=r"holds the ZeRO states of 1 of the 2 processes that saved it \(node-local "
                                          r"storage\?\): resume on 2 processes"):
-        world_size.read_plan(node_copy, _Args(1, 2))
+        world_size.read_reshard(node_copy, _Args(1, 2))

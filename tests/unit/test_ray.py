@@ -137,11 +137,11 @@ def test_what_is_not_a_number_of_workers(text):
 
 def test_the_group_by_default_one_worker_per_gpu_else_two_per_node():
     gpus = [{"CPU": 32, "GPU": 8}, {"CPU": 32, "GPU": 8}, {"CPU": 4}]
-    assert cluster.plan(gpus, None) == cluster.Group((16, 16), {"CPU": 1, "GPU": 1}, spread=False)
+    assert cluster.size_group(gpus, None) == cluster.Group((16, 16), {"CPU": 1, "GPU": 1}, spread=False)
     cpus = [{"CPU": 16}, {"CPU": 8}, {"CPU": 0, "memory": 1}]  # a head without CPUs for work takes none
-    group = cluster.plan(cpus, None)
+    group = cluster.size_group(cpus, None)
     assert group == cluster.Group((4, 4), {"CPU": 4}, spread=True) and group.describe() == "4 worker(s), each 4 CPU"
-    assert cluster.plan(cpus, (2, 6)).size() == (2, 6) and cluster.plan(cpus, (3, 3)).size() == 3
+    assert cluster.size_group(cpus, (2, 6)).size() == (2, 6) and cluster.size_group(cpus, (3, 3)).size() == 3
 
 
 def test_room_counts_whole_workers_node_by_node():

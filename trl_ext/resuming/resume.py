@@ -35,11 +35,11 @@ class Resume:
 
     Args:
         checkpoint: the ``checkpoint-N`` directory, the same on every rank.
-        plan: how a checkpoint saved on another number of processes resumes here (None: it does not say).
+        reshard: how a checkpoint saved on another number of processes resumes here (None: it does not say).
     """
 
     checkpoint: str | None = None
-    plan: world_size.Plan | None = None
+    reshard: world_size.Reshard | None = None
     fresh: bool = False  # resume_from_checkpoint=True with a mirror, and nothing to resume anywhere: a new run
 
     def load_weights(self, trainer, checkpoint: str, model) -> bool:
@@ -74,8 +74,8 @@ class Resume:
         from transformers.trainer import SCHEDULER_NAME
 
         if trainer.is_deepspeed_enabled:
-            if self.plan is not None:
-                universal.repair_after_load(trainer.model_wrapped, checkpoint, self.plan)
+            if self.reshard is not None:
+                universal.repair_after_load(trainer.model_wrapped, checkpoint, self.reshard)
             return False
         sharded = fsdp.is_fsdp2(trainer.accelerator)
         if not fsdp2.needs_conversion(checkpoint, sharded):
@@ -88,31 +88,31 @@ class Resume:
     def load_rng(self, trainer, checkpoint: str, trainer_load) -> None:
         """Each rank's RNG state: Trainer's own (``trainer_load``), except on another number of processes, where rank
         r takes rank r's saved state and a new rank is seeded from (seed, step, rank)."""
-        if self.plan is None or not self.plan.changed:
+        if self.reshard is None or not self.reshard.changed:
             return trainer_load(checkpoint)
-        with rng.rng_checkpoint(checkpoint, self.plan, trainer.args.process_index) as found:
+        with rng.rng_checkpoint(checkpoint, self.reshard, trainer.args.process_index) as found:
             if found is not None:
                 return trainer_load(found)
-        set_seed(rng.seed_for_new_rank(trainer.args.seed, trainer.state.global_step, self.plan,
+        set_seed(rng.seed_for_new_rank(trainer.args.seed, trainer.state.global_step, self.reshard,
                                        trainer.args.process_index))
 
 
-def _read_plan(trainer, checkpoint: str) -> world_size.Plan | None:
+def _read_reshard(trainer, checkpoint: str) -> world_size.Reshard | None:
     """How ``checkpoint`` was trained, read on rank 0 and broadcast (ranks that look at the files separately could
     disagree and take different collective paths); a refusal is raised on every rank."""
     args = trainer.args
 
     def read():
         try:
-            return (world_size.read_plan if trainer.is_deepspeed_enabled else world_size.read_trainer_plan)(checkpoint,
-                                                                                                        args)
+            reader = world_size.read_reshard if trainer.is_deepspeed_enabled else world_size.read_trainer_reshard
+            return reader(checkpoint, args)
         except (OSError, ValueError, KeyError) as exc:
             raise ResumeError(f"cannot read how {checkpoint} was trained: {exc}") from None
 
     return decided_on_rank0(read)
 
 
-def _convert_for_deepspeed(trainer, checkpoint: str, plan: world_size.Plan) -> None:
+def _convert_for_deepspeed(trainer, checkpoint: str, reshard: world_size.Reshard) -> None:
     """DeepSpeed on another number of processes: the universal checkpoint, written once per copy of the checkpoint
     (each node's local main with ``save_on_each_node``, else the main process); a failure is raised on every rank."""
     from trl_ext import errors
@@ -122,7 +122,7 @@ def _convert_for_deepspeed(trainer, checkpoint: str, plan: world_size.Plan) -> N
     error = None
     if writer:
         try:
-            universal.convert_to_universal(checkpoint, plan.tag)
+            universal.convert_to_universal(checkpoint, reshard.tag)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below, so that none waits for a failed writer
             error = ResumeError(f"converting {checkpoint} to DeepSpeed's universal checkpoint failed: {exc}")
     if args.world_size > 1:
@@ -162,15 +162,15 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         return Resume(fresh=resume_from_checkpoint is True and mirrored.start_fresh(trainer))
     config = getattr(trainer.model, "config", None)
     checks.check_resume_checkpoint(checkpoint, getattr(config, "num_labels", 1))
-    plan = _read_plan(trainer, checkpoint)
-    if plan is None:
+    reshard = _read_reshard(trainer, checkpoint)
+    if reshard is None:
         return Resume(checkpoint)
     if not trainer.is_deepspeed_enabled:  # FSDP2, DDP, one process: optimizer states convert when loaded (fsdp2)
-        message = world_size.keep_global_batch(plan, trainer.args) if plan.changed else None
+        message = world_size.keep_global_batch(reshard, trainer.args) if reshard.changed else None
     else:
-        if plan.changed:
-            _convert_for_deepspeed(trainer, checkpoint, plan)
-        message = universal.apply(plan, trainer.args, trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
+        if reshard.changed:
+            _convert_for_deepspeed(trainer, checkpoint, reshard)
+        message = universal.apply(reshard, trainer.args, trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
     if message:
         notice(message)
-    return Resume(checkpoint, plan)
+    return Resume(checkpoint, reshard)

@@ -6,27 +6,27 @@ import os
 import tempfile
 from pathlib import Path
 
-from trl_ext.resuming.world_size import Plan
+from trl_ext.resuming.world_size import Reshard
 
 
 @contextlib.contextmanager
-def rng_checkpoint(checkpoint: str, plan: Plan, process_index: int):
+def rng_checkpoint(checkpoint: str, reshard: Reshard, process_index: int):
     """A directory where the Trainer finds this rank's RNG state under the name it expects for the new world size.
 
     Rank ``r`` takes the state saved by rank ``r``. A rank that did not exist yields None: the caller seeds it.
 
     Args:
         checkpoint: the ``checkpoint-N`` directory.
-        plan: from ``world_size.read_plan``.
+        reshard: from ``world_size.read_reshard``.
         process_index: this process's global rank.
 
     Returns:
         (context manager) the directory to give ``Trainer._load_rng_state``, or None.
     """
-    saved = "rng_state.pth" if plan.saved_world_size == 1 else f"rng_state_{process_index}.pth"
-    wanted = "rng_state.pth" if plan.world_size == 1 else f"rng_state_{process_index}.pth"
+    saved = "rng_state.pth" if reshard.saved_world_size == 1 else f"rng_state_{process_index}.pth"
+    wanted = "rng_state.pth" if reshard.world_size == 1 else f"rng_state_{process_index}.pth"
     source = Path(checkpoint) / saved
-    if process_index >= plan.saved_world_size or not source.is_file():
+    if process_index >= reshard.saved_world_size or not source.is_file():
         yield None
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -34,6 +34,6 @@ def rng_checkpoint(checkpoint: str, plan: Plan, process_index: int):
         yield tmp
 
 
-def seed_for_new_rank(seed: int, step: int, plan: Plan, process_index: int) -> int:
+def seed_for_new_rank(seed: int, step: int, reshard: Reshard, process_index: int) -> int:
     """The seed of a rank the checkpoint has no RNG state for: the same on every repeat of this resume."""
-    return seed + step * plan.world_size + process_index
+    return seed + step * reshard.world_size + process_index

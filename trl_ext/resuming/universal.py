@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from trl_ext import patches
-from trl_ext.resuming.world_size import Plan, keep_global_batch
+from trl_ext.resuming.world_size import Reshard, keep_global_batch
 
 UNIVERSAL_SUFFIX = "_universal"
 
@@ -57,27 +57,27 @@ def convert_to_universal(checkpoint: str | os.PathLike, tag: str) -> None:
     os.replace(tmp, checkpoint / "latest_universal")
 
 
-def apply(plan: Plan, args, deepspeed_config: dict) -> str | None:
+def apply(reshard: Reshard, args, deepspeed_config: dict) -> str | None:
     """Set the resumed run's gradient accumulation (and DeepSpeed's batch sizes) to keep the global batch size, and
     ask DeepSpeed for the universal checkpoint when the world size changed.
 
     Args:
-        plan: from ``world_size.read_plan``.
+        reshard: from ``world_size.read_reshard``.
         args: the resumed run's ``TrainingArguments`` (changed in place).
         deepspeed_config: the DeepSpeed config the engine will be built from (changed in place).
 
     Returns:
         The one-line notice to print, or None when nothing changed.
     """
-    notice = keep_global_batch(plan, args)
-    deepspeed_config["gradient_accumulation_steps"] = plan.gradient_accumulation_steps
-    deepspeed_config["train_batch_size"] = plan.global_batch_size
-    if plan.changed:
+    notice = keep_global_batch(reshard, args)
+    deepspeed_config["gradient_accumulation_steps"] = reshard.gradient_accumulation_steps
+    deepspeed_config["train_batch_size"] = reshard.global_batch_size
+    if reshard.changed:
         deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     return notice
 
 
-def repair_after_load(engine, checkpoint: str | os.PathLike, plan: Plan) -> bool:
+def repair_after_load(engine, checkpoint: str | os.PathLike, reshard: Reshard) -> bool:
     """After DeepSpeed's engine loaded the universal checkpoint of ``checkpoint`` under ZeRO-3: each sub-group of the
     optimizer gets its own Adam step count and each parameter group its own saved hyperparameters (DeepSpeed's loader
     shares one step tensor, so the step advances once per sub-group, and gives every group the first group's
@@ -86,14 +86,14 @@ def repair_after_load(engine, checkpoint: str | os.PathLike, plan: Plan) -> bool
     Args:
         engine: the DeepSpeed engine that loaded it (``Trainer.model_wrapped``).
         checkpoint: the ``checkpoint-N`` directory.
-        plan: from ``world_size.read_plan``; nothing to repair unless the world size changed.
+        reshard: from ``world_size.read_reshard``; nothing to repair unless the world size changed.
 
     Returns:
         Whether the optimizer was repaired (False: not a universal load, not ZeRO-3, or the release moved).
     """
-    if not plan.changed or plan.tag is None:
+    if not reshard.changed or reshard.tag is None:
         return False
-    return repair_zero3_universal_load(engine.optimizer, folder(checkpoint, plan.tag) / "zero")
+    return repair_zero3_universal_load(engine.optimizer, folder(checkpoint, reshard.tag) / "zero")
 
 
 def repair_zero3_universal_load(zero_optimizer, universal_zero_dir) -> bool:

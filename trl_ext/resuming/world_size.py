@@ -19,7 +19,7 @@ _OPTIM_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
 
 @dataclass(frozen=True)
-class Plan:
+class Reshard:
     """How a checkpoint written on ``saved_world_size`` processes resumes on the current ones."""
 
     saved_world_size: int
@@ -39,7 +39,7 @@ def deepspeed_tag(checkpoint: str | os.PathLike) -> str | None:
     return latest.read_text().strip() if latest.is_file() else None
 
 
-def read_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
+def read_reshard(checkpoint: str | os.PathLike, args) -> Reshard | None:
     """What it takes to resume ``checkpoint`` with training arguments ``args`` (None: not a ZeRO checkpoint).
 
     Args:
@@ -47,7 +47,7 @@ def read_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
         args: the resumed run's ``TrainingArguments``.
 
     Returns:
-        The plan. Raises ``ResumeError`` (one line) when the global batch cannot be kept (with the arithmetic), or
+        The reshard. Raises ``ResumeError`` (one line) when the global batch cannot be kept (with the arithmetic), or
         when the checkpoint lacks some ranks' states and the number of processes changed.
     """
     tag = deepspeed_tag(checkpoint)
@@ -72,8 +72,8 @@ def read_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
     return _keeping_global_batch(global_batch, saved_world, args, tag)
 
 
-def _keeping_global_batch(global_batch: int, saved_world: int, args, tag: str | None) -> Plan:
-    """The plan that keeps ``global_batch`` on ``args``' processes and per-device batch, or a one-line refusal with
+def _keeping_global_batch(global_batch: int, saved_world: int, args, tag: str | None) -> Reshard:
+    """The reshard that keeps ``global_batch`` on ``args``' processes and per-device batch, or a one-line refusal with
     the arithmetic (``ResumeError``)."""
     per_step = args.world_size * args.per_device_train_batch_size
     if global_batch % per_step:
@@ -83,11 +83,12 @@ def _keeping_global_batch(global_batch: int, saved_world: int, args, tag: str | 
             f"{args.per_device_train_batch_size} = {per_step} samples per micro-step: {global_batch} is not a multiple "
             f"of {per_step}; resume on a number of processes (or a per-device batch) whose product divides "
             f"{global_batch}.")
-    return Plan(saved_world, args.world_size, global_batch, global_batch // per_step, tag)
+    return Reshard(saved_world, args.world_size, global_batch, global_batch // per_step, tag)
 
 
-def read_trainer_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
-    """``read_plan`` for a checkpoint without DeepSpeed state (FSDP2, DDP, one process), from the Trainer's own files.
+def read_trainer_reshard(checkpoint: str | os.PathLike, args) -> Reshard | None:
+    """``read_reshard`` for a checkpoint without DeepSpeed state (FSDP2, DDP, one process), from the Trainer's own
+    files.
 
     The saved number of processes is the number of RNG states (``rng_state_<rank>.pth``, or one ``rng_state.pth``);
     the saved per-device batch and gradient accumulation are in ``training_args.bin``.
@@ -97,7 +98,7 @@ def read_trainer_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
         args: the resumed run's ``TrainingArguments``.
 
     Returns:
-        The plan (``tag`` None), or None when the checkpoint does not say (no RNG state or training arguments).
+        The reshard (``tag`` None), or None when the checkpoint does not say (no RNG state or training arguments).
     """
     folder = Path(checkpoint)
     ranks = len(list(folder.glob("rng_state_*.pth"))) or (1 if (folder / "rng_state.pth").is_file() else 0)
@@ -111,16 +112,16 @@ def read_trainer_plan(checkpoint: str | os.PathLike, args) -> Plan | None:
     return _keeping_global_batch(ranks * per_device * accumulation, ranks, args, None)
 
 
-def keep_global_batch(plan: Plan, args) -> str | None:
-    """Set ``args.gradient_accumulation_steps`` to keep the plan's global batch size (before ``Trainer.train``).
+def keep_global_batch(reshard: Reshard, args) -> str | None:
+    """Set ``args.gradient_accumulation_steps`` to keep the reshard's global batch size (before ``Trainer.train``).
 
     Returns:
         The one-line notice to print, or None when nothing changed.
     """
-    if plan.gradient_accumulation_steps == args.gradient_accumulation_steps:
+    if reshard.gradient_accumulation_steps == args.gradient_accumulation_steps:
         return None
-    message = (f"resuming a checkpoint saved on {plan.saved_world_size} processes on {plan.world_size}: "
+    message = (f"resuming a checkpoint saved on {reshard.saved_world_size} processes on {reshard.world_size}: "
                f"gradient_accumulation_steps {args.gradient_accumulation_steps} -> "
-               f"{plan.gradient_accumulation_steps}, to keep the global batch size of {plan.global_batch_size}.")
-    args.gradient_accumulation_steps = plan.gradient_accumulation_steps
+               f"{reshard.gradient_accumulation_steps}, to keep the global batch size of {reshard.global_batch_size}.")
+    args.gradient_accumulation_steps = reshard.gradient_accumulation_steps
     return message

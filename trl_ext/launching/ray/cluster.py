@@ -83,7 +83,7 @@ def alive(nodes: list[dict]) -> list[dict]:
     return [dict(node.get("Resources") or {}) for node in nodes if node.get("Alive")]
 
 
-def plan(nodes: list[dict], asked: tuple[int, int] | None) -> Group:
+def size_group(nodes: list[dict], asked: tuple[int, int] | None) -> Group:
     """The worker group for a cluster with ``nodes`` (their resources) and ``--num_processes``.
 
     Args:

@@ -2,7 +2,7 @@
 
 1. Connect to the cluster within a stated time (``ray.init`` itself waits minutes for an address where nothing
    answers).
-2. Size the group (``cluster.plan``) and wait, for a stated time, until the cluster's nodes have room for its
+2. Size the group (``cluster.size_group``) and wait, for a stated time, until the cluster's nodes have room for its
    minimum (``TRL_EXT_RAY_WAIT_S``, default 300 s; 0 refuses at once); else say what is missing and stop.
 3. Run it: ``TorchTrainer`` with
    - ``ScalingConfig``: the group's size (a range is elastic: Ray starts it with what the cluster has, at least the
@@ -89,7 +89,7 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
 
     Args:
         task: what every worker runs (``Task.run``, ``Task.output_dir`` set).
-        asked: ``(MIN, MAX)`` workers, or None for the default (``cluster.plan``).
+        asked: ``(MIN, MAX)`` workers, or None for the default (``cluster.size_group``).
         say: prints one line.
         max_failures: lost groups in a row without a new checkpoint that the run survives (default
             ``failure_limit.max_failures()``).
@@ -107,7 +107,7 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
 
     wait = environment.RAY_WAIT.number() if wait is None else wait
     max_failures = failure_limit.max_failures() if max_failures is None else max_failures
-    group = cluster.plan(cluster.alive(ray.nodes()), asked)
+    group = cluster.size_group(cluster.alive(ray.nodes()), asked)
     cluster.wait_for_room(ray.nodes, group, wait, say)
     if task.claim:  # before Ray writes its own files there
         ownership.claim(task.output_dir, task.run)
