@@ -269,6 +269,7 @@ def run(cli: argparse.Namespace) -> dict:
         "peak_mem_bytes": torch.cuda.max_memory_allocated() if on_gpu else None, "held_before_bytes": held_before,
         "flop_check": flop_check, "figures": figures.found, "reentrant": cli.reentrant,
         "profile": profile.summary if profile else None, "control": cli.control, "repeat": cli.repeat,
+        "trainer_class": f"{type(trainer).__module__}.{type(trainer).__name__}",  # the A/A's: TRL's on both sides
         "build_s": built - began,
     }
     shutil.rmtree(args.output_dir, ignore_errors=True)
