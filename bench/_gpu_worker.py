@@ -1,7 +1,9 @@
 """One GPU benchmark run (launched by bench/gpu.py): SFT or DPO, LoRA or full fine-tuning, with or without gradient
 checkpointing, trl_ext's trainer or TRL's, on a ~0.5B Qwen2.5-shaped Llama built from config (random weights, bf16).
 
-Prints ``BENCH {json}`` with tokens/s, peak GPU memory and model FLOPs over the steps after ``--warmup``.
+Prints ``BENCH {json}`` with tokens/s, peak GPU memory and model FLOPs over the steps after ``--warmup``, and the
+run's whole time and build time (``run_s``, ``build_s``: what a repeat costs). ``--control``: an A/A control's run,
+TRL's trainer on the trl_ext side too (bench/_pairing.py).
 ``--smoke`` runs the same code on a tiny fp32 model on CPU (peak memory is then "n/a") and checks the FLOPs formula
 against ``torch.utils.flop_counter`` on one step.
 
@@ -165,7 +167,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tuning", choices=["lora", "full"])
     parser.add_argument("--gc", choices=["on", "off"])
     parser.add_argument("--plan", help="several workloads in this process, one after another: a JSON list of "
-                        "{impl, trainer, tuning, gc}; prints one BENCH line each")
+                        "{impl, trainer, tuning, gc[, control, repeat]}; prints one BENCH line each")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seq_len", type=int, default=1024)
@@ -178,6 +180,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile_steps", type=int, default=0,
                         help="profile the last N steps with torch's profiler (bench/_device_profile.py)")
     parser.add_argument("--results", help="also append each result to this file, one JSON line each")
+    parser.add_argument("--control", action="store_true",
+                        help="A/A control: the trl_ext side runs TRL's trainer too (bench/_pairing.py)")
+    parser.add_argument("--repeat", type=int, default=0, help="which repeat of its pairing this run is (reported)")
     cli = parser.parse_args(argv)
     if not cli.plan and None in (cli.impl, cli.trainer, cli.tuning, cli.gc):
         parser.error("give --impl, --trainer, --tuning and --gc, or --plan")
@@ -186,6 +191,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(cli: argparse.Namespace) -> dict:
     """One workload (``cli.impl``, ``cli.trainer``, ``cli.tuning``, ``cli.gc``); returns what ``main`` prints."""
+    began = time.perf_counter()  # the run's whole time, its build and teardown included: what a repeat costs
     on_gpu = torch.cuda.is_available() and not cli.smoke
     # The peak is torch.cuda.max_memory_allocated() itself, from a peak reset here, after what an earlier run of this
     # process left was freed. Subtracting what the process held at the start (as the 2026-11-28 --one_process run did)
@@ -209,7 +215,8 @@ def run(cli: argparse.Namespace) -> dict:
     params = sum(p.numel() for p in model.parameters())
 
     name = {"sft": "SFT", "dpo": "DPO"}[cli.trainer]
-    trainer_cls = getattr(trl_ext if cli.impl == "trl_ext" else trl, f"{name}Trainer")
+    ours = cli.impl == "trl_ext" and not cli.control  # the A/A control: TRL's trainer on both sides
+    trainer_cls = getattr(trl_ext if ours else trl, f"{name}Trainer")
     per_device = cli.batch if cli.trainer == "sft" else max(1, cli.batch // 2)  # DPO: each row is a pair
     args = getattr(trl_ext, f"{name}Config")(
         output_dir=tempfile.mkdtemp(prefix="bench-gpu-"), max_steps=cli.steps, per_device_train_batch_size=per_device,
@@ -245,6 +252,7 @@ def run(cli: argparse.Namespace) -> dict:
     d_attn = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
 
     flop_check = flop_counter_check(trainer, meter, frozen, trained, config, d_attn) if cli.flop_check else None
+    built = time.perf_counter()
     trainer.train()
 
     steady = slice(cli.warmup, None) if len(meter.times) > cli.warmup else slice(None)
@@ -260,7 +268,9 @@ def run(cli: argparse.Namespace) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "peak_mem_bytes": torch.cuda.max_memory_allocated() if on_gpu else None, "held_before_bytes": held_before,
         "flop_check": flop_check, "figures": figures.found, "reentrant": cli.reentrant,
-        "profile": profile.summary if profile else None,
+        "profile": profile.summary if profile else None, "control": cli.control, "repeat": cli.repeat,
+        "trainer_class": f"{type(trainer).__module__}.{type(trainer).__name__}",  # the A/A's: TRL's on both sides
+        "build_s": built - began,
     }
     shutil.rmtree(args.output_dir, ignore_errors=True)
     del trainer, model, extra, counted_step, figures, profile, callbacks
@@ -269,6 +279,7 @@ def run(cli: argparse.Namespace) -> dict:
     gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()
+    result["run_s"] = time.perf_counter() - began
     return result
 
 

@@ -6,14 +6,18 @@ full fine-tuning, with and without gradient checkpointing, by TRL's trainers and
     python bench/gpu.py --peak_tflops 989              # a GPU missing from TRL's peak table
     python bench/gpu.py --smoke                        # the same code on CPU with a tiny model, 3 steps (a check)
     python bench/gpu.py --one_process --json out.json  # every run in one process; the table also as JSON
+    python bench/gpu.py --gc on --repeats 2 --control dpo-full  # 2 alternated repeats, an A/A control for DPO full
 
 Each run is its own process (clean peak memory; with ``--one_process`` all runs share one, which saves each one's
 start-up: each run's peak is then measured from a reset after the earlier runs' memory was freed, and what was still
 held is reported as held_before_bytes), sequence 1024, 8 sequences per step
 (DPO: 4 pairs, chosen and rejected both counted), 20 steps of which the first 5 are skipped. Runs alternate TRL /
-trl_ext, the order flipping every repeat. Printed per workload: tokens/s, peak GPU memory
+trl_ext, the order flipping every repeat (bench/_pairing.py, shared with bench/overhead.py), every workload's first
+repeat before any second one; ``--control``: the same pairs again with TRL's trainer on both sides (an A/A control),
+so that a ratio comes with its noise. Printed per workload: tokens/s, peak GPU memory
 (torch.cuda.max_memory_allocated: weights, optimizer, activations), model TFLOP/s and MFU against the GPU's dense bf16
-peak, and trl_ext's step time over TRL's. A run that fails is reported and the others go on (exit code 1 at the end).
+peak, trl_ext's step time over TRL's (the ratio of the medians), and the ratios repeat by repeat: their median and
+range. A run that fails is reported and the others go on (exit code 1 at the end).
 The FLOPs convention is in bench/_gpu_worker.py: 6N per trained token (4N for frozen weights), PaLM's attention term,
 DPO's reference forward included, gradient-checkpointing recompute not counted.
 """
@@ -26,6 +30,11 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _pairing, when imported from elsewhere
+
+from _pairing import order as pairing_order  # noqa: E402 - the alternation bench/overhead.py uses too
+from _pairing import span, summary  # noqa: E402
 
 WORKER = Path(__file__).with_name("_gpu_worker.py")
 
@@ -59,20 +68,37 @@ def run(args: list[str], smoke: bool, record) -> None:
         record([], f"run failed ({proc.returncode}): {args}\n{''.join(tail)[-3000:]}")
 
 
+def side(impl: str, control: bool) -> str:
+    """A side as the output names it: the A/A control's are "TRL (A/A, first)" and "TRL (A/A, second)"."""
+    return f"TRL (A/A, {'first' if impl == 'trl' else 'second'})" if control else impl
+
+
 def report(r: dict) -> None:
     check = r["flop_check"]
-    print(f"{r['trainer']} {r['tuning']} gc={r['gc']} {r['impl']}: step {r['step_s']:.3f}s, "
+    print(f"{r['trainer']} {r['tuning']} gc={r['gc']} {side(r['impl'], r.get('control'))} (repeat {r.get('repeat')}, "
+          f"run {r.get('run_s', 0):.1f} s of which build {r.get('build_s', 0):.1f} s): step {r['step_s']:.3f}s, "
           f"{r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_step']:.0f} tokens/step"
           + (f"; FLOPs of one step, torch's counter / formula: {check['counted/formula']:.3f}" if check else ""),
           flush=True)
 
 
+def paired(runs: dict[str, list[dict]]) -> dict | None:
+    """The ratios of trl_ext's step over TRL's, repeat by repeat (each trl_ext run over the TRL run of its repeat),
+    summed up (bench/_pairing.py); None without a repeat that ran both sides."""
+    trl = {r["repeat"]: r["step_s"] for r in runs.get("trl", [])}
+    ratios = [r["step_s"] / trl[r["repeat"]] for r in sorted(runs.get("trl_ext", []), key=lambda r: r["repeat"])
+              if r["repeat"] in trl]
+    return summary(ratios) if ratios else None
+
+
 def table(results: list[dict], impls: list[str], peak: float | None) -> list[dict]:
-    """One row per workload and implementation: medians over its runs, MFU against ``peak``, step time over TRL's."""
+    """One row per workload, implementation and control: medians over its runs, MFU against ``peak``, step time over
+    TRL's (the ratio of the medians), and on trl_ext's side the ratios repeat by repeat (``paired``). The A/A
+    control's rows have ``control`` True: TRL's trainer on both sides."""
     rows = []
-    for key in dict.fromkeys((r["trainer"], r["tuning"], r["gc"]) for r in results):
-        runs = {impl: [r for r in results if (r["trainer"], r["tuning"], r["gc"], r["impl"]) == (*key, impl)]
-                for impl in impls}
+    for key in dict.fromkeys((r["trainer"], r["tuning"], r["gc"], bool(r.get("control"))) for r in results):
+        runs = {impl: [r for r in results if (r["trainer"], r["tuning"], r["gc"], bool(r.get("control")), r["impl"])
+                       == (*key, impl)] for impl in impls}
         med = {impl: {k: statistics.median(r[k] for r in rs) for k in ("step_s", "tokens_per_s", "model_flops_per_s")}
                for impl, rs in runs.items() if rs}
         for impl, rs in runs.items():
@@ -82,7 +108,8 @@ def table(results: list[dict], impls: list[str], peak: float | None) -> list[dic
             # the lowest peak of the runs goes to the device check's memory floor: any run below it was mismeasured
             low = min((r["peak_mem_bytes"] for r in rs if r.get("peak_mem_bytes") is not None), default=None)
             tflops = med[impl]["model_flops_per_s"] / 1e12
-            rows.append({"trainer": key[0], "tuning": key[1], "gc": key[2], "impl": impl, "runs": len(rs),
+            rows.append({"trainer": key[0], "tuning": key[1], "gc": key[2], "impl": impl, "control": key[3],
+                         "runs": len(rs), "paired": paired(runs) if impl == "trl_ext" else None,
                          "tokens_per_s": med[impl]["tokens_per_s"], "step_s": med[impl]["step_s"],
                          "peak_mem_gib": mem, "tflops": tflops, "mfu_percent": 100 * tflops / peak if peak else None,
                          "step_vs_trl": med[impl]["step_s"] / med["trl"]["step_s"] if "trl" in med else None,
@@ -98,7 +125,11 @@ def main():
     parser.add_argument("--tunings", nargs="+", choices=["lora", "full"], default=["lora", "full"])
     parser.add_argument("--gc", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument("--impls", nargs="+", choices=["trl", "trl_ext"], default=["trl", "trl_ext"])
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per side and workload, TRL first in even "
+                        "repeats and trl_ext first in odd ones (bench/_pairing.py)")
+    parser.add_argument("--control", nargs="+", default=[], metavar="TRAINER-TUNING",
+                        help="workloads (e.g. dpo-full) that also run an A/A control in every repeat: TRL's trainer "
+                        "on both sides, under the same alternation")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5, help="steps not timed at the start of each run")
     parser.add_argument("--seq_len", type=int, default=1024)
@@ -114,13 +145,20 @@ def main():
              str(cli.batch)]
     if cli.smoke:
         sizes = ["--smoke", "--flop_check", "--steps", "3", "--warmup", "1", "--seq_len", "64", "--batch", "4"]
-    order = []  # (trainer, tuning, gc, impl): runs alternate TRL / trl_ext, the order flipping every repeat
-    for trainer in cli.trainers:
-        for tuning in cli.tunings:
-            for gc in cli.gc:
-                for repeat in range(cli.repeats):
-                    order += [(trainer, tuning, gc, impl) for impl in (cli.impls if repeat % 2 == 0
-                                                                       else cli.impls[::-1])]
+    # Every workload's first repeat before any second one: a run stopped early (the device check's time limit)
+    # keeps whole repeats, and drift over the run spreads over every workload. Within a repeat each workload's pair,
+    # then its A/A pair, in the repeat's order.
+    controls = {tuple(c.split("-")) for c in cli.control}
+    plan = []
+    for repeat in range(cli.repeats):
+        for trainer in cli.trainers:
+            for tuning in cli.tunings:
+                for gc in cli.gc:
+                    for control in (False, True) if (trainer, tuning) in controls else (False,):
+                        # the FLOPs formula (--smoke) is the same in every repeat: checked in the first only
+                        once = {} if repeat == 0 and not control else {"flop_check": False}
+                        plan += [{"trainer": trainer, "tuning": tuning, "gc": gc, "impl": impl, "control": control,
+                                  "repeat": repeat, **once} for impl in pairing_order(repeat) if impl in cli.impls]
     results, failures, peak = [], [], cli.peak_tflops
 
     def record(found: list[dict], failed: str | None) -> None:
@@ -140,22 +178,25 @@ def main():
                 "failures": failures}))
 
     if cli.one_process:
-        plan = [dict(zip(("trainer", "tuning", "gc", "impl"), w)) for w in order]
         run(["--plan", json.dumps(plan), *sizes], cli.smoke, record)
     else:
-        for trainer, tuning, gc, impl in order:
-            run(["--impl", impl, "--trainer", trainer, "--tuning", tuning, "--gc", gc, *sizes], cli.smoke, record)
+        for w in plan:
+            run(["--impl", w["impl"], "--trainer", w["trainer"], "--tuning", w["tuning"], "--gc", w["gc"], "--repeat",
+                 str(w["repeat"]), *(["--control"] if w["control"] else []), *sizes], cli.smoke, record)
     if not results:
         sys.exit("no run finished")
     first = results[0]
     print(f"\ndevice: {first['device']}; {first['params'] / 1e6:.3g}M parameters; dense bf16 peak: "
           f"{f'{peak:g} TFLOP/s' if peak else 'unknown (pass --peak_tflops for MFU)'}")
-    print("trainer  tuning  GC   impl      tokens/s   peak mem (GiB)   TFLOP/s     MFU   step vs TRL")
+    print("trainer  tuning  GC   impl                 runs   tokens/s   peak mem (GiB)   TFLOP/s     MFU   step vs TRL"
+          "   paired: median (range)")
     for row in table(results, cli.impls, peak):
-        mem, mfu, ratio = row["peak_mem_gib"], row["mfu_percent"], row["step_vs_trl"]
-        print(f"{row['trainer']:<8} {row['tuning']:<7} {row['gc']:<4} {row['impl']:<8} {row['tokens_per_s']:9.0f}   "
-              f"{'n/a' if mem is None else f'{mem:.2f}':>14}   {row['tflops']:7.3f}  "
-              f"{'    n/a' if mfu is None else f'{mfu:6.1f}%'}   {'n/a' if ratio is None else f'{ratio:.3f}':>11}")
+        mem, mfu, ratio, pairs = row["peak_mem_gib"], row["mfu_percent"], row["step_vs_trl"], row["paired"]
+        print(f"{row['trainer']:<8} {row['tuning']:<7} {row['gc']:<4} {side(row['impl'], row['control']):<20} "
+              f"{row['runs']:4d}   {row['tokens_per_s']:8.0f}   {'n/a' if mem is None else f'{mem:.2f}':>14}   "
+              f"{row['tflops']:7.3f}  {'    n/a' if mfu is None else f'{mfu:6.1f}%'}   "
+              f"{'n/a' if ratio is None else f'{ratio:.3f}':>11}   "
+              + (f"{pairs['median']:.3f} ({span(pairs)})" if pairs else "-"))
     if failures:
         sys.exit(f"{len(failures)} run(s) failed (above)")
 

@@ -9,8 +9,9 @@ SFT, Reward and DPO, LoRA (all-linear, r=8; ``--adapters full``: a full fine-tun
 4 layers, sequence 128, batch 4 per rank), one thread per process. Gradient checkpointing is off unless ``--gc``: then
 each side checkpoints as it sets it up (trl_ext: ``use_reentrant=False``; TRL's DPO leaves it to transformers, whose
 default in 5.24 is non-reentrant too); bench/gradient_checkpointing.py compares the modes alone. ``--with_control``
-(1 process): each row also runs the A/A control under the same settings and prints its paired ratio beside, so
-that a ratio comes with its noise.
+(1 process): each row also runs the A/A control under the same settings and prints its paired ratio and range
+beside, so that a ratio comes with its noise (the alternation and the ratios: bench/_pairing.py, which bench/gpu.py
+shares).
 A step is a whole loop iteration (forward, backward, optimizer, callbacks, next batch).
 - 1 process: each run holds a TRL trainer and a trl_ext trainer that take turns step by step (threads passing a
   baton; who starts alternates between repeats), so every trl_ext step has a TRL step beside it under the same
@@ -34,8 +35,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: tests.harness, tests.probes
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _pairing, when imported from elsewhere
 
-from tests.harness import accelerate_launch, write_accelerate_config
+from _pairing import order, span, summary  # noqa: E402 - the alternation and ratios bench/gpu.py shares
+
+from tests.harness import accelerate_launch, write_accelerate_config  # noqa: E402
 
 WORKER = Path(__file__).with_name("_overhead_worker.py")
 SETUPS = {"1proc": "1 process", "zero3": "2-process ZeRO-3", "fsdp2": "2-process FSDP2"}
@@ -80,7 +84,7 @@ def paired_1proc(cli, configs: dict[str, Path], worker_args: list[str], control:
     and every trl_ext step (``control``: TRL's trainer on both sides)."""
     trl_steps, ours_steps = [], []
     for repeat in range(cli.repeats):
-        first = "trl" if repeat % 2 == 0 else "trl_ext"
+        first = order(repeat)[0]
         times = run("1proc", configs, ["--impl", "both", *worker_args, "--steps", str(cli.steps), "--first", first,
                                        *(["--control"] if control else [])])
         trl_steps += times["times"]["trl"]
@@ -92,7 +96,7 @@ def whole_runs(cli, configs: dict[str, Path], setup: str, worker_args: list[str]
     """Whole runs alternating, the order flipped every repeat: each run's median step."""
     trl_steps, ours_steps = [], []
     for repeat in range(cli.repeats):
-        for impl in ["trl", "trl_ext"] if repeat % 2 == 0 else ["trl_ext", "trl"]:
+        for impl in order(repeat):
             args = ["--impl", impl, *worker_args, "--steps", str(max(cli.steps // 2, 8))]
             step = statistics.median(run(setup, configs, args)["times"][impl])
             (trl_steps if impl == "trl" else ours_steps).append(step)
@@ -101,7 +105,7 @@ def whole_runs(cli, configs: dict[str, Path], setup: str, worker_args: list[str]
 
 def measure(cli, configs: dict[str, Path], setup: str, trainer: str, adapter: str) -> tuple:
     """One row: TRL's and trl_ext's median step, the median paired ratio, its range, and the A/A control's median
-    paired ratio ("-" without ``--with_control``)."""
+    paired ratio and range ("-" without ``--with_control``)."""
     worker_args = ["--trainer", trainer, *(["--gc"] if cli.gc else []), *(["--full"] if adapter == "full" else [])]
     control = "-"
     if setup == "1proc":
@@ -110,14 +114,16 @@ def measure(cli, configs: dict[str, Path], setup: str, trainer: str, adapter: st
         runs = f"{len(paired)} step pairs"
         if cli.with_control and not cli.control:
             aa_trl, aa_other = paired_1proc(cli, configs, worker_args, control=True)
-            control = f"{statistics.median([o / t for o, t in zip(aa_other, aa_trl)]):.3f}"
+            aa = summary([o / t for o, t in zip(aa_other, aa_trl)])
+            control = f"{aa['median']:.3f} ({span(aa)})"
     else:
         trl_steps, ours_steps = whole_runs(cli, configs, setup, worker_args)
         paired = [o / t for o, t in zip(ours_steps, trl_steps)]
         runs = (f"runs: TRL {', '.join(f'{t:.3f}' for t in trl_steps)}; "
                 f"trl_ext {', '.join(f'{t:.3f}' for t in ours_steps)}")
     trl_s, ours_s = statistics.median(trl_steps), statistics.median(ours_steps)
-    median_paired, spread = statistics.median(paired), f"{min(paired):.2f}-{max(paired):.2f}"
+    ratios = summary(paired)
+    median_paired, spread = ratios["median"], span(ratios)
     print(f"{SETUPS[setup]:<17} {trainer:<7} {adapter:<5} TRL {trl_s:.4f}s  trl_ext {ours_s:.4f}s  "
           f"ratio {ours_s / trl_s:.3f}  paired {median_paired:.3f} ({spread}; {runs}; A/A {control}; {load()})",
           flush=True)
@@ -152,10 +158,10 @@ def main():
             for setup in cli.setups for trainer in cli.trainers for adapter in cli.adapters]
     print(f"\nend: {load()}")
     print("setup              trainer   adapter   TRL step (s)   trl_ext step (s)   ratio of medians   "
-          "median paired ratio   paired range   A/A paired ratio")
+          "median paired ratio   paired range   A/A paired ratio (range)")
     for setup, trainer, adapter, trl_s, ours_s, paired, spread, control in rows:
         print(f"{SETUPS[setup]:<18} {trainer:<9} {adapter:<9} {trl_s:12.4f}   {ours_s:16.4f}   {ours_s / trl_s:16.3f}"
-              f"   {paired:19.3f}   {spread:>12}   {control:>16}")
+              f"   {paired:19.3f}   {spread:>12}   {control:>24}")
 
 
 if __name__ == "__main__":
