@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Every test, in eight sessions side by side from the start: the main suite on two pytest-xdist workers (printed as
-# it goes), the oldest-versions leg (.ci/oldest.sh), the newest-versions leg (.ci/newest.sh), the Slurm leg
-# (.ci/slurm.sh), the Ray leg (.ci/ray.sh), the real-vLLM leg (.ci/vllm.sh), and two light ones: the wheel, installed
+# Every test, in seven sessions side by side from the start: the main suite on two pytest-xdist workers (printed as
+# it goes), the oldest-versions leg (.ci/oldest.sh), the Slurm leg (.ci/slurm.sh), the Ray leg (.ci/ray.sh), the real-vLLM leg (.ci/vllm.sh), and two light ones: the wheel, installed
 # in a fresh venv and run from an empty directory (.ci/wheel.sh), and SkyPilot's parser on the examples
 # (.ci/skypilot.sh); this script's arguments go to each.
 # On 2 cores one session alone leaves the machine idle a quarter of the time (measured): while a launch starts its
@@ -16,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=$(mktemp -d)
 export TIMEFORMAT="session time: %0R s wall, %0U s user + %0S s system CPU"
-names=(oldest newest slurm ray vllm wheel skypilot)
+names=(oldest slurm ray vllm wheel skypilot)
 pids=()
 for name in "${names[@]}"; do
     { time ".ci/$name.sh" "$@"; } > "$logs/$name.log" 2>&1 &

@@ -146,8 +146,12 @@ class RayCluster:
         self.node_raylet = next(p for p in self._raylets() if p.pid != self.head_raylet.pid)
 
     def _raylets(self) -> list[psutil.Process]:
-        found = [p for p in psutil.process_iter(["name", "cmdline", "create_time"])
-                 if p.info["name"] == "raylet" and any(self.temp in a for a in (p.info["cmdline"] or []))]
+        """This cluster's live raylets, oldest first. ``process_iter`` keeps the Process objects of earlier calls: one
+        that ended since (a node killed by a test), or a dead raylet not yet reaped, is left out."""
+        found = [p for p in psutil.process_iter(["name", "cmdline", "create_time", "status"])
+                 if p.info.get("name") == "raylet" and p.info.get("create_time") is not None
+                 and p.info.get("status") not in (None, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) and p.is_running()
+                 and any(self.temp in a for a in (p.info.get("cmdline") or []))]
         return sorted(found, key=lambda p: p.info["create_time"])
 
     def kill_node(self) -> float:

@@ -385,7 +385,7 @@ def test_a_process_that_returns_with_uploads_queued_finishes_them_and_ends(mode,
     script = tmp_path / "script.py"
     script.write_text(_EXITING_SCRIPT)
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), f"file://{store_dir}", mode],
-                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     ended = time.time()
     out = done.stdout + done.stderr
     assert done.returncode == {"raise": 1, "sigterm": -15, "sigterm-silent": -15}.get(mode, 0), out
