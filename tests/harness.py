@@ -25,6 +25,23 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
+def ask_bench(script: str, request: dict) -> dict:
+    """A bench module's answer to a JSON request on its standard input (tests never import bench/, see
+    tests/unit/test_layout.py): ``python bench/<script>`` run with ``request``, its JSON output parsed.
+
+    Args:
+        script: the module's file name under bench/ (``_pairing.py``).
+        request: what it is asked.
+
+    Returns:
+        Its answer.
+    """
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script)], input=json.dumps(request),
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
 def deepspeed_config(stage: int, **overrides) -> dict:
     """A DeepSpeed config for ZeRO ``stage``, batch settings left to the trainer ("auto").
 

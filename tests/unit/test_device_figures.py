@@ -4,11 +4,8 @@ reported, not judged; TRL's and trl_ext's figures are equal or their difference 
 bench/ (tests/unit/test_layout.py): the module answers one JSON request per run of its file.
 """
 
-import json
-import subprocess
-import sys
 
-from tests.harness import REPO
+from tests.harness import ask_bench
 
 GIB = 2**30
 # The bench's 0.5B shape (494,005,120 parameters), bf16, full fine-tune, AdamW (two bf16 moments): 0.92 GiB each of
@@ -21,10 +18,7 @@ FLOOR = 8 * PARAMS
 
 
 def ask(request: dict) -> dict:
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "_device_figures.py")], input=json.dumps(request),
-                          capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout)
+    return ask_bench("_device_figures.py", request)
 
 
 def test_floor_and_comparison():

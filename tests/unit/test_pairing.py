@@ -4,22 +4,15 @@ median ratio above the 1.02x goal is a miss only when it exceeds how far the A/A
 JSON request per run of its file.
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.harness import REPO
+from tests.harness import ask_bench
 
 GOAL = 1.02
 
 
 def ask(request: dict) -> dict:
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "_pairing.py")], input=json.dumps(request),
-                          capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout)
+    return ask_bench("_pairing.py", request)
 
 
 def test_order_summary_and_the_control_decide_a_miss():
