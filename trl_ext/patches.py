@@ -216,6 +216,14 @@ PATCHES: dict[str, Patch] = {
         remove_when="Trainer saves checkpoints atomically",
         guard=_has("transformers.Trainer._get_output_dir"),
     ),
+    "memory-checkpoint-point": Patch(
+        target="transformers.Trainer._maybe_log_save_evaluate",
+        why="a memory checkpoint (memory_checkpoint_steps) is taken where Trainer takes its own, after the step's "
+            "log and evaluation, so that it holds the same trainer state; Trainer has no hook after that point",
+        upstream="none filed",
+        remove_when="Trainer offers a callback after its step-end save",
+        guard=_has("transformers.Trainer._maybe_log_save_evaluate", "model", "trial"),
+    ),
     "sharded-optimizer-states": Patch(
         target="accelerate.state.AcceleratorState.fsdp_plugin",
         why="FULL_STATE_DICT assembles every optimizer state on rank 0; trl_ext keeps them sharded (DCP)",

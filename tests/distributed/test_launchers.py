@@ -32,8 +32,9 @@ from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, free_ports, wait_for_
 from tests.s3_server import S3Server
 from trl_ext.assets import arith_model_path
 from trl_ext.assets.datasets import DATA_DIR
+from trl_ext.files import manifest
 from trl_ext.files.audit import audit
-from trl_ext.mirror import manifest, run_record
+from trl_ext.mirror import run_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

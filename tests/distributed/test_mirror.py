@@ -21,7 +21,7 @@ from tests.distributed.conftest import ENGINE_CASES, ZERO3_CASES, engine_args
 from tests.distributed.test_reliability import assert_resumed_equals_uninterrupted
 from tests.harness import REPO, SCRIPTS, accelerate_launch, write_accelerate_config
 from tests.s3_server import S3Server
-from trl_ext.mirror import manifest
+from trl_ext.files import manifest
 from trl_ext.mirror.outbox import DIR as OUTBOX
 
 # the first test of an engine makes its two launches (and, run alone, the engine's shared launch): beyond the suite's

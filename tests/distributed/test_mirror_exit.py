@@ -34,7 +34,7 @@ import pytest
 from tests.harness import SCRIPTS, Launch, accelerate_launch, run_command, write_accelerate_config
 from tests.s3_proxy import S3Proxy
 from tests.s3_server import S3Server
-from trl_ext.mirror import manifest
+from trl_ext.files import manifest
 from trl_ext.mirror.outbox import DIR as OUTBOX
 from trl_ext.mirror.uploader import EXIT_JOIN_SECONDS
 

@@ -194,7 +194,8 @@ def test_every_orchestrators_restarts_end_in_202_after_the_limit(orchestrator, t
 
 
 def test_the_count_survives_a_recovery_onto_an_empty_disk_through_the_mirror(as_process, tmp_path):
-    from trl_ext.mirror import manifest, run_record
+    from trl_ext.files import manifest
+    from trl_ext.mirror import run_record
     from trl_ext.mirror.store import Store
 
     (tmp_path / "bucket").mkdir()

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 import trl_ext
 from trl_ext.errors import ConfigError, MirrorError
-from trl_ext.mirror import downloader, lease, manifest, options, outbox, uploader
+from trl_ext.files import manifest
+from trl_ext.mirror import downloader, lease, options, outbox, uploader
 from trl_ext.mirror.store import Store
 from trl_ext.mirror.verify import verify
 

@@ -21,7 +21,8 @@ from fsspec.callbacks import Callback
 
 from trl_ext.errors import ABANDONED, LOCAL_FILE, MirrorError
 from trl_ext.files import checkpoint_dirs as checkpoints
-from trl_ext.mirror import manifest, options
+from trl_ext.files import manifest
+from trl_ext.mirror import options
 
 PART_BYTES = 32 * 2**20  # a download's ranged read
 UPLOAD_PART_BYTES = 16 * 2**20  # an S3 multipart upload's part (S3's minimum is 5 MiB; fewer requests cost less)

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trl_ext.errors import ABANDONED, STALLED, MirrorError, TrlExtError
-from trl_ext.mirror import lease, manifest
+from trl_ext.files import manifest
+from trl_ext.mirror import lease
 from trl_ext.mirror.outbox import Upload
 from trl_ext.mirror.store import Store, first_line, is_store_failure
 from trl_ext.process.clean_exit import before_exit

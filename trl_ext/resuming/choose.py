@@ -4,6 +4,10 @@ orchestrator restarted (a requeued Slurm job, torchrun's restart, recreated pods
 newest committed checkpoint its earlier attempt left, without being asked (``after_restart``), in the run's own
 directory only (``placement.ownership``): a fresh run never resumes another run's directory by itself.
 
+With the memory tier (``memory_checkpoint_steps``), a restarted run and ``resume_from_checkpoint=True`` take its newest
+whole memory checkpoint where it is newer than the disk's (``newer_in_memory``), said in one line naming the step and
+the tier.
+
 Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden partial directory
 (``.checkpoint-N.trl_ext-partial``) until it is complete and checked, and ``get_last_checkpoint`` never matches it.
 Every answer is decided on rank 0 and broadcast: ranks that look at the files on their own can disagree (NFS attribute
@@ -15,6 +19,7 @@ import os
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ext.errors import ResumeError
+from trl_ext.files import checkpoint_dirs
 from trl_ext.placement import orchestrators, ownership
 from trl_ext.settings.trainer_options import MirrorOptions
 
@@ -31,13 +36,36 @@ def last_committed(output_dir: str | os.PathLike) -> str | None:
     return get_last_checkpoint(str(output_dir)) if os.path.isdir(output_dir) else None
 
 
-def checkpoint_to_resume(args, wanted) -> str | None:
+def newer_in_memory(memory, disk: str | None) -> tuple[str | None, str | None]:
+    """The memory tier's newest whole checkpoint where it is newer than ``disk`` (read where it is kept: call it on
+    the process that decides).
+
+    Args:
+        memory: the run's ``saving.memory_tier.MemoryTier``, or None.
+        disk: the disk checkpoint the run would resume otherwise, or None.
+
+    Returns:
+        ``(path or None, line or None)``: the line says what is resumed, or why a memory checkpoint is not.
+    """
+    if memory is None:
+        return None, None
+    path, skipped = memory.newest()
+    disk_step = checkpoint_dirs.step_of(disk) or 0 if disk else 0
+    if path is None or checkpoint_dirs.step_of(path) <= disk_step:
+        return None, skipped
+    newest_on_disk = f"the newest on disk is {checkpoint_dirs.name(disk_step)}" if disk else "none is on disk"
+    return path, f"resuming from step {checkpoint_dirs.step_of(path)} in memory ({path}); {newest_on_disk}"
+
+
+def checkpoint_to_resume(args, wanted, memory=None) -> str | None:
     """The checkpoint every rank resumes from: ``wanted`` (a path, or True for the newest committed one), chosen on
     rank 0 and broadcast; refused if some rank cannot see it. Collective when ``args.world_size > 1``.
 
     Args:
         args: the run's ``TrainingArguments``.
         wanted: ``resume_from_checkpoint`` as given to ``train``: a path, or True.
+        memory: the run's memory tier (``saving.memory_tier.MemoryTier``), or None: with True, its newest checkpoint
+            where it is newer than the output directory's.
 
     Returns:
         The same path on every rank (None: no checkpoint to resume; Trainer then says so for True).
@@ -46,8 +74,18 @@ def checkpoint_to_resume(args, wanted) -> str | None:
         ResumeError: the checkpoint is missing where some rank runs.
     """
     from trl_ext.process.collectives import decided_on_rank0, from_every_rank
+    from trl_ext.process.notices import notice
 
-    path = decided_on_rank0(lambda: last_committed(args.output_dir) if wanted is True else wanted)
+    def decide():
+        if wanted is not True:
+            return wanted
+        disk = last_committed(args.output_dir)
+        in_memory, line = newer_in_memory(memory, disk)
+        if line:
+            notice(f"resume_from_checkpoint=True: {line}" if in_memory else line)
+        return in_memory or disk
+
+    path = decided_on_rank0(decide)
     if path is None or args.world_size <= 1:  # one process: the checkpoint's own audit says what is missing
         return path
     missing = [rank for rank, seen in enumerate(from_every_rank(os.path.isdir(path))) if not seen]
@@ -78,12 +116,13 @@ def after_restart(output_dir: str | os.PathLike) -> tuple[str | None, str] | Non
     return last, f"{job.label}, restart {job.restart}: resuming from {last}"
 
 
-def restarted_checkpoint(args) -> str | None:
+def restarted_checkpoint(args, memory=None) -> str | None:
     """``after_restart`` for a trainer, decided on rank 0 and broadcast (collective when ``args.world_size > 1``; call
     it on every rank of a run with an identity), said in one line; the output directory is claimed for this run.
 
     Args:
         args: the run's ``TrainingArguments``.
+        memory: the run's memory tier, or None: its newest checkpoint where it is newer than the disk's.
 
     Returns:
         The checkpoint to resume, the same on every rank, or None.
@@ -93,6 +132,14 @@ def restarted_checkpoint(args) -> str | None:
 
     def decide():
         restarted = after_restart(args.output_dir)
+        if restarted is not None:
+            in_memory, line = newer_in_memory(memory, restarted[0])
+            if line:
+                job = orchestrators.current()
+                notice(f"{job.label}, restart {job.restart}: {line}" if in_memory else line)
+            if in_memory:
+                ownership.claim(args.output_dir)
+                return in_memory
         if restarted is not None and (restarted[0] is not None or orchestrators.current().restart > 0):
             # nothing here, with a mirror: the mirror's resume (resuming/mirrored.py) says what happens instead
             if restarted[0] is not None or not MirrorOptions.of(args).checkpoint_mirror:

@@ -131,6 +131,11 @@ def _convert_for_deepspeed(trainer, checkpoint: str, reshard: world_size.Reshard
         raise error
 
 
+def _in_memory(trainer, memory) -> bool:
+    """Whether the memory tier holds a whole checkpoint of this run (decided on rank 0)."""
+    return memory is not None and bool(decided_on_rank0(lambda: memory.newest()[0]))
+
+
 def prepare(trainer, resume_from_checkpoint) -> Resume:
     """Before ``Trainer.train``: which checkpoint to resume (``choose``), audited (``checks``); on another number of
     processes, the global batch kept (gradient accumulation) and, under DeepSpeed, the universal checkpoint made.
@@ -142,7 +147,8 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
             with ``checkpoint_mirror`` and none in the output directory, the mirror's newest, downloaded:
             ``mirrored``). In a run with an identity (``placement.orchestrators``), None means the newest checkpoint
             an earlier attempt of the run committed in this output directory (``choose.restarted_checkpoint``), or in
-            the mirror it was writing (``mirrored.restarted``).
+            the mirror it was writing (``mirrored.restarted``). With the memory tier (``memory_checkpoint_steps``),
+            True and a restart take its newest checkpoint where it is newer.
 
     Returns:
         The ``Resume``: its ``checkpoint`` is the path to hand Trainer (None: nothing to resume, or True found
@@ -151,13 +157,14 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
     Raises:
         ResumeError: a damaged checkpoint, one missing on some node, or a global batch that cannot be kept.
     """
+    memory = trainer.checkpoints.memory  # None without memory_checkpoint_steps
     if not resume_from_checkpoint and ownership.current_run() is not None:  # a restarted run resumes by itself
-        resume_from_checkpoint = choose.restarted_checkpoint(trainer.args) or mirrored.restarted(trainer)
+        resume_from_checkpoint = choose.restarted_checkpoint(trainer.args, memory) or mirrored.restarted(trainer)
     if not resume_from_checkpoint:
         return Resume()
-    if resume_from_checkpoint is True:  # an output directory without a checkpoint: the mirror's newest, if any
-        mirrored.download_if_missing(trainer)
-    checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint)
+    if resume_from_checkpoint is True and not _in_memory(trainer, memory):
+        mirrored.download_if_missing(trainer)  # an output directory without a checkpoint: the mirror's newest, if any
+    checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint, memory)
     if checkpoint is None:
         return Resume(fresh=resume_from_checkpoint is True and mirrored.start_fresh(trainer))
     config = getattr(trainer.model, "config", None)

@@ -51,8 +51,9 @@ from transformers import TrainerCallback
 from trl_ext import errors
 from trl_ext.process.notices import notice
 from trl_ext.saving import deferred
-from trl_ext.saving.cost import Cost, max_over_ranks
+from trl_ext.saving.cost import MEMORY_PREFIX, PREFIX, Cost, max_over_ranks
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, as_failure
+from trl_ext.saving.memory_tier import MemoryTier
 from trl_ext.saving.mode import Mode, OptimizerHooks, Where, say_cpu_cost
 from trl_ext.saving.reserve import reserve_copies
 from trl_ext.saving.snapshot import Snapshot, storage_key
@@ -66,19 +67,25 @@ class Checkpoints:
 
     Args:
         trainer: the trainer (its ``args.save_in_background`` decides; its ``writes_files()`` says which ranks
-            write). It adds ``callback`` to its loop (``trainer.join``).
+            write; its ``args.memory_checkpoint_steps`` asks for the memory tier, ``memory``). It adds ``callback`` to
+            its loop (``trainer.join``).
     """
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.mode = Mode.asked(trainer.args)
-        self.executor = Executor() if self.mode.background else None
-        self.snapshot = Snapshot(pinned=torch.cuda.is_available()) if self.mode.background else None
+        self.memory = MemoryTier.of(trainer.args)  # None: no memory checkpoints asked for
+        # the copy stage and the executor's thread: background disk checkpoints, and every memory checkpoint
+        self.copies = self.mode.background or self.memory is not None
+        self.executor = Executor() if self.copies else None
+        self.snapshot = Snapshot(pinned=torch.cuda.is_available()) if self.copies else None
         self.collecting: BackgroundCheckpoint | None = None  # what Trainer's _save_checkpoint is writing into
         self.in_flight: BackgroundCheckpoint | None = None  # taken, until its outcome is known on every rank
         self.last: BackgroundCheckpoint | None = None  # the last background checkpoint whose outcome is known
         self.after_commit: list[Callable[[Path, int], None]] = []  # the writer's hooks, once a checkpoint is in place
         self.history: list[Cost] = []  # each checkpoint's cost, the slowest rank's, as logged
+        self.memory_history: list[Cost] = []  # the same for each memory checkpoint
+        self.taken_step = -1  # the step of the last checkpoint taken (a memory checkpoint is not due there)
         self.measured = 0  # the bytes the first step's reserve measured for the copies (what it then allocated)
         self.model_card = ModelCard()
         self._hooks = OptimizerHooks(lambda: self.wait_for_copies())
@@ -86,11 +93,12 @@ class Checkpoints:
         self._taking = False
         self._said_cpu_cost = False
         self._said_waits = False
+        self._copied_first = False  # no torch optimizer to hook: the copies end before each checkpoint returns
         self.callback = CheckpointCallback(self)  # the lifecycle at the points of Trainer's loop
 
     # The lifecycle
 
-    def take(self, name: str, trainer_save: Callable[[str], None]) -> None:
+    def take(self, name: str, trainer_save: Callable[[str], None], memory: bool = False) -> None:
         """One checkpoint, on every rank: ``trainer_save(partial_dir)`` (Trainer's ``_save_checkpoint``, told to write
         under the hidden directory) runs now; in the background its files are staged (their CPU copies) and written
         once it returns. The checkpoint is renamed to ``name`` once complete, and older ones rotated out.
@@ -98,6 +106,8 @@ class Checkpoints:
         Args:
             name: ``checkpoint-N``.
             trainer_save: runs Trainer's ``_save_checkpoint`` with its output directory set to the given one.
+            memory: a memory checkpoint (``memory``'s directory, always in the background, the newest one kept)
+                rather than one in the output directory.
         """
         trainer = self.trainer
         previous = self.wait_for_writes()
@@ -105,11 +115,16 @@ class Checkpoints:
             self._said_waits = True
             notice(f"save_in_background: {name} waited {previous:.1f} s for the previous checkpoint's write to end: "
                    "checkpoints are due faster than the disk writes them, so each waits for the one before (none is "
-                   "skipped). To train without waiting, set save_steps to at least twice a write's time "
-                   "(checkpoint/write_s in the logs) over a step's time (docs/saving.md#in-the-background).")
+                   "skipped). To train without waiting, set save_steps (memory_checkpoint_steps) to at least twice "
+                   "a write's time (checkpoint/write_s, memory_checkpoint/write_s in the logs) over a step's time "
+                   "(docs/saving.md#in-the-background).")
         start = time.monotonic()
-        partial = PartialDir(trainer.args.output_dir, name, trainer.writes_files())
-        checkpoint = self._collect(partial.final) if self._in_background() else None
+        self.taken_step = trainer.state.global_step
+        if memory:  # node-local: each machine's first process writes its machine's files
+            partial = PartialDir(str(self.memory.root), name, trainer.args.local_process_index == 0)
+        else:
+            partial = PartialDir(trainer.args.output_dir, name, trainer.writes_files())
+        checkpoint = self._collect(partial.final) if memory or self._in_background() else None
         try:
             partial.create()
             trainer.accelerator.wait_for_everyone()
@@ -128,8 +143,12 @@ class Checkpoints:
             return
 
         def committed() -> None:  # on the executor's thread, once every rank's every part succeeded
-            checkpoint.cost.bytes = commit_checkpoint(trainer, partial, self.after_commit)
+            if memory:
+                checkpoint.cost.bytes = commit_checkpoint(trainer, partial, [self.memory.committed], rotate=False)
+            else:
+                checkpoint.cost.bytes = commit_checkpoint(trainer, partial, self.after_commit)
 
+        checkpoint.memory = memory
         checkpoint.cost.held_previous_s = previous
         self._release(checkpoint, committed)
         checkpoint.cost.held_save_s = time.monotonic() - start
@@ -180,7 +199,7 @@ class Checkpoints:
         # Every rank's outcome, of its class and kind (the executor's agreement already made them one).
         errors.agree(None if checkpoint.error is None else as_failure(checkpoint.error), prefer=(errors.NONFINITE,))
         checkpoint.cost.held_copy_wait_s += self.snapshot.gpu_stall()
-        self._record(checkpoint.cost, log)
+        self._record(checkpoint.cost, log, memory=checkpoint.memory)
         return waited
 
     def close(self, timeout: float | None = None) -> None:
@@ -189,6 +208,12 @@ class Checkpoints:
         if self.executor is not None:
             self.executor.close(timeout)
             self.snapshot.close(timeout)
+
+    def end(self) -> None:
+        """Training completed: the memory tier's checkpoints are no longer needed; its memory given back (this
+        machine's first process)."""
+        if self.memory is not None and self.trainer.args.local_process_index == 0:
+            self.memory.clear()
 
     def abandon(self, timeout: float = 60.0) -> None:
         """Training stopped with an error: the checkpoint in flight is not committed if it has not been yet; the
@@ -230,19 +255,20 @@ class Checkpoints:
         checkpoint.commits.append(on_commit)
         self.snapshot.start()
         self.in_flight = checkpoint
-        if self.mode.where is Where.BACKGROUND_COPIED_FIRST:  # counted in held_save_s
+        if self._copied_first:  # counted in held_save_s
             self.snapshot.wait_for_copies()
             checkpoint.copies_waited = True
         self.executor.run(checkpoint)
 
-    def _record(self, cost: Cost, log: bool = True) -> None:
+    def _record(self, cost: Cost, log: bool = True, memory: bool = False) -> None:
         """A checkpoint's cost, the slowest rank's, recorded and logged as training metrics (every rank at the same
         point: a collective when distributed)."""
         trainer = self.trainer
         slowest = cost.slowest(trainer.args.device)
-        self.history.append(slowest)
+        (self.memory_history if memory else self.history).append(slowest)
         if log:  # to the loggers, not into log_history: a checkpoint's trainer_state.json must not depend on timing
-            logs = {**slowest.metrics(), **({"epoch": trainer.state.epoch} if trainer.state.epoch is not None else {})}
+            epoch = {"epoch": trainer.state.epoch} if trainer.state.epoch is not None else {}
+            logs = {**slowest.metrics(MEMORY_PREFIX if memory else PREFIX), **epoch}
             # the callbacks' on_log, without CallbackHandler.on_log's reset of should_log: the step's own log follows
             trainer.callback_handler.call_event("on_log", trainer.args, trainer.state, trainer.control, logs=logs)
 
@@ -265,9 +291,12 @@ class Checkpoints:
         ``wait_for_copies`` hooked before the optimizers' steps (``mode.OptimizerHooks``), and the threads a
         previous ``train()`` closed started again."""
         self.model_card.forget()
-        if not self.mode.background:
+        if not self.copies:
             return
-        self.mode = Mode(self._hooks.hook(self.trainer), self.mode.why)
+        where = self._hooks.hook(self.trainer)
+        self._copied_first = where is Where.BACKGROUND_COPIED_FIRST
+        if self.mode.background:
+            self.mode = Mode(where, self.mode.why)
         if self._reserved:
             self.snapshot.thread.start()
             self.executor.thread.start()
@@ -275,13 +304,60 @@ class Checkpoints:
     def reserve(self) -> None:
         """Once, at the end of the first training step, on every rank: the copies a checkpoint needs, measured,
         checked against each machine's available memory and allocated (``reserve.reserve_copies``); where they cannot
-        be, checkpoints go to the foreground, said in one line."""
-        if not self.mode.background or self._reserved:
+        be, checkpoints go to the foreground and the memory tier is off, said in one line. The memory tier's room is
+        checked then too (``memory_tier.MemoryTier.room``)."""
+        if not self.copies or self._reserved:
             return
         self._reserved = True
         self.measured, why = reserve_copies(self.trainer, self.executor, self.snapshot)
         if why is not None:
             self._go_foreground(why)
+            if self.memory is not None and self.memory.on:
+                notice(self.memory.turn_off(why))
+        elif self.memory is not None and self.memory.on:
+            self._check_memory_room()
+
+
+    def _check_memory_room(self) -> None:
+        """The memory tier's room on every machine (its ranks' copies added up), said at start in one line; off on
+        every rank where some machine cannot hold it."""
+        import socket
+
+        from trl_ext.process.collectives import from_every_rank
+
+        args, memory = self.trainer.args, self.memory
+        host = socket.gethostname()
+        everyone = from_every_rank((host, self.measured))
+        need = sum(n for h, n in everyone if h == host)
+        why = memory.room(need) if args.local_process_index == 0 else None
+        why = next((w for w in from_every_rank(why) if w), None)
+        if why is not None:
+            notice(memory.turn_off(why))
+            return
+        size = f"{need / 2**30:.2f} GiB" if need >= 2**30 else f"{need / 2**20:.1f} MiB"
+        notice(f"memory_checkpoint_steps={memory.steps}: a checkpoint in memory every {memory.steps} steps, in "
+               f"{memory.root} ({size} each on this machine, two while one is written, beside {size} of copies); "
+               "resumed from when newer than the disk's.")
+
+    def start_memory_tier(self, resumed: str | None) -> None:
+        """When training starts, on every rank: the memory tier off where it cannot work here (said in one line),
+        else its directory made this run's, every older memory checkpoint but ``resumed`` removed."""
+        memory, args = self.memory, self.trainer.args
+        if memory is None or not memory.on:
+            return
+        from trl_ext.placement.orchestrators import torchrun
+
+        why = None
+        if args.world_size > (torchrun.local_world_size() or args.world_size):
+            why = "this run spans several machines (a memory checkpoint's replication to a peer machine is not built)"
+        elif args.push_to_hub:
+            why = "push_to_hub uploads every checkpoint"
+        elif self.trainer.hp_search_backend is not None:
+            why = "a hyperparameter search runs"
+        if why is not None:
+            notice(memory.turn_off(why))
+        elif args.local_process_index == 0:
+            memory.begin(resumed)
 
 
 class CheckpointCallback(TrainerCallback):
@@ -302,3 +378,4 @@ class CheckpointCallback(TrainerCallback):
         # after Trainer's last log line: the cost is recorded (``history``), not logged
         self.checkpoints.wait_for_writes(log=False)
         self.checkpoints.close()
+        self.checkpoints.end()

@@ -7,6 +7,7 @@ import torch
 from trl_ext.process.collectives import max_over_ranks
 
 PREFIX = "checkpoint/"  # the metrics' names: checkpoint/held_s, checkpoint/held_save_s, ...
+MEMORY_PREFIX = "memory_checkpoint/"  # the same of a memory checkpoint (memory_checkpoint_steps)
 
 
 @dataclass
@@ -34,10 +35,11 @@ class Cost:
         """How long the training thread was held for the checkpoint in all."""
         return self.held_save_s + self.held_copy_wait_s + self.held_previous_s
 
-    def metrics(self) -> dict[str, float]:
-        """The record as training metrics: ``checkpoint/held_s`` and each field, times rounded to 0.1 ms."""
+    def metrics(self, prefix: str = PREFIX) -> dict[str, float]:
+        """The record as training metrics: ``checkpoint/held_s`` (or ``prefix``'s) and each field, times rounded to
+        0.1 ms."""
         times = {"held_s": self.held_s, **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "bytes"}}
-        return {**{PREFIX + name: round(value, 4) for name, value in times.items()}, PREFIX + "bytes": self.bytes}
+        return {**{prefix + name: round(value, 4) for name, value in times.items()}, prefix + "bytes": self.bytes}
 
     def slowest(self, device: torch.device) -> "Cost":
         """Each field's largest value over the ranks; on every rank at the same point (a collective when distributed).

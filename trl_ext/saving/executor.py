@@ -66,6 +66,7 @@ class BackgroundCheckpoint:
         self.error: BaseException | None = None  # set by the executor's thread
         self.cost = Cost()  # held_*: the training thread; write_s: the executor's thread; bytes: the commit
         self.copies_waited = False  # the training thread has waited for its copies
+        self.memory = False  # a memory checkpoint (memory_checkpoint_steps), not one in the output directory
         self.say_foreground: Callable[[str], None] = lambda why: None  # says, once, why a part is saved at once
 
     @property

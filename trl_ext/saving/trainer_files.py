@@ -69,7 +69,8 @@ def fix_trainer_files(trainer, partial: PartialDir) -> None:
             trainer.state.save_to_json(str(written / "trainer_state.json"))
 
 
-def commit_checkpoint(trainer, partial: PartialDir, after_commit: list[Callable[[Path, int], None]]) -> int:
+def commit_checkpoint(trainer, partial: PartialDir, after_commit: list[Callable[[Path, int], None]],
+                      rotate: bool = True) -> int:
     """The writer: the checkpoint renamed into place, the ``after_commit`` hooks run (the mirror; a hook's failure is
     said, never undoes the commit), then older checkpoints rotated out (``save_total_limit``). The other ranks: nothing.
 
@@ -77,6 +78,7 @@ def commit_checkpoint(trainer, partial: PartialDir, after_commit: list[Callable[
         trainer: the trainer (its output directory, retention and best checkpoint).
         partial: the checkpoint, complete.
         after_commit: called with the committed directory and its step.
+        rotate: rotate by ``save_total_limit`` (a memory checkpoint's hook keeps its own tier instead).
 
     Returns:
         The committed directory's bytes (0 on the ranks that do not write).
@@ -90,6 +92,8 @@ def commit_checkpoint(trainer, partial: PartialDir, after_commit: list[Callable[
             hook(partial.final, partial.step)
         except Exception as exc:  # noqa: BLE001 - the checkpoint is committed; what follows it is the hook's
             logger.warning(f"[trl_ext] after {partial.final} was committed: {type(exc).__name__}: {exc}")
+    if not rotate:
+        return committed
     rotate_checkpoints(output_dir=trainer.args.output_dir, save_total_limit=trainer.args.save_total_limit,
                        best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
     return committed

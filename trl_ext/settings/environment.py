@@ -86,7 +86,11 @@ MASTER_PORT = Setting(
 CACHE = Setting(
     "TRL_EXT_CACHE", str(Path.home() / ".cache" / "trl_ext"), "where the embedded models and data are built once")
 
-SETTINGS = (MAX_FAILURES, RENDEZVOUS_TIMEOUT, RAY_WAIT, RUN_ID, MASTER_PORT, CACHE)
+MEMORY_DIR = Setting(
+    "TRL_EXT_MEMORY_DIR", "/dev/shm/trl_ext",
+    "where a machine keeps its memory checkpoints (memory_checkpoint_steps): node-local shared memory by default")
+
+SETTINGS = (MAX_FAILURES, RENDEZVOUS_TIMEOUT, RAY_WAIT, RUN_ID, MASTER_PORT, CACHE, MEMORY_DIR)
 
 # name -> the module that writes it for the processes it starts, and reads it there
 HANDED_DOWN = {

@@ -2,7 +2,8 @@
 
 Each group is a frozen dataclass that lists its options with their types, defaults and help:
 
-    SaveOptions            max_shard_size, save_in_background, save_on_preemption      (every config)
+    SaveOptions            max_shard_size, save_in_background, save_on_preemption,
+                           memory_checkpoint_steps                                      (every config)
     MirrorOptions          checkpoint_mirror, mirror_storage_options, mirror_grace_period,
                            mirror_exit_grace_period                                     (every config)
     VLLMServerOptions      vllm_request_timeout                                         (GRPO, RLOO)
@@ -56,6 +57,14 @@ class SaveOptions(_Group):
         metadata={"help": "On SIGTERM or SIGUSR1 (a scheduler preempting the job) to any rank, every rank stops at the "
                           "next step boundary, the checkpoint of that step is saved, and the processes exit with code "
                           "128 + the signal's number (143 for SIGTERM). False: the signals keep their default action."},
+    )
+    memory_checkpoint_steps: int = field(
+        default=0,
+        metadata={"help": "Also keep a checkpoint in this machine's memory every N steps (0: none): written in the "
+                          "background into TRL_EXT_MEMORY_DIR (default /dev/shm/trl_ext), the newest one kept. A run "
+                          "that is restarted (by its orchestrator, or resume_from_checkpoint=True) resumes from it "
+                          "when it is newer than the newest disk checkpoint. One machine only: on several it stays "
+                          "off, said in one line."},
     )
 
 

@@ -242,6 +242,7 @@ class TrlExtMixin:
             resume_from_checkpoint = self._resume.checkpoint
         if self._mirror is not None:  # the mirror's lease: a new run may not train over another run's checkpoints
             self._mirror.begin(self, resuming=bool(asked or resume_from_checkpoint))
+        self._checkpoints.start_memory_tier(self._resume.checkpoint)
         try:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         except BaseException:  # a checkpoint still being written is not committed: the run stopped before it was whole
@@ -345,13 +346,32 @@ class TrlExtMixin:
         ``save_in_background``, its files copied here and written while training goes on (``saving.checkpoints``)."""
         if trial is not None or self.hp_search_backend is not None or not patches.applies("partial-checkpoint-dir"):
             return super()._save_checkpoint(model, trial)
+        self._take_checkpoint(model, memory=False)
+
+    def _take_checkpoint(self, model, memory: bool) -> None:
+        """Trainer's own ``_save_checkpoint``, writing into the hidden directory ``saving.checkpoints`` gives it, of
+        the output directory or, with ``memory``, of the memory tier."""
 
         def save_checkpoint(partial_dir: str) -> None:
             # Trainer builds the checkpoint path from _get_output_dir(): point it at the hidden partial directory.
             with patches.swapped("partial-checkpoint-dir", self, "_get_output_dir", lambda trial=None: partial_dir):
-                super(TrlExtMixin, self)._save_checkpoint(model, trial)
+                super(TrlExtMixin, self)._save_checkpoint(model, None)
 
-        self._checkpoints.take(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint)
+        saving_flag = self.control.should_save
+        self.control.should_save = True  # as Trainer's own save records it in the trainer state
+        try:
+            self._checkpoints.take(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", save_checkpoint, memory=memory)
+        finally:
+            self.control.should_save = saving_flag
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        """Trainer's step-end logging, evaluation and checkpoint; then, every ``memory_checkpoint_steps`` steps, a
+        checkpoint in memory (``saving.memory_tier``), at the same point of the step as Trainer's own."""
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        memory = self._checkpoints.memory
+        if (memory is not None and memory.due(self.state, self.control, self._checkpoints.taken_step)
+                and patches.applies("memory-checkpoint-point") and patches.applies("partial-checkpoint-dir")):
+            self._take_checkpoint(self.model_wrapped, memory=True)
 
     def create_model_card(self, *args, **kwargs):
         """TRL's; at a checkpoint, only when the card would change (``saving.trainer_files.ModelCard``)."""
