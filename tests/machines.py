@@ -143,3 +143,30 @@ def wait_for_path(path: Path, timeout: float, machines: list[Machine] = ()) -> f
         time.sleep(0.05)
     raise TimeoutError(f"{path} did not appear within {timeout} s:\n" +
                        "\n".join(f"--- {m.name}\n{m.output[-3000:]}" for m in machines))
+
+
+def rank_process(launcher: int, rank: int):
+    """The process of global rank ``rank`` among the processes under ``launcher`` (a process id), told by the
+    environment torchrun gave it; None while there is none.
+
+    Args:
+        launcher: the process id of what started the ranks (a recipe that re-launched itself, torchrun).
+        rank: the global rank.
+
+    Returns:
+        A ``psutil.Process``, or None.
+    """
+    import psutil
+
+    try:
+        children = psutil.Process(launcher).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for child in children:
+        try:
+            env = child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if env.get("RANK") == str(rank) and env.get("LOCAL_RANK") is not None:
+            return child
+    return None

@@ -73,7 +73,8 @@ def test_configs_are_trl_configs_plus_the_save_options_and_build_on_cpu(tmp_path
                          (trl_ext.DPOConfig, trl.DPOConfig)]:
         cfg = ours(output_dir=str(tmp_path))  # TRL's own default (bf16) raises on CPU
         assert isinstance(cfg, theirs)
-        added = ["max_shard_size", "save_in_background", "save_on_preemption", "checkpoint_mirror",
+        added = ["max_shard_size", "save_in_background", "save_on_preemption", "memory_checkpoint_steps",
+                 "checkpoint_mirror",
                  "mirror_storage_options", "mirror_grace_period", "mirror_exit_grace_period"]
         assert [f.name for f in theirs.__dataclass_fields__.values()] + added == [
             f.name for f in ours.__dataclass_fields__.values()]

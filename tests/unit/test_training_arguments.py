@@ -34,6 +34,7 @@ def test_conversion_matches_trls_own(tmp_path):
     assert ours.to_dict() == {**theirs.to_dict(), "max_shard_size": ours.max_shard_size,
                               "save_on_preemption": ours.save_on_preemption,
                               "save_in_background": ours.save_in_background,
+                              "memory_checkpoint_steps": ours.memory_checkpoint_steps,
                               "checkpoint_mirror": None, "mirror_storage_options": None,
                               "mirror_grace_period": ours.mirror_grace_period,
                               "mirror_exit_grace_period": ours.mirror_exit_grace_period,

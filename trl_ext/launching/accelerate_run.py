@@ -23,6 +23,11 @@ def run(args) -> int:
     from accelerate.commands.launch import launch_command
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    if getattr(args, "max_restarts", 0) and int(args.num_machines or 1) <= 1:
+        # One machine that restarts its ranks: a rendezvous of its own each round (torchrun's --standalone). The
+        # static one reuses the round before's store, and a restarted rank then waited for the lost rank's address
+        # (measured: the first restart failed, timed out connecting).
+        args.standalone = True
     try:
         launch_command(args)
     except ChildFailedError as exc:

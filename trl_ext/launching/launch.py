@@ -16,7 +16,8 @@ depends on who started this process (``placement.orchestrators``), decided once 
   ``--num_processes`` takes a range ``MIN-MAX`` there;
 - neither (``python recipe.py``): under an accelerate config the recipe replaces itself by
   ``accelerate launch --config_file CONFIG --num_processes N recipe.py <the other arguments>`` on this machine;
-  without one it trains in this process.
+  without one it trains in this process. With the memory tier (``--memory_checkpoint_steps``), that launch restarts
+  its ranks after one is lost (``--max_restarts``, ``TRL_EXT_MAX_FAILURES`` times), and they resume from memory.
 
 The decision reads only the command line, the config files and the environment: a re-launch costs a process start,
 not an import of torch and TRL. The input's checks that need TRL run in the ranks. The processes a re-launch starts
@@ -33,7 +34,7 @@ import yaml
 from trl_ext import process
 from trl_ext.errors import UsageError
 from trl_ext.launching.decision import Become, Decision, decide, decided_here, handed_down
-from trl_ext.placement import orchestrators
+from trl_ext.placement import failure_limit, orchestrators
 from trl_ext.placement.orchestrators import torchrun
 from trl_ext.process import notice
 
@@ -126,13 +127,25 @@ def _processes(value: str | None) -> int | None:
     return int(value)
 
 
-def relaunch_command(accelerate_config: str, script: str, script_args: list[str], num_processes: int) -> list[str]:
+def relaunch_command(accelerate_config: str, script: str, script_args: list[str], num_processes: int,
+                     restarts: int = 0) -> list[str]:
     cmd = [sys.executable, "-m", ACCELERATE_RUN, "--config_file", accelerate_config, "--num_processes",
            str(num_processes)]
+    if restarts:
+        cmd += ["--max_restarts", str(restarts)]
     config = read_config(accelerate_config)
     if int(config.get("num_machines", 1)) <= 1 and "main_process_port" not in config:
         cmd += ["--main_process_port", str(free_port())]  # the default port may be held by another run here
     return [*cmd, script, *script_args]
+
+
+def memory_tier_asked(args: list[str], recipe_config: str | None) -> bool:
+    """Whether a recipe's arguments (or its recipe config) ask for memory checkpoints (``memory_checkpoint_steps``
+    above 0), read before TRL is imported."""
+    value, _ = take_option(args, "memory_checkpoint_steps")
+    if value is None and recipe_config is not None:
+        value = read_config(recipe_config).get("memory_checkpoint_steps")
+    return str(value).strip().isdigit() and int(str(value).strip()) > 0
 
 
 def machine_args(job: orchestrators.Job, num_processes: int | None = None) -> tuple[list[str], str]:
@@ -219,9 +232,13 @@ def start(script: str, argv: list[str]) -> list[str]:
     if decision.become is Become.NODE_LAUNCHER:
         become_node_launcher([script, *argv])
     n = asked or default_num_processes(job)
+    restarts = failure_limit.max_failures() if memory_tier_asked(rest, recipe_config) else 0
+    again = (f"; a lost rank restarts them (at most {restarts} times, {failure_limit.setting()}), resuming from "
+             "memory" if restarts else "")
     print(f"[trl_ext] running under {accelerate_config} with {n} processes: accelerate launch --config_file "
-          f"{accelerate_config} --num_processes {n} {script} ...", file=sys.stderr, flush=True)
-    _exec(relaunch_command(accelerate_config, script, rest, n), handed_down(Become.ACCELERATE))
+          f"{accelerate_config} --num_processes {n} {script} ...{again}", file=sys.stderr, flush=True)
+    env = {**handed_down(Become.ACCELERATE), **(dict([torchrun.UNSHARED_STORE]) if restarts else {})}
+    _exec(relaunch_command(accelerate_config, script, rest, n, restarts), env)
 
 
 def _train_here(job: orchestrators.Job | None, decision: Decision, accelerate_config: str | None,

@@ -113,10 +113,11 @@ class Checkpoints:
         previous = self.wait_for_writes()
         if previous >= SAY_WAIT_SECONDS and not self._said_waits:
             self._said_waits = True
-            notice(f"save_in_background: {name} waited {previous:.1f} s for the previous checkpoint's write to end: "
-                   "checkpoints are due faster than the disk writes them, so each waits for the one before (none is "
-                   "skipped). To train without waiting, set save_steps (memory_checkpoint_steps) to at least twice "
-                   "a write's time (checkpoint/write_s, memory_checkpoint/write_s in the logs) over a step's time "
+            option, prefix = ("memory_checkpoint_steps", MEMORY_PREFIX) if memory else ("save_steps", PREFIX)
+            notice(f"{'memory_checkpoint_steps' if memory else 'save_in_background'}: {name} waited {previous:.1f} s "
+                   "for the previous checkpoint's write to end: checkpoints are due faster than the disk writes them, "
+                   f"so each waits for the one before (none is skipped). To train without waiting, set {option} to at "
+                   f"least twice a write's time ({prefix}write_s in the logs) over a step's time "
                    "(docs/saving.md#in-the-background).")
         start = time.monotonic()
         self.taken_step = trainer.state.global_step
@@ -154,7 +155,7 @@ class Checkpoints:
         checkpoint.cost.held_save_s = time.monotonic() - start
         if not self._said_cpu_cost:
             self._said_cpu_cost = True
-            say_cpu_cost(trainer.args.device)
+            say_cpu_cost(trainer.args.device, "memory_checkpoint_steps" if memory else "save_in_background")
 
     def wait_for_copies(self) -> None:
         """Before anything changes the originals (the optimizer step): the checkpoint's copies are complete (on a

@@ -102,12 +102,13 @@ class OptimizerHooks:
         return Where.BACKGROUND if optimizers else Where.BACKGROUND_COPIED_FIRST
 
 
-def say_cpu_cost(device: torch.device) -> None:
-    """On a CPU-only machine whose cores the run's processes all use: what background checkpoints cost there."""
+def say_cpu_cost(device: torch.device, label: str = "save_in_background") -> None:
+    """On a CPU-only machine whose cores the run's processes all use: what background checkpoints cost there (the
+    option that asked for them: ``label``)."""
     if device.type != "cpu":
         return
     local = torchrun.local_world_size() or 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if local * torch.get_num_threads() >= cores:
-        notice(f"save_in_background on a CPU ({local} training process(es) x {torch.get_num_threads()} "
+        notice(f"{label} on a CPU ({local} training process(es) x {torch.get_num_threads()} "
                f"thread(s) on {cores} cores): {CPU_COST.format(ratio='0.77-1.14x')}.")

@@ -10,6 +10,9 @@ from trl_ext.placement.orchestrators.job import Job, integer, value
 LAUNCHER_PREFIXES = ("TORCHELASTIC_", "PET_")
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# torchrun's agents keep their TCP store to themselves: shared with the ranks, a restarted attempt's ranks read the
+# previous attempt's addresses (pytorch#135712)
+UNSHARED_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 # torchrun's own handlers (torch >= 2.6 reads this): not SIGTERM, which the ranks handle with a checkpoint
 SIGNALS_OPTION = ("PET_SIGNALS_TO_HANDLE", "SIGINT,SIGHUP,SIGQUIT")
 # The nodes' torchrun agents meet at their end in an exit barrier hosted by the first node's agent, which leaves as soon
@@ -77,7 +80,7 @@ def restarts_share_store() -> bool:
     ranks, which a restarted attempt's ranks then misread (pytorch#135712)."""
     restarts = value("TORCHELASTIC_MAX_RESTARTS") or "0"
     return (restarts.isdigit() and int(restarts) > 0 and value("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and value("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1")
+            and value(UNSHARED_STORE[0]) != UNSHARED_STORE[1])
 
 
 def is_launchers(name: str) -> bool:
