@@ -3,7 +3,8 @@ bench/elastic_recovery.py: ``[timing] <event> <unix time> restart <N>`` from the
 re-launches the ranks), with the events ``start`` (Python is up, before the recipe's imports), ``trainer`` and
 ``trainer_built`` (the trainer's construction, which loads the model), ``train`` (``train()`` called: resume chosen,
 engine built), ``resumed`` (DeepSpeed's checkpoint loaded) and ``first_step`` (the first training step done); N is the
-run's restart (Slurm's requeues, torchrun's restarts). ``TRL_EXT_BENCH_RECIPE`` names the recipe;
+run's restart (Slurm's requeues, torchrun's restarts); and in the first run, ``[step] <global step> <unix time>`` as
+each step's forward and backward end (bench/memory_recovery.py). ``TRL_EXT_BENCH_RECIPE`` names the recipe;
 ``TRL_EXT_BENCH_STEP_SECONDS`` slows every step of the first run, so that it is still training when the bench kills a
 node.
 """
@@ -55,6 +56,8 @@ def timed_step(self, *args, **kwargs):
     if not steps:
         steps.append(1)
         _say("first_step")
+    if os.environ.get("RANK", "0") == "0" and RESTART == "0":  # the step whose forward and backward are done
+        print(f"[step] {self.state.global_step + 1} {time.time():.3f}", flush=True)
     return result
 
 

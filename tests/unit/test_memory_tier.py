@@ -179,3 +179,18 @@ def test_a_tier_that_does_not_fit_is_said_and_training_goes_on_with_disk_checkpo
     assert len(said) == 1 and "no checkpoints in memory, because two checkpoints" in said[0], said
     assert not trainer.checkpoints.memory_history and trainer.checkpoints.memory.why_off
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == [f"checkpoint-{s}" for s in (2, 4, 6)]
+
+
+def test_a_memory_dir_that_cannot_be_written_is_said_and_training_goes_on(tmp_path, tiny_model_path, monkeypatch,
+                                                                         caplog):
+    """TRL_EXT_MEMORY_DIR where nothing can be written (a file in the way): one line when training starts, no memory
+    checkpoint, training goes on with its disk checkpoints."""
+    (tmp_path / "blocked").write_text("a file, not a directory")
+    monkeypatch.setenv("TRL_EXT_MEMORY_DIR", str(tmp_path / "blocked" / "shm"))
+    trainer = _trainer(tmp_path / "run", tiny_model_path, memory_checkpoint_steps=1, save_steps=3, max_steps=3)
+    with caplog.at_level(logging.WARNING, logger="trl_ext"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "memory_checkpoint_steps" in r.getMessage()]
+    assert len(said) == 1 and "cannot be written" in said[0], said
+    assert not trainer.checkpoints.memory_history
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3"]

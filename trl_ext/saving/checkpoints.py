@@ -355,10 +355,17 @@ class Checkpoints:
             why = "push_to_hub uploads every checkpoint"
         elif self.trainer.hp_search_backend is not None:
             why = "a hyperparameter search runs"
+        if why is None and args.local_process_index == 0:
+            try:
+                memory.begin(resumed)
+            except OSError as exc:
+                why = f"{memory.root} cannot be written ({exc.strerror or exc})"
+        if args.world_size > 1:  # every rank takes memory checkpoints, or none does
+            from trl_ext.process.collectives import from_every_rank
+
+            why = next((w for w in from_every_rank(why) if w), None)
         if why is not None:
             notice(memory.turn_off(why))
-        elif args.local_process_index == 0:
-            memory.begin(resumed)
 
 
 class CheckpointCallback(TrainerCallback):
