@@ -42,6 +42,16 @@ def _raylet_failure(directory: str) -> str:
     return ""
 
 
+def _client_server_gave_up(directory: str) -> bool:
+    """Whether the head's Ray Client server (which ``ray start --head`` starts and waits for) gave up waiting for its
+    raylet to register: Ray waits a fixed 30 s (``services.get_node_with_retry``), which the raylet missed while the CI
+    legs beside it installed and compiled (2026-12-02, no raylet log yet)."""
+    for log in sorted(Path(directory).glob("session_*/logs/ray_client_server.err"), key=os.path.getmtime,
+                      reverse=True)[:1]:
+        return "Timed out waiting for node info" in log.read_text(errors="replace")
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -109,8 +119,9 @@ class RayCluster:
     def _ray_start(self, args: list[str], directory: str) -> None:
         """``ray start`` for a node whose temporary directory is ``directory``; started once more where its raylet
         died waiting for its dashboard agent's port file: Ray waits a fixed 15 s for it (ray#65983, open, no setting),
-        which the agent, a Python process, missed while the CI legs beside it compiled (2026-12-01). Any other
-        failure raises with ray's own output and the raylet's last line."""
+        which the agent, a Python process, missed while the CI legs beside it compiled (2026-12-01); and where the
+        head's Ray Client server gave up waiting 30 s for the raylet (``_client_server_gave_up``). Any other failure
+        raises with ray's own output and the raylet's last line."""
         for attempt in (1, 2):
             result = subprocess.run([RAY, "start", "--disable-usage-stats", "--num-gpus", "0", "--num-cpus",
                                      str(self.cpus), "--dashboard-agent-listen-port", str(free_port()), *args],
@@ -118,7 +129,7 @@ class RayCluster:
             if result.returncode == 0:
                 return
             raylet = _raylet_failure(directory)
-            if attempt == 2 or "Timed out waiting for file" not in raylet:
+            if attempt == 2 or ("Timed out waiting for file" not in raylet and not _client_server_gave_up(directory)):
                 raise RuntimeError(f"ray start {' '.join(args[:2])} exited {result.returncode}: "
                                    f"{(result.stdout + result.stderr)[-3000:]}\nraylet: {raylet}")
             self._kill(self._family(directory))
