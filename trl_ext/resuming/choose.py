@@ -5,8 +5,8 @@ newest committed checkpoint its earlier attempt left, without being asked (``aft
 directory only (``placement.ownership``): a fresh run never resumes another run's directory by itself.
 
 With the memory tier (``memory_checkpoint_steps``), a restarted run and ``resume_from_checkpoint=True`` take its newest
-whole memory checkpoint where it is newer than the disk's (``newer_in_memory``), said in one line naming the step and
-the tier.
+whole memory checkpoint where it is newer than the disk's (``newer_in_memory``, ``newer_in_memory_asked``), said in
+one line naming the step and the tier.
 
 Only committed checkpoints are ever chosen: a checkpoint being written lives in a hidden partial directory
 (``.checkpoint-N.trl_ext-partial``) until it is complete and checked, and ``get_last_checkpoint`` never matches it.
@@ -57,15 +57,36 @@ def newer_in_memory(memory, disk: str | None) -> tuple[str | None, str | None]:
     return path, f"resuming from step {checkpoint_dirs.step_of(path)} in memory ({path}); {newest_on_disk}"
 
 
-def checkpoint_to_resume(args, wanted, memory=None) -> str | None:
+def newer_in_memory_asked(args, memory) -> str | None:
+    """For ``resume_from_checkpoint=True``: the memory tier's newest whole checkpoint where it is newer than the output
+    directory's, said in one line; decided on rank 0 and broadcast (collective when distributed).
+
+    Args:
+        args: the run's ``TrainingArguments``.
+        memory: the run's memory tier (``saving.memory_tier.MemoryTier``), or None.
+
+    Returns:
+        The memory checkpoint's path, the same on every rank, or None.
+    """
+    from trl_ext.process.collectives import decided_on_rank0
+    from trl_ext.process.notices import notice
+
+    def decide():
+        in_memory, line = newer_in_memory(memory, last_committed(args.output_dir))
+        if line:
+            notice(f"resume_from_checkpoint=True: {line}" if in_memory else line)
+        return in_memory
+
+    return decided_on_rank0(decide) if memory is not None else None
+
+
+def checkpoint_to_resume(args, wanted) -> str | None:
     """The checkpoint every rank resumes from: ``wanted`` (a path, or True for the newest committed one), chosen on
     rank 0 and broadcast; refused if some rank cannot see it. Collective when ``args.world_size > 1``.
 
     Args:
         args: the run's ``TrainingArguments``.
         wanted: ``resume_from_checkpoint`` as given to ``train``: a path, or True.
-        memory: the run's memory tier (``saving.memory_tier.MemoryTier``), or None: with True, its newest checkpoint
-            where it is newer than the output directory's.
 
     Returns:
         The same path on every rank (None: no checkpoint to resume; Trainer then says so for True).
@@ -74,18 +95,8 @@ def checkpoint_to_resume(args, wanted, memory=None) -> str | None:
         ResumeError: the checkpoint is missing where some rank runs.
     """
     from trl_ext.process.collectives import decided_on_rank0, from_every_rank
-    from trl_ext.process.notices import notice
 
-    def decide():
-        if wanted is not True:
-            return wanted
-        disk = last_committed(args.output_dir)
-        in_memory, line = newer_in_memory(memory, disk)
-        if line:
-            notice(f"resume_from_checkpoint=True: {line}" if in_memory else line)
-        return in_memory or disk
-
-    path = decided_on_rank0(decide)
+    path = decided_on_rank0(lambda: last_committed(args.output_dir) if wanted is True else wanted)
     if path is None or args.world_size <= 1:  # one process: the checkpoint's own audit says what is missing
         return path
     missing = [rank for rank, seen in enumerate(from_every_rank(os.path.isdir(path))) if not seen]

@@ -131,11 +131,6 @@ def _convert_for_deepspeed(trainer, checkpoint: str, reshard: world_size.Reshard
         raise error
 
 
-def _in_memory(trainer, memory) -> bool:
-    """Whether the memory tier holds a whole checkpoint of this run (decided on rank 0)."""
-    return memory is not None and bool(decided_on_rank0(lambda: memory.newest()[0]))
-
-
 def prepare(trainer, resume_from_checkpoint) -> Resume:
     """Before ``Trainer.train``: which checkpoint to resume (``choose``), audited (``checks``); on another number of
     processes, the global batch kept (gradient accumulation) and, under DeepSpeed, the universal checkpoint made.
@@ -162,9 +157,11 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         resume_from_checkpoint = choose.restarted_checkpoint(trainer.args, memory) or mirrored.restarted(trainer)
     if not resume_from_checkpoint:
         return Resume()
-    if resume_from_checkpoint is True and not _in_memory(trainer, memory):
-        mirrored.download_if_missing(trainer)  # an output directory without a checkpoint: the mirror's newest, if any
-    checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint, memory)
+    if resume_from_checkpoint is True:  # the memory tier's newest where newer, else the output directory's
+        resume_from_checkpoint = choose.newer_in_memory_asked(trainer.args, memory) or True
+    if resume_from_checkpoint is True:  # an output directory without a checkpoint: the mirror's newest, if any
+        mirrored.download_if_missing(trainer)
+    checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint)
     if checkpoint is None:
         return Resume(fresh=resume_from_checkpoint is True and mirrored.start_fresh(trainer))
     config = getattr(trainer.model, "config", None)
