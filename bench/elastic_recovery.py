@@ -22,7 +22,6 @@ wall clock on this machine: run it on an idle machine.
 """
 
 import argparse
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -30,19 +29,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _timing import first_events  # noqa: E402 - bench/, beside this file
+
 from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, wait_for_path, wait_for_port  # noqa: E402
 
 DPO = ["bench/_recovery_worker.py", "--config", "accelerate_configs/zero3.yaml", "--config", "recipes/configs/dpo.yaml",
        "--max_steps", "60", "--save_steps", "20", "--save_strategy", "steps", "--eval_strategy", "no",
        "--per_device_train_batch_size", "2", "--report_to", "none"]
-TIMING = re.compile(r"\[timing\] (\w+) ([\d.]+) restart (\d+)")
 
-
-def _events(log: str) -> dict[tuple[str, int], float]:
-    found = {}
-    for name, when, restart in TIMING.findall(log):
-        found.setdefault((name, int(restart)), float(when))
-    return found
 
 
 def main() -> None:
@@ -66,7 +60,7 @@ def main() -> None:
     killed = second.die()
     noticed = first.when(r"failed \(exitcode", 300, after=killed)
     code = first.wait(900)
-    events = _events(first.output)
+    events = first_events(first.output)
     if code != 0 or ("first_step", 1) not in events:
         raise SystemExit(f"the run did not resume and complete (exit {code}):\n{first.output[-6000:]}")
     first_start = events[("first_step", 0)] - events[("start", 0)]

@@ -32,18 +32,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _timing import first_events  # noqa: E402 - bench/, beside this file
+
 from tests.machines import Machine, rank_process  # noqa: E402
 
-TIMING = re.compile(r"\[timing\] (\w+) ([\d.]+) restart (\d+)")
 STEP = re.compile(r"\[step\] (\d+) ([\d.]+)")
 DISK_STEP, MEMORY_STEP = 20, 26
 
-
-def _events(log: str) -> dict[tuple[str, int], float]:
-    found = {}
-    for name, when, restart in TIMING.findall(log):
-        found.setdefault((name, int(restart)), float(when))
-    return found
 
 
 def _metrics(log: str, name: str) -> list[float]:
@@ -88,7 +83,7 @@ def _run(label: str, work: Path, args, memory_dir: str, kill_after: float | None
     killed = time.time()
     noticed = machine.when(r"failed \(exitcode", 300, after=killed)
     code = machine.wait(900)
-    events = _events(machine.output)
+    events = first_events(machine.output)
     if code != 0 or ("first_step", 1) not in events:
         raise SystemExit(f"{label}: the run did not resume and complete (exit {code}):\n{machine.output[-6000:]}")
     done = [int(n) for n, when in STEP.findall(machine.output) if float(when) < killed]

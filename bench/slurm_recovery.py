@@ -21,7 +21,6 @@ resumed run's start is printed as a ratio of it. Times are wall clock on this ma
 """
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -29,19 +28,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _timing import first_events  # noqa: E402 - bench/, beside this file
+
 from tests.slurm.cluster import SlurmCluster  # noqa: E402
 
 DPO = ["recipes/dpo.py", "--config", "accelerate_configs/zero3.yaml", "--config", "recipes/configs/dpo.yaml",
        "--max_steps", "60", "--save_steps", "20", "--save_strategy", "steps", "--eval_strategy", "no",
        "--per_device_train_batch_size", "2", "--report_to", "none"]
-TIMING = re.compile(r"\[timing\] (\w+) ([\d.]+) restart (\d+)")
 
-
-def _events(log: str) -> dict[tuple[str, int], float]:
-    found = {}
-    for name, when, restart in TIMING.findall(log):
-        found.setdefault((name, int(restart)), float(when))  # the first of each (the ranks' own start: "start")
-    return found
 
 
 def _when_in_log(log_path: Path, text: str, timeout: float) -> float:
@@ -79,7 +73,7 @@ def main() -> None:
         running = _running_since(cluster, job, 1)
         info = cluster.wait_state(job, "COMPLETED", timeout=900, min_restarts=1)
         log = Path(f"{out}.log").read_text(errors="replace")
-    events = _events(log)
+    events = first_events(log)
     first_start = events[("first_step", 0)] - first_running
     parts = [
         ("failure detection: the ranks report the lost peer (ours)", noticed - killed),

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,13 +138,15 @@ def accelerate_launch(script: str | Path, script_args: list[str], accelerate_con
     return run_command(cmd, timeout, env)
 
 
-def run_command(cmd: list[str], timeout: float = 300, env: dict | None = None) -> Launch:
+def run_command(cmd: list[str], timeout: float = 300, env: dict | None = None,
+                on_start: Callable[[subprocess.Popen], None] | None = None) -> Launch:
     """Run ``cmd`` in the repository in its own process group; kill the whole tree when it ends or times out.
 
     Args:
         cmd: the command line.
         timeout: seconds before the whole process tree is killed.
         env: variables added to this process's environment (with ``PYTHONUNBUFFERED=1``, ``OMP_NUM_THREADS=1``).
+        on_start: called with the started process, before the wait (a test that acts on the run while it goes).
 
     Returns:
         A ``Launch`` with the exit code, stdout and stderr combined, and whether it timed out.
@@ -153,6 +156,8 @@ def run_command(cmd: list[str], timeout: float = 300, env: dict | None = None) -
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
+        if on_start is not None:
+            on_start(proc)
         timed_out = False
         try:
             proc.wait(timeout=timeout)

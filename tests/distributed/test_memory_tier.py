@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import kill_tree
+from tests.harness import run_command
 from tests.machines import rank_process
 from trl_ext.files.audit import audit
 from trl_ext.saving import memory_tier
@@ -31,13 +31,18 @@ class KillOnceCommitted(threading.Thread):
     def __init__(self, memory_dir: Path, out: Path, step: int, disk_step: int):
         super().__init__(daemon=True)
         self.memory_dir, self.out, self.step, self.disk_step = memory_dir, out, step, disk_step
-        self.launcher: int | None = None
+        self.launcher: int | None = None  # set by watch()
         self.killed: str | None = None
+
+    def watch(self, launcher) -> None:
+        """Start watching, the launcher's process known (``run_command``'s ``on_start``)."""
+        self.launcher = launcher.pid
+        self.start()
 
     def run(self):
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and self.killed is None:
-            if any(self.memory_dir.glob(f"*/.checkpoint-{self.step}.manifest.json")) and self.launcher is not None:
+            if any(self.memory_dir.glob(f"*/.checkpoint-{self.step}.manifest.json")):
                 victim = rank_process(self.launcher, 1)
                 if victim is not None:
                     os.kill(victim.pid, signal.SIGKILL)
@@ -48,38 +53,14 @@ class KillOnceCommitted(threading.Thread):
             time.sleep(0.02)
 
 
-def _run_and_kill(cmd: list[str], env: dict, killer: KillOnceCommitted, timeout: float):
-    """``run_command``, with the killer told the launcher's process id once it exists."""
-    import subprocess
-    import tempfile
-
-    from tests.harness import REPO, Launch
-
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        killer.launcher = proc.pid
-        killer.start()
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            kill_tree(proc)
-        log.seek(0)
-        return Launch(proc.returncode, log.read(), timed_out)
-
-
 @pytest.mark.parametrize("config", ["zero3", "fsdp2"])
 def test_a_rank_killed_on_one_machine_restarts_and_resumes_from_memory(config, tmp_path):
     out, memory_dir = tmp_path / "dpo", tmp_path / "shm"
     cmd = [sys.executable, "recipes/dpo.py", "--config", f"accelerate_configs/{config}.yaml", "--output_dir", str(out),
            *TRAINING]
     killer = KillOnceCommitted(memory_dir, out, step=12, disk_step=10)
-    result = _run_and_kill(cmd, {"HF_HOME": str(tmp_path / "hf"), "TRL_EXT_MEMORY_DIR": str(memory_dir)}, killer,
-                           timeout=780)
+    result = run_command(cmd, 780, {"HF_HOME": str(tmp_path / "hf"), "TRL_EXT_MEMORY_DIR": str(memory_dir)},
+                         on_start=killer.watch)
     (tmp_path / "output.log").write_text(result.output)
     assert killer.killed, result.output[-4000:]
     assert not result.timed_out and result.returncode == 0, result.output[-6000:]
