@@ -12,9 +12,7 @@ python3 -m venv .venv-newest
 export PIP_CONFIG_FILE=/dev/null
 # The embedded models built by this venv's versions (config.json carries them), as .ci/oldest.sh does
 export TRL_EXT_CACHE="$PWD/.venv-newest/trl_ext_cache"
-# At a lower priority: unpacking the CUDA build's libraries took CPU from the other legs' start-up, whose waits are fixed
-# (a Ray head's 30 s for its raylet: the Ray leg failed to start beside it once, 2026-12-02); it has no wait of its own
-nice -n 10 .venv-newest/bin/pip install -q "torch==2.15.0" -e ".[test]"
+.venv-newest/bin/pip install -q "torch==2.15.0" -e ".[test]"
 .venv-newest/bin/python -c "import torch, transformers; print('newest: torch', torch.__version__, \
 'transformers', transformers.__version__)"
 # DeepSpeed's CPU comm op for this torch, built now rather than under a launch's timeout

@@ -5,7 +5,7 @@ worker; and no other module is, so that the workers can share the rest."""
 import ast
 from pathlib import Path
 
-from tests.conftest import COST_S, SHARED_RUNS, SHARED_RUNS_MODULES, work_unit
+from tests.conftest import COST_S, EXTRA, GATE_KEEPS, SHARED_RUNS, SHARED_RUNS_MODULES, work_unit
 
 DISTRIBUTED = Path(__file__).parent / "distributed"
 
@@ -41,3 +41,14 @@ def test_each_module_is_one_unit_and_the_shared_ones_one_together():
     assert work_unit(f"{families}::test_z[llama:sft:lora]") == families
     assert work_unit("tests/unit/test_saving.py::test_x") == "tests/unit/test_saving.py"
     assert max(COST_S, key=COST_S.get) == SHARED_RUNS  # handed out first
+
+
+def test_every_test_ci_leaves_out_exists():
+    """A renamed test drops out of EXTRA silently: each prefix names a module, and a test in it."""
+    root = Path(__file__).parent.parent
+    for prefix in EXTRA + GATE_KEEPS:
+        path, _, name = prefix.partition("::")
+        assert (root / path).is_file(), prefix
+        tests = {node.name for node in ast.walk(ast.parse((root / path).read_text()))
+                 if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+        assert not name or any(test.startswith(name.split("[")[0]) for test in tests), prefix
