@@ -15,6 +15,9 @@
 # PATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The legs install with --no-compile: compiling every installed module to bytecode is minutes of CPU per install
+# (transformers' 2,912 modules took 16 CPU-seconds; the main venv has 21,590) while the installs starve each other at the
+# start; a module is compiled when first imported instead.
 # CI's gate: every fast test and one proof of each capability (tests/conftest.py: EXTRA); TRL_EXT_TESTS_GATE=0 runs all
 export TRL_EXT_TESTS_GATE="${TRL_EXT_TESTS_GATE:-1}"
 logs=$(mktemp -d)

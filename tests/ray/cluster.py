@@ -81,7 +81,10 @@ class RayCluster:
     def __init__(self, cpus_per_node: int = 2, env: dict | None = None, system_config: dict | None = None,
                  cwd: str | None = None):
         self.cpus, self.cwd = cpus_per_node, cwd  # cwd: where the head starts, and so where jobs run
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+        # The dashboard's start-up wait, 60 s by default, was missed beside the CI legs' installs (2026-12-02): it
+        # imports aiohttp, grpc and OpenTelemetry first.
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "300",
+                    **(env or {})}
         self.env.pop("RAY_ADDRESS", None)
         self.system_config = system_config or {}
         self.temp = tempfile.mkdtemp(prefix="trlray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
