@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Every test, in eight sessions side by side from the start: the main suite on two pytest-xdist workers (printed as
-# it goes), the oldest-versions leg (.ci/oldest.sh), the newest-versions leg (.ci/newest.sh), the Slurm leg
-# (.ci/slurm.sh), the Ray leg (.ci/ray.sh), the real-vLLM leg (.ci/vllm.sh), and two light ones: the wheel, installed
-# in a fresh venv and run from an empty directory (.ci/wheel.sh), and SkyPilot's parser on the examples
-# (.ci/skypilot.sh); this script's arguments go to each. The two recipes the newest leg runs (DPO as written under
-# ZeRO-3 and under FSDP2) run there only: the main suite runs the same recipes' other trainers and configs.
+# CI's gate (or, with TRL_EXT_TESTS_GATE=0, every test), in eight sessions side by side from the start: the main
+# suite on two pytest-xdist workers (printed as it goes), the oldest-versions leg (.ci/oldest.sh), the
+# newest-versions leg (.ci/newest.sh), the Slurm leg (.ci/slurm.sh), the Ray leg (.ci/ray.sh), the real-vLLM leg
+# (.ci/vllm.sh), and two light ones: the wheel, installed in a fresh venv and run from an empty directory
+# (.ci/wheel.sh), and SkyPilot's parser on the examples (.ci/skypilot.sh); this script's arguments go to each. The two
+# recipes the newest leg runs (DPO as written under ZeRO-3 and under FSDP2) run there only: the main suite runs the
+# same recipes' other trainers and configs.
 # On 2 cores one session alone leaves the machine idle a quarter of the time (measured): while a launch starts its
 # processes on one core, while a rank works alone (saving, checking), while a test waits on a server, a kill or a time
 # bound, while the Slurm leg waits on signals, holds and a lost node's timeout. The workers take the main suite's
@@ -16,8 +17,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The legs install with --no-compile: compiling every installed module to bytecode is minutes of CPU per install
-# (transformers' 2,912 modules took 16 CPU-seconds; the main venv has 21,590) while the installs starve each other at the
-# start; a module is compiled when first imported instead.
+# (transformers' 2,912 modules took 16 CPU-seconds; the main venv has 21,590) while the installs starve each other at
+# the start; a module is compiled when first imported instead.
 # CI's gate: every fast test and one proof of each capability (tests/conftest.py: EXTRA); TRL_EXT_TESTS_GATE=0 runs all
 export TRL_EXT_TESTS_GATE="${TRL_EXT_TESTS_GATE:-1}"
 logs=$(mktemp -d)
