@@ -81,9 +81,9 @@ class RayCluster:
     def __init__(self, cpus_per_node: int = 2, env: dict | None = None, system_config: dict | None = None,
                  cwd: str | None = None):
         self.cpus, self.cwd = cpus_per_node, cwd  # cwd: where the head starts, and so where jobs run
-        # The dashboard's start-up wait, 60 s by default, was missed beside the CI legs' installs (2026-12-02): it
-        # imports aiohttp, grpc and OpenTelemetry first.
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "300",
+        # Ray's wait for its dashboard, 60 s by default, was missed beside the CI legs' installs (2026-12-02): the
+        # dashboard imports its modules (aiohttp, grpc, OpenTelemetry) first, and 180 s did not suffice either.
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "900",
                     **(env or {})}
         self.env.pop("RAY_ADDRESS", None)
         self.system_config = system_config or {}
@@ -128,7 +128,7 @@ class RayCluster:
         for attempt in (1, 2):
             result = subprocess.run([RAY, "start", "--disable-usage-stats", "--num-gpus", "0", "--num-cpus",
                                      str(self.cpus), "--dashboard-agent-listen-port", str(free_port()), *args],
-                                    env=self.env, capture_output=True, text=True, timeout=180, cwd=self.cwd)
+                                    env=self.env, capture_output=True, text=True, timeout=1200, cwd=self.cwd)
             if result.returncode == 0:
                 return
             raylet = _raylet_failure(directory)
