@@ -117,8 +117,11 @@ def test_resume_true_takes_the_newer_memory_checkpoint_and_ends_as_the_uninterru
     said = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
     assert said == [f"[trl_ext] resume_from_checkpoint=True: resuming from step 2 in memory ({root}/checkpoint-2); "
                     "none is on disk"], said
-    # at the end of step 5 memory checkpoint-4 may still be written: checkpoint-2 is kept until it is committed
-    assert seen[0] == (3, ["checkpoint-2"]) and seen[-1][1] in (["checkpoint-4"], ["checkpoint-2", "checkpoint-4"])
+    # memory checkpoint-4 is written in the background, committed at a later step (under load, after the last one):
+    # checkpoint-2 is kept until then, and nothing else is ever there
+    assert seen[0] == (3, ["checkpoint-2"]), seen
+    kept = (["checkpoint-2"], ["checkpoint-4"], ["checkpoint-2", "checkpoint-4"])
+    assert all(names in kept for _, names in seen), seen
     assert not root.exists(), "a completed run keeps its memory checkpoints"
     costs = trainer.checkpoints.memory_history  # memory checkpoint-4's (6 is the final step: a disk one)
     assert len(costs) == 1 and costs[0].bytes > 0 and costs[0].write_s > 0
