@@ -131,10 +131,10 @@ def pytest_collection_modifyitems(config, items):
         if UNIT in Path(item.path).parents and not item.get_closest_marker("newest_only"):
             item.add_marker(pytest.mark.compat)
     if os.environ.get(GATE) == "1":
-        left_out = [item for item in items if not in_gate(item)]
-        if left_out:
-            config.hook.pytest_deselected(items=left_out)
-            items[:] = [item for item in items if in_gate(item)]
+        gated = {id(item): in_gate(item) for item in items}
+        if not all(gated.values()):
+            config.hook.pytest_deselected(items=[item for item in items if not gated[id(item)]])
+            items[:] = [item for item in items if gated[id(item)]]
     if hasattr(config, "workerinput"):  # an xdist worker: the order its scheduler hands out the units
         order = {id(item): i for i, item in enumerate(items)}
         items.sort(key=lambda item: (-COST_S.get(work_unit(item.nodeid), 0), order[id(item)]))
