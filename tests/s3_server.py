@@ -4,8 +4,8 @@
   uploads, backed by a local directory (a bucket is a folder of it). It ignores conditional writes (a second
   ``PutObject`` with ``If-None-Match: *`` of the same key succeeds).
 - ``ConditionalS3Server``: moto's S3 server (PyPI's ``moto[s3]`` with ``flask``), in memory, which honours
-  ``If-None-Match: *`` (412 PreconditionFailed when the key exists) as S3 does; it checks no signature. For the
-  mirror's lease.
+  ``If-None-Match: *`` (412 PreconditionFailed when the key exists) as S3 does, atomically only because it takes one
+  request at a time here (``moto_serial.py``); it checks no signature. For the mirror's lease.
 
 ``start()`` picks a free port once and keeps it, so ``stop()`` then ``start()`` is the same rclone store coming back
 after an outage. Clients reach a server through the standard AWS variables (``env``: the key, the secret and
@@ -114,4 +114,4 @@ class ConditionalS3Server(S3Server):
 
         if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
             raise RuntimeError("moto's server is not installed: pip install 'moto[s3]' flask flask-cors (in .[test])")
-        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        return [sys.executable, str(Path(__file__).with_name("moto_serial.py")), str(self.port)]
