@@ -1,10 +1,23 @@
-"""The memory tier under real launches: a recipe as users start it on one machine (``python recipes/dpo.py --config
-accelerate_configs/zero3.yaml``, then FSDP2) with ``--memory_checkpoint_steps 2`` and a disk checkpoint every 10 steps.
-One rank is SIGKILLed once memory checkpoint-12 is committed (during step 13); the launch restarts its ranks, which
-resume from step 12 in memory, without reading the disk's checkpoint-10 (made unreadable after the kill), and the run
-completes with its final save verified. The one-process cases are in tests/unit/test_memory_tier.py."""
+"""The memory tier under real launches.
+
+- One machine: a recipe as users start it (``python recipes/dpo.py --config accelerate_configs/zero3.yaml``, then
+  FSDP2) with ``--memory_checkpoint_steps 2`` and a disk checkpoint every 10 steps. One rank is SIGKILLed once memory
+  checkpoint-12 is committed (during step 13); the launch restarts its ranks, which resume from step 12 in memory,
+  without reading the disk's checkpoint-10 (made unreadable after the kill), and the run completes with its final save
+  verified.
+- Two machines, as Kubernetes restarts a run: two pods with Kubeflow's ``PET_*`` variables and a JobSet's name, the
+  recipe as their command, each its own ``TRL_EXT_MEMORY_DIR``; memory checkpoints every 2 steps, none on disk before
+  the end. Once memory checkpoint-12 is replicated, the second pod's processes are all killed and its memory deleted
+  (a new node); the first pod ends on its own; both are started again with the same command, as JobSet recreates
+  pods. The run resumes from step 12 in memory at world size 2: the new machine receives its part from the first
+  machine's replica.
+- Elastic torchrun (``--nnodes 1:2``): the second machine is lost; the first resumes alone from step 12 in its memory,
+  which holds its replica of the lost machine's part, at world size 1.
+
+The one-process cases are in tests/unit/test_memory_tier.py."""
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -14,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import run_command
-from tests.machines import rank_process
+from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, free_ports, rank_process, wait_for_port
 from trl_ext.files.audit import audit
 from trl_ext.saving import memory_tier
 
@@ -53,6 +66,13 @@ class KillOnceCommitted(threading.Thread):
             time.sleep(0.02)
 
 
+def _wait_until_replicated(tmp: Path, step: int, machines: list[Machine]) -> None:
+    deadline = time.monotonic() + 600
+    while not _replicated(tmp, step) and time.monotonic() < deadline and all(m.proc.poll() is None for m in machines):
+        time.sleep(0.02)
+    assert _replicated(tmp, step), "\n".join(m.output[-3000:] for m in machines)
+
+
 @pytest.mark.parametrize("config", ["zero3", "fsdp2"])
 def test_a_rank_killed_on_one_machine_restarts_and_resumes_from_memory(config, tmp_path):
     out, memory_dir = tmp_path / "dpo", tmp_path / "shm"
@@ -73,3 +93,80 @@ def test_a_rank_killed_on_one_machine_restarts_and_resumes_from_memory(config, t
     assert audit(str(out), base=None).ok
     assert root is None, "the completed run kept its memory checkpoints"
     assert memory_tier.TOKEN in {p.name for p in out.iterdir()}
+
+
+def _pods(tmp: Path, out: Path, config: str, port: int) -> list[Machine]:
+    """Two Kubeflow pods of one JobSet, one process each, the DPO recipe as their command, each its own memory."""
+    cmd = [sys.executable, "recipes/dpo.py", "--config", f"accelerate_configs/{config}.yaml", "--output_dir", str(out),
+           *TRAINING_ON_PODS]
+    return [Machine(f"pod-{rank}", cmd,
+                    {"PET_NNODES": "2", "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": "1",
+                     "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "JOBSET_NAME": "dpo-memory",
+                     "HF_HOME": str(tmp / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp / f"shm-{rank}")},
+                    tmp / f"pod-{rank}.log")
+            for rank in (0, 1)]
+
+
+TRAINING_ON_PODS = [a if a != "10" else "20" for a in TRAINING]  # no disk checkpoint before the final save
+
+
+def _replicated(tmp: Path, step: int) -> bool:
+    """Whether memory checkpoint ``step`` counts on both pods (its manifest is written once its replica is)."""
+    return all(any((tmp / f"shm-{rank}").glob(f"*/.checkpoint-{step}.manifest.json")) for rank in (0, 1))
+
+
+def _wait_until_replicated(tmp: Path, step: int, machines: list[Machine]) -> None:
+    deadline = time.monotonic() + 600
+    while not _replicated(tmp, step) and time.monotonic() < deadline and all(m.proc.poll() is None for m in machines):
+        time.sleep(0.02)
+    assert _replicated(tmp, step), "\n".join(m.output[-3000:] for m in machines)
+
+
+@pytest.mark.parametrize("config", ["zero3", "fsdp2"])
+def test_a_lost_pod_recreated_on_a_new_node_resumes_from_its_peers_replica(config, tmp_path):
+    out, port = tmp_path / "dpo", free_ports()
+    pods = _pods(tmp_path, out, config, port)
+    _wait_until_replicated(tmp_path, 12, pods)
+    pods[1].die()
+    shutil.rmtree(tmp_path / "shm-1")  # a new node: its memory is gone
+    assert pods[0].wait(300) != 0, pods[0].output[-3000:]  # its peer is lost: it ends, as today
+    again = _pods(tmp_path, out, config, port)  # JobSet recreates both pods
+    codes = [pod.wait(600) for pod in again]
+    log = again[0].output
+    assert codes == [0, 0], "\n".join(p.output[-4000:] for p in again)
+    resumed = [line for line in log.splitlines() if "resuming from step" in line]
+    assert len(resumed) == 1 and "resuming from step 12 in memory (" in resumed[0] and \
+        "none is on disk" in resumed[0], resumed or log[-4000:]
+    assert ("memory checkpoint-12 (taken on 2 machines, resumed on 2): machine 1 received the parts of machines 0 and "
+            "1 from machine 0") in log, log[-4000:]
+    assert "memory_checkpoint_steps=2: a checkpoint in memory every 2 steps" in log and \
+        "the previous machine's replica" in log, log[-4000:]
+    assert f"saved and verified: {out}" in log
+    assert audit(str(out), base=None).ok
+
+
+def test_elastic_torchrun_left_with_one_machine_resumes_from_memory_alone(tmp_path):
+    """Elastic torchrun as docs/launchers.md starts it (``--nnodes 1:2``): the second machine is lost once memory
+    checkpoint-12 is replicated; the first resumes by itself from step 12 in its memory (its own part and its replica
+    of the lost machine's) at world size 1, and completes."""
+    out, port = tmp_path / "dpo", free_ports()
+    cmd = [*TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-memory", "--rdzv-conf",
+           "last_call_timeout=2", "recipes/dpo.py", "--config", "accelerate_configs/zero3.yaml", "--output_dir",
+           str(out), *TRAINING_ON_PODS]
+    machines = []
+    for rank in (0, 1):
+        env = {**ELASTIC_ENV, "HF_HOME": str(tmp_path / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp_path / f"shm-{rank}")}
+        machines.append(Machine(f"machine-{rank}", cmd, env, tmp_path / f"machine-{rank}.log"))
+        if rank == 0:
+            wait_for_port(port, 300, machines[0])  # the first machine hosts the rendezvous and survives
+    _wait_until_replicated(tmp_path, 12, machines)
+    machines[1].die()
+    code = machines[0].wait(600)
+    log = machines[0].output
+    assert code == 0, log[-6000:]
+    assert "torchrun: rank 0 of 1 on 1 machine(s)" in log, log[-6000:]  # alone, after the loss
+    resumed = [line for line in log.splitlines() if "resuming from step" in line]
+    assert len(resumed) == 1 and "restart 1: resuming from step 12 in memory (" in resumed[0], resumed or log[-6000:]
+    assert f"saved and verified: {out}" in log
+    assert audit(str(out), base=None).ok

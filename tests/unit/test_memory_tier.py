@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from datasets import Dataset
@@ -138,6 +139,7 @@ def test_a_damaged_incomplete_or_foreign_memory_checkpoint_is_never_resumed(tmp_
     out = tmp_path / "run"
     out.mkdir()
     tier = MemoryTier(tmp_path / "shm" / "key", 2, str(out))
+    tier.share_token(SimpleNamespace(output_dir=str(out)), create=True)
     tier.begin(None)
     for step in (2, 4):
         checkpoint = tier.root / f"checkpoint-{step}"
@@ -166,6 +168,7 @@ def test_a_damaged_incomplete_or_foreign_memory_checkpoint_is_never_resumed(tmp_
         path.unlink()
     out.rmdir()
     out.mkdir()
+    tier.share_token(SimpleNamespace(output_dir=str(out)), create=False)  # what the new run's rank 0 reads
     assert not tier.belongs_here() and tier.newest() == (None, None)
 
 

@@ -80,16 +80,19 @@ def newer_in_memory_asked(args, memory) -> str | None:
     return decided_on_rank0(decide) if memory is not None else None
 
 
-def checkpoint_to_resume(args, wanted) -> str | None:
+def checkpoint_to_resume(args, wanted, here=None) -> str | None:
     """The checkpoint every rank resumes from: ``wanted`` (a path, or True for the newest committed one), chosen on
     rank 0 and broadcast; refused if some rank cannot see it. Collective when ``args.world_size > 1``.
 
     Args:
         args: the run's ``TrainingArguments``.
         wanted: ``resume_from_checkpoint`` as given to ``train``: a path, or True.
+        here: maps rank 0's path to this machine's (the memory tier's ``MemoryTier.here``: each machine resumes a
+            memory checkpoint from its own memory), or None.
 
     Returns:
-        The same path on every rank (None: no checkpoint to resume; Trainer then says so for True).
+        The path on every rank, the same but for a memory checkpoint (each machine its own copy of it; None: no
+        checkpoint to resume; Trainer then says so for True).
 
     Raises:
         ResumeError: the checkpoint is missing where some rank runs.
@@ -97,6 +100,7 @@ def checkpoint_to_resume(args, wanted) -> str | None:
     from trl_ext.process.collectives import decided_on_rank0, from_every_rank
 
     path = decided_on_rank0(lambda: last_committed(args.output_dir) if wanted is True else wanted)
+    path = here(path) if here is not None else path
     if path is None or args.world_size <= 1:  # one process: the checkpoint's own audit says what is missing
         return path
     missing = [rank for rank, seen in enumerate(from_every_rank(os.path.isdir(path))) if not seen]

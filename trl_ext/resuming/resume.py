@@ -25,7 +25,7 @@ from trl_ext.placement import ownership
 from trl_ext.process.collectives import decided_on_rank0
 from trl_ext.process.notices import notice
 from trl_ext.resuming import checks, choose, fsdp2, mirrored, rng, universal, world_size
-from trl_ext.saving import supports
+from trl_ext.saving import memory_replicas, supports
 
 
 @dataclass
@@ -153,7 +153,12 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         ResumeError: a damaged checkpoint, one missing on some node, or a global batch that cannot be kept.
     """
     memory = trainer.checkpoints.memory  # None without memory_checkpoint_steps
-    if not resume_from_checkpoint and ownership.current_run() is not None:  # a restarted run resumes by itself
+    restarted = not resume_from_checkpoint and ownership.current_run() is not None
+    if memory is not None and (restarted or resume_from_checkpoint is True):
+        memory.know_machines(trainer.args)
+        if memory.replicated:  # the parts each machine lacks of the newest memory checkpoint they hold together
+            memory_replicas.settle(memory, trainer.args, trainer.checkpoints.executor.group())
+    if restarted:  # a restarted run resumes by itself
         resume_from_checkpoint = choose.restarted_checkpoint(trainer.args, memory) or mirrored.restarted(trainer)
     if not resume_from_checkpoint:
         return Resume()
@@ -161,7 +166,8 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         resume_from_checkpoint = choose.newer_in_memory_asked(trainer.args, memory) or True
     if resume_from_checkpoint is True:  # an output directory without a checkpoint: the mirror's newest, if any
         mirrored.download_if_missing(trainer)
-    checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint)
+    checkpoint = choose.checkpoint_to_resume(trainer.args, resume_from_checkpoint,
+                                             here=memory.here if memory is not None else None)
     if checkpoint is None:
         return Resume(fresh=resume_from_checkpoint is True and mirrored.start_fresh(trainer))
     config = getattr(trainer.model, "config", None)

@@ -53,6 +53,7 @@ from trl_ext.process.notices import notice
 from trl_ext.saving import deferred
 from trl_ext.saving.cost import MEMORY_PREFIX, PREFIX, Cost, max_over_ranks
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, as_failure
+from trl_ext.saving.memory_replicas import replicate
 from trl_ext.saving.memory_tier import MemoryTier
 from trl_ext.saving.mode import Mode, OptimizerHooks, Where, say_cpu_cost
 from trl_ext.saving.reserve import reserve_copies
@@ -144,7 +145,12 @@ class Checkpoints:
             return
 
         def committed() -> None:  # on the executor's thread, once every rank's every part succeeded
-            if memory:
+            if memory and self.memory.replicated:  # its manifest once every machine holds its peer's replica
+                checkpoint.cost.bytes = commit_checkpoint(trainer, partial, [], rotate=False)
+                replicate(self.memory.machines, trainer.args.world_size, partial.final, checkpoint.group())
+                if partial.is_writer:
+                    self.memory.committed(partial.final, partial.step)
+            elif memory:
                 checkpoint.cost.bytes = commit_checkpoint(trainer, partial, [self.memory.committed], rotate=False)
             else:
                 checkpoint.cost.bytes = commit_checkpoint(trainer, partial, self.after_commit)
@@ -320,25 +326,30 @@ class Checkpoints:
 
 
     def _check_memory_room(self) -> None:
-        """The memory tier's room on every machine (its ranks' copies added up), said at start in one line; off on
-        every rank where some machine cannot hold it."""
-        import socket
-
+        """The memory tier's room on every machine (its ranks' copies added up, and on several machines the previous
+        machine's too: its replica), said at start in one line; off on every rank where some machine cannot hold
+        it."""
         from trl_ext.process.collectives import from_every_rank
 
         args, memory = self.trainer.args, self.memory
-        host = socket.gethostname()
-        everyone = from_every_rank((host, self.measured))
-        need = sum(n for h, n in everyone if h == host)
+        machines = memory.machines
+        everyone = from_every_rank((machines.index, self.measured))
+        own = sum(n for m, n in everyone if m == machines.index)
+        peer = sum(n for m, n in everyone if m == (machines.index - 1) % machines.count) if memory.replicated else 0
+        need = own + peer
         why = memory.room(need) if args.local_process_index == 0 else None
         why = next((w for w in from_every_rank(why) if w), None)
         if why is not None:
             notice(memory.turn_off(why))
             return
-        size = f"{need / 2**30:.2f} GiB" if need >= 2**30 else f"{need / 2**20:.1f} MiB"
+        def size(n: int) -> str:
+            return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+        replica = (f", its own {size(own)} and the previous machine's replica {size(peer)}, on each of "
+                   f"{machines.count} machines" if memory.replicated else "")
         notice(f"memory_checkpoint_steps={memory.steps}: a checkpoint in memory every {memory.steps} steps, in "
-               f"{memory.root} ({size} each on this machine, two while one is written, beside {size} of copies); "
-               "resumed from when newer than the disk's.")
+               f"{memory.root} ({size(need)} each on this machine{replica}, two while one is written, beside "
+               f"{size(own)} of copies); resumed from when newer than the disk's.")
 
     def start_memory_tier(self, resumed: str | None) -> None:
         """When training starts, on every rank: the memory tier off where it cannot work here (said in one line),
@@ -346,12 +357,10 @@ class Checkpoints:
         memory, args = self.memory, self.trainer.args
         if memory is None or not memory.on:
             return
-        from trl_ext.placement.orchestrators import torchrun
-
+        memory.know_machines(args)
+        memory.share_token(args, create=True)
         why = None
-        if args.world_size > (torchrun.local_world_size() or args.world_size):
-            why = "this run spans several machines (a memory checkpoint's replication to a peer machine is not built)"
-        elif args.push_to_hub:
+        if args.push_to_hub:
             why = "push_to_hub uploads every checkpoint"
         elif self.trainer.hp_search_backend is not None:
             why = "a hyperparameter search runs"

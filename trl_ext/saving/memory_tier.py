@@ -13,7 +13,8 @@ A note in the tier's directory names the output directory and a token kept in it
 memory checkpoint is resumed only into the output directory it was taken for, not a new one made at the same path. A run
 that does not resume from the tier clears it when training starts; a run that completes clears it at the end.
 
-This is one machine's tier: on several machines it stays off (its replication to a peer machine is not built yet).
+On several machines each checkpoint is also replicated to the next machine before it counts, and a resume first
+gathers, on every machine, the parts it lacks (``memory_replicas``).
 """
 
 import hashlib
@@ -21,7 +22,7 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -60,6 +61,9 @@ class MemoryTier:
     steps: int
     output_dir: str
     why_off: str | None = None  # set once the tier is off for this run, and why
+    machines: object = None  # memory_replicas.Machines, once known (collective)
+    agreed: object = field(default=None, repr=False)  # memory_replicas.Agreed: on several machines, what is resumed
+    token: str | None = None  # the output directory's token as rank 0 read it (share_token)
 
     @classmethod
     def of(cls, args) -> "MemoryTier | None":
@@ -104,25 +108,84 @@ class MemoryTier:
             note = json.loads((self.root / NOTE).read_text())
         except (OSError, ValueError):
             return False
-        token = _token(self.output_dir)
+        token = self.token or _token(self.output_dir)
         return note.get("output_dir") == self.output_dir and token is not None and note.get("token") == token
 
+    def share_token(self, args, create: bool) -> None:
+        """The output directory's token as rank 0 reads it (made there first with ``create``), kept on every rank
+        (``token``): every machine's note names the same one, even where the output directory is not shared. Collective
+        when distributed."""
+        from trl_ext.process.collectives import decided_on_rank0
+
+        def read() -> str | None:
+            token = _token(self.output_dir)
+            if token is None and create:
+                os.makedirs(self.output_dir, exist_ok=True)
+                token = uuid.uuid4().hex
+                tmp = Path(self.output_dir) / f"{TOKEN}.{os.getpid()}"
+                tmp.write_text(token)
+                os.replace(tmp, Path(self.output_dir) / TOKEN)
+            return token
+
+        self.token = decided_on_rank0(read)
+
+    def know_machines(self, args) -> None:
+        """The run's machines (``memory_replicas.Machines``), found once; collective when distributed."""
+        if self.machines is None:
+            from trl_ext.saving.memory_replicas import Machines
+
+            self.machines = Machines.of(args)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether this run's memory checkpoints are replicated to a peer machine (it runs on several)."""
+        return self.machines is not None and self.machines.count > 1
+
     def newest(self) -> tuple[str | None, str | None]:
-        """The newest committed memory checkpoint that is whole, and why a newer one was passed over.
+        """The newest committed memory checkpoint that is whole, and why a newer one was passed over. On several
+        machines, the one they agreed on (``memory_replicas.settle``), or none.
 
         Returns:
             ``(path or None, line or None)``: the line names a checkpoint that was not whole (files that differ from
             its manifest, or no manifest) and is not resumed.
         """
+        if self.agreed is not None:
+            step = self.agreed.step
+            return (str(Path(self.agreed.root) / checkpoint_dirs.name(step)) if step else None), self.agreed.skipped
+        if self.replicated:  # one machine's memory alone is not the run's
+            return None, None
         if not self.root.is_dir() or not self.belongs_here():
             return None, None
         skipped = None
         for path in reversed(checkpoint_dirs.committed(self.root).values()):
-            why = self._damage(path)
+            why = self._damage(path) or _lacks_parts(path)
             if why is None:
                 return str(path), skipped
             skipped = skipped or f"memory checkpoint {path} is not resumed: {why}"
         return None, skipped
+
+    def here(self, path: str | None) -> str | None:
+        """``path`` as this machine holds it: the agreed memory checkpoint that rank 0 named is this machine's own
+        copy of it (each machine resumes from its own memory); any other path as it is."""
+        agreed = self.agreed
+        if path and agreed is not None and agreed.step and \
+                path == str(Path(agreed.root) / checkpoint_dirs.name(agreed.step)):
+            return str(self.root / checkpoint_dirs.name(agreed.step))
+        return path
+
+    def whole(self) -> dict[int, dict]:
+        """This machine's whole memory checkpoints of this output directory: step -> its parts note
+        (``memory_replicas.read_holds``); read where they are kept (each machine's first process)."""
+        from trl_ext.saving.memory_replicas import read_holds
+
+        if not self.root.is_dir() or not self.belongs_here():
+            return {}
+        found = {}
+        for step, path in checkpoint_dirs.committed(self.root).items():
+            notes = read_holds(path)
+            if notes is not None and self._damage(path) is None:
+                found[step] = notes
+        return found
 
     @staticmethod
     def _damage(path: Path) -> str | None:
@@ -135,20 +198,15 @@ class MemoryTier:
     # What training writes (this machine's first process)
 
     def begin(self, resumed: str | None) -> None:
-        """When training starts: the tier's directory made this output directory's; every memory checkpoint but
-        ``resumed`` (the one this run resumes, kept until a newer one is committed) removed."""
+        """When training starts (``share_token`` first): the tier's directory made this output directory's; every
+        memory checkpoint but ``resumed`` (the one this run resumes, kept until a newer one is committed) removed."""
         keep = Path(resumed) if resumed else None
         if self.root.is_dir():
             for entry in self.root.iterdir():
                 if entry != keep and (keep is None or entry != manifest_path(keep)):
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         self.root.mkdir(parents=True, exist_ok=True)
-        token = _token(self.output_dir)
-        if token is None:
-            os.makedirs(self.output_dir, exist_ok=True)
-            token = uuid.uuid4().hex
-            (Path(self.output_dir) / TOKEN).write_text(token)
-        note = {"output_dir": self.output_dir, "token": token}
+        note = {"output_dir": self.output_dir, "token": self.token}
         tmp = self.root / f".{NOTE}.{os.getpid()}"
         tmp.write_text(json.dumps(note))
         os.replace(tmp, self.root / NOTE)
@@ -191,6 +249,19 @@ class MemoryTier:
             return (f"two checkpoints ({2 * need / 2**30:.2f} GiB) do not fit in this machine's available memory "
                     f"({available / 2**30:.2f} GiB)")
         return None
+
+
+def _lacks_parts(path: Path) -> str | None:
+    """Why a memory checkpoint taken on several machines cannot be resumed from this machine alone: the parts of
+    machines it does not hold (a machine holds its own and the previous machine's), or None."""
+    from trl_ext.saving.memory_replicas import read_holds
+
+    notes = read_holds(path)
+    missing = sorted(set(range(notes["machines"])) - set(notes["parts"])) if notes else []
+    if not missing:
+        return None
+    return (f"it was taken on {notes['machines']} machines and holds the parts of machines "
+            f"{', '.join(map(str, sorted(notes['parts'])))} only (machine {missing[0]}'s is elsewhere)")
 
 
 def _bytes_under(root: Path) -> int:
