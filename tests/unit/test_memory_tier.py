@@ -2,7 +2,8 @@
 files as the disk checkpoint of its step; only the newest is kept; a run that stopped resumes from it with
 resume_from_checkpoint=True (said in one line) and ends where the uninterrupted run ends; a completed run gives its
 memory back; a damaged, incomplete or foreign memory checkpoint is never resumed; a tier that does not fit is said and
-training goes on with disk checkpoints."""
+training goes on with disk checkpoints. On several machines: which step the machines resume and what moves between
+them, and a machine alone never resumes a checkpoint whose other parts are elsewhere."""
 
 import hashlib
 import json
@@ -20,6 +21,7 @@ import trl_ext
 from trl_ext.files import manifest
 from trl_ext.saving import memory_tier
 from trl_ext.saving.cost import MEMORY_PREFIX
+from trl_ext.saving.memory_replicas import Plan, plan, said, write_holds
 from trl_ext.saving.memory_tier import MemoryTier
 
 ROWS = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
@@ -200,3 +202,40 @@ def test_a_memory_dir_that_cannot_be_written_is_said_and_training_goes_on(tmp_pa
     assert len(said) == 1 and "cannot be written" in said[0], said
     assert not trainer.checkpoints.memory_history
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3"]
+
+
+def _note(machines: int, world: int, *parts: int) -> dict:
+    return {"machines": machines, "world": world, "parts": {p: [f"part-{p}.bin"] for p in parts}}
+
+
+def test_the_machines_resume_the_newest_step_they_hold_together_and_move_what_each_lacks():
+    """memory_replicas.plan: machine m holds its own part and machine m-1's (a ring)."""
+    ring = [{12: _note(2, 2, 0, 1)}, {12: _note(2, 2, 1, 0)}]
+    assert plan(ring, 0, 2) == Plan(12, 2, 2, ())  # both whole: nothing moves
+    assert plan(ring, 12, 2).step is None  # the disk's is as new: it is resumed instead
+    new_node = [{12: _note(2, 2, 0, 1), 10: _note(2, 2, 0, 1)}, {}]  # machine 1 recreated on a new node
+    assert plan(new_node, 10, 2) == Plan(12, 2, 2, ((0, 1, 0), (0, 1, 1)))
+    # three machines, the third lost, two left with 2 ranks each: every machine takes every part (resharding)
+    three = [{12: _note(3, 3, 0, 2)}, {12: _note(3, 3, 1, 0)}]
+    assert plan(three, 0, 4) == Plan(12, 3, 3, ((1, 0, 1), (0, 1, 2)))
+    # two of three lost: machine 1's part is nowhere, and step 8 was taken on another number of machines
+    alone = [{12: _note(3, 3, 0, 2), 8: _note(1, 1, 0)}]
+    assert plan(alone, 0, 1) == Plan(8, 1, 1, ())
+    assert plan([{12: _note(3, 3, 0, 2)}, {12: _note(2, 2, 1, 0)}], 0, 2).step is None  # notes that disagree
+    assert "machine 1 received the parts of machines 0 and 1 from machine 0" == said(plan(new_node, 10, 2))
+
+
+def test_one_machine_never_resumes_a_memory_checkpoint_whose_other_parts_are_elsewhere(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    tier = MemoryTier(tmp_path / "shm" / "key", 2, str(out))
+    tier.share_token(SimpleNamespace(output_dir=str(out)), create=True)
+    tier.begin(None)
+    checkpoint = tier.root / "checkpoint-12"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 12}))
+    write_holds(checkpoint, 3, 3, {0: ["trainer_state.json"], 2: []})
+    tier.committed(checkpoint, 12)
+    path, line = tier.newest()
+    assert path is None and line == (f"memory checkpoint {checkpoint} is not resumed: it was taken on 3 machines and "
+                                     "holds the parts of machines 0, 2 only (machine 1's is elsewhere)"), line
