@@ -302,14 +302,13 @@ def settle(tier, args, group) -> None:
     """
     from trl_ext.process.collectives import from_every_rank
     from trl_ext.process.notices import notice
-    from trl_ext.resuming.choose import last_committed
 
     machines = tier.machines
     tier.share_token(args, create=False)
-    disk = last_committed(args.output_dir) if args.process_index == 0 else None
+    disk = max(checkpoint_dirs.committed(args.output_dir), default=0) if args.process_index == 0 else None
     held = tier.whole() if machines.is_leader else None
     reports = from_every_rank((str(tier.root), disk, held), group)
-    disk_step = (checkpoint_dirs.step_of(reports[0][1]) or 0) if reports[0][1] else 0
+    disk_step = reports[0][1]
     moves = plan([reports[leader][2] or {} for leader in machines.leaders], disk_step, args.world_size)
     tier.agreed = Agreed(None, reports[0][0])
     if moves.step is None:
