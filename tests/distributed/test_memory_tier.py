@@ -95,15 +95,29 @@ def test_a_rank_killed_on_one_machine_restarts_and_resumes_from_memory(config, t
     assert memory_tier.TOKEN in {p.name for p in out.iterdir()}
 
 
-def _pods(tmp: Path, out: Path, config: str, port: int) -> list[Machine]:
+def _held(tmp: Path) -> dict[str, str]:
+    """The DPO recipe with training step 14 held until the test releases it (tests/slurm/slowed.py): the kill comes
+    while memory checkpoint-12 is the newest, whatever this machine's speed."""
+    (tmp / "hold").mkdir(exist_ok=True)
+    return {"TRL_EXT_TEST_RECIPE": "recipes/dpo.py", "TRL_EXT_TEST_HOLD": "step-14",
+            "TRL_EXT_TEST_HOLD_DIR": str(tmp / "hold")}
+
+
+def _release(tmp: Path) -> None:
+    (tmp / "hold" / "release-step-14").touch()
+
+
+def _pods(tmp: Path, out: Path, config: str, port: int, held: bool) -> list[Machine]:
     """Two Kubeflow pods of one JobSet, one process each, the DPO recipe as their command, each its own memory."""
-    cmd = [sys.executable, "recipes/dpo.py", "--config", f"accelerate_configs/{config}.yaml", "--output_dir", str(out),
-           *TRAINING_ON_PODS]
+    script = "tests/slurm/slowed.py" if held else "recipes/dpo.py"
+    cmd = [sys.executable, script, "--config", f"accelerate_configs/{config}.yaml", "--config",
+           "recipes/configs/dpo.yaml", "--output_dir", str(out), *TRAINING_ON_PODS]
     return [Machine(f"pod-{rank}", cmd,
                     {"PET_NNODES": "2", "PET_NODE_RANK": str(rank), "PET_NPROC_PER_NODE": "1",
                      "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "JOBSET_NAME": "dpo-memory",
-                     "HF_HOME": str(tmp / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp / f"shm-{rank}")},
-                    tmp / f"pod-{rank}.log")
+                     "HF_HOME": str(tmp / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp / f"shm-{rank}"),
+                     **(_held(tmp) if held else {})},
+                    tmp / f"pod-{rank}.log" if held else tmp / f"pod-{rank}-again.log")
             for rank in (0, 1)]
 
 
@@ -125,12 +139,13 @@ def _wait_until_replicated(tmp: Path, step: int, machines: list[Machine]) -> Non
 @pytest.mark.parametrize("config", ["zero3", "fsdp2"])
 def test_a_lost_pod_recreated_on_a_new_node_resumes_from_its_peers_replica(config, tmp_path):
     out, port = tmp_path / "dpo", free_ports()
-    pods = _pods(tmp_path, out, config, port)
+    pods = _pods(tmp_path, out, config, port, held=True)
     _wait_until_replicated(tmp_path, 12, pods)
     pods[1].die()
     shutil.rmtree(tmp_path / "shm-1")  # a new node: its memory is gone
+    _release(tmp_path)  # pod 0 takes step 14 and finds its peer gone
     assert pods[0].wait(300) != 0, pods[0].output[-3000:]  # its peer is lost: it ends, as today
-    again = _pods(tmp_path, out, config, port)  # JobSet recreates both pods
+    again = _pods(tmp_path, out, config, port, held=False)  # JobSet recreates both pods
     codes = [pod.wait(600) for pod in again]
     log = again[0].output
     assert codes == [0, 0], "\n".join(p.output[-4000:] for p in again)
@@ -152,16 +167,18 @@ def test_elastic_torchrun_left_with_one_machine_resumes_from_memory_alone(tmp_pa
     out, port = tmp_path / "dpo", free_ports()
     cmd = [*TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-memory", "--rdzv-conf",
-           "last_call_timeout=2", "recipes/dpo.py", "--config", "accelerate_configs/zero3.yaml", "--output_dir",
-           str(out), *TRAINING_ON_PODS]
+           "last_call_timeout=2", "tests/slurm/slowed.py", "--config", "accelerate_configs/zero3.yaml",
+           "--config", "recipes/configs/dpo.yaml", "--output_dir", str(out), *TRAINING_ON_PODS]
     machines = []
-    for rank in (0, 1):
-        env = {**ELASTIC_ENV, "HF_HOME": str(tmp_path / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp_path / f"shm-{rank}")}
+    for rank in (0, 1):  # the first attempt is held at step 14; the restarted one is not (TRL_EXT_TEST_RUNS: 0)
+        env = {**ELASTIC_ENV, "HF_HOME": str(tmp_path / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp_path / f"shm-{rank}"),
+               **_held(tmp_path)}
         machines.append(Machine(f"machine-{rank}", cmd, env, tmp_path / f"machine-{rank}.log"))
         if rank == 0:
             wait_for_port(port, 300, machines[0])  # the first machine hosts the rendezvous and survives
     _wait_until_replicated(tmp_path, 12, machines)
     machines[1].die()
+    _release(tmp_path)
     code = machines[0].wait(600)
     log = machines[0].output
     assert code == 0, log[-6000:]
