@@ -120,14 +120,13 @@ def transfer(group, send: tuple[int, Path, list[str]] | None, receive: tuple[int
     Args:
         group: the process group (its ranks are global ranks).
         send: ``(to_rank, directory, names)``: the files under ``directory`` to send.
-        receive: ``(from_rank, directory)``: where received files go (one that exists already is left as it is).
+        receive: ``(from_rank, directory)``: where received files go (written over where they exist).
 
     Returns:
         The names received.
     """
-    header = b""
-    if send is not None:
-        header = json.dumps([[name, (send[1] / name).stat().st_size] for name in send[2]]).encode()
+    sizes = [[name, (send[1] / name).stat().st_size] for name in send[2]] if send is not None else []
+    header = json.dumps(sizes).encode() if send is not None else b""
     length = torch.zeros(1, dtype=torch.int64)
     _pair(group, torch.tensor([len(header)]) if send else None, send and send[0], length if receive else None,
           receive and receive[0])
@@ -135,8 +134,7 @@ def transfer(group, send: tuple[int, Path, list[str]] | None, receive: tuple[int
     _pair(group, torch.frombuffer(bytearray(header), dtype=torch.uint8) if send and header else None, send and send[0],
           incoming if receive and int(length) else None, receive and receive[0])
     received = json.loads(bytes(incoming.numpy())) if receive and int(length) else []
-    out_pieces = _pieces([(n, s) for n, s in json.loads(header)]) if send and header else []
-    in_pieces = _pieces([(n, s) for n, s in received])
+    out_pieces, in_pieces = _pieces(sizes), _pieces(received)
     for i in range(max(len(out_pieces), len(in_pieces))):
         outgoing = None
         if i < len(out_pieces):
@@ -262,23 +260,18 @@ def gather(tier, machines: Machines, moves: Plan, group) -> str | None:
         Why it failed on some machine (one clause), or None.
     """
     from trl_ext.process.collectives import from_every_rank
+    from trl_ext.saving.memory_tier import manifest_path
 
-    name = checkpoint_dirs.name(moves.step)
-    here = tier.root / name
+    here = tier.root / checkpoint_dirs.name(moves.step)
     error = None
     try:
         notes = read_holds(here) if here.is_dir() else None
         parts = dict(notes["parts"]) if notes else {}
         for source, target, part in moves.moves:
             if machines.is_leader and machines.index == source:
-                names = read_holds(here)["parts"][part]
-                transfer(group, (machines.leader(target), here, names), None)
+                transfer(group, (machines.leader(target), here, parts[part]), None)
             elif machines.is_leader and machines.index == target:
-                if not here.is_dir():
-                    tier.root.mkdir(parents=True, exist_ok=True)
-                    here.mkdir()
-                from trl_ext.saving.memory_tier import manifest_path
-
+                here.mkdir(parents=True, exist_ok=True)
                 manifest_path(here).unlink(missing_ok=True)  # not resumable while it changes
                 parts[part] = transfer(group, None, (machines.leader(source), here))
         if machines.is_leader and any(target == machines.index for _, target, _ in moves.moves):
