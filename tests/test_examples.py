@@ -438,3 +438,36 @@ def test_multi_gpu_pods_have_memory_backed_shm_and_request_cpu_and_memory():
         mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
         assert len(shm) == 1 and mounts.get(shm[0]) == "/dev/shm", where  # 8 ranks' NCCL buffers, not 64 MiB
         assert {"cpu", "memory"} <= set(resources.get("requests", {})), where  # not BestEffort
+
+
+def _memory_tier_pods():
+    """(where, the trainer's words, its env, its pod spec) of every example pod that trains on several machines: a
+    TrainJob's from its trainer and runtime patch, a RayJob's workers with the entrypoint's words."""
+    for name, doc in all_documents():
+        if doc["kind"] == "TrainJob":
+            trainer = doc["spec"]["trainer"]
+            yield name, [*trainer["command"], *trainer["args"]], trainer.get("env", []), trainjob_pod(doc)
+        elif doc["kind"] in ("JobSet", "LeaderWorkerSet"):
+            for where, spec in pod_specs(doc["spec"]):
+                container = spec["containers"][0]
+                yield f"{name}{where}", command_words(container), container.get("env", []), spec
+        elif doc["kind"] == "RayJob":
+            words = shlex.split(doc["spec"]["entrypoint"])
+            for group in doc["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+                spec = group["template"]["spec"]
+                yield f"{name}:{group['groupName']}", words, spec["containers"][0].get("env", []), spec
+
+
+def test_every_multi_machine_example_keeps_memory_checkpoints_where_a_recreated_pod_on_its_node_finds_them():
+    """A pod's own /dev/shm goes with the pod, and Kubeflow, JobSet, LeaderWorkerSet and KubeRay recreate pods when a
+    machine is lost: the memory tier is the node's shared memory (a hostPath under /dev/shm), mounted where
+    TRL_EXT_MEMORY_DIR says."""
+    pods = list(_memory_tier_pods())
+    assert len(pods) == 4, [where for where, *_ in pods]  # TrainJob, JobSet, LeaderWorkerSet, RayJob's workers
+    for where, words, env, spec in pods:
+        assert "--memory_checkpoint_steps" in words, where
+        memory = {e["name"]: e.get("value") for e in env}.get("TRL_EXT_MEMORY_DIR")
+        mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+        volume = next((v for v in spec["volumes"] if v["name"] == mounts.get(memory)), None)
+        assert volume is not None and volume.get("hostPath", {}).get("path", "").startswith("/dev/shm/"), where
+        assert volume["hostPath"].get("type") == "DirectoryOrCreate", where  # a new node has none yet

@@ -6,8 +6,9 @@ tests/ray/cluster.py), ``ray job submit -- python recipes/...``, and ``trl_ext.r
   itself at the same global batch (two batches accumulated); the node comes back, and the group stops with a checkpoint
   and grows to 4 again; the run completes on the trajectory of the same run under ``accelerate launch`` (within 1% of
   the way training moved the model), with its losses before the loss equal to that run's.
-- SFT under FSDP2 at a fixed 4 workers: the second node is killed after a checkpoint; the run waits for it, restarts
-  when it is back, resumes and ends with the model and the losses of the same run under ``accelerate launch``.
+- SFT under FSDP2 at a fixed 4 workers, with memory checkpoints: the second node is killed after a memory checkpoint
+  newer than the disk's; the run waits for it, restarts when it is back, resumes from memory and ends with the model
+  and the losses of the same run under ``accelerate launch`` (which takes no memory checkpoints).
 - ``trl_ext.ray.fit``: a function that trains returns rank 0's value, its committed checkpoint is Ray's
   ``Result.checkpoint`` (registered where it is: no copy) and its metrics are Ray's; a bug ends the run with its error
   after one attempt; a cluster too small for the asked minimum is refused in one line within the stated wait.
@@ -215,15 +216,25 @@ def test_dpo_with_a_range_loses_a_node_goes_on_with_the_head_grows_back_and_ends
     assert "checkpoint-24" in _registered(out)
 
 
-def test_sft_at_a_fixed_size_waits_for_the_lost_node_and_ends_as_accelerate_launch_does(cluster, references, tmp_path):
-    out, job = tmp_path / "sft", "sft-fixed"
-    env = {"TRL_EXT_TEST_RECIPE": "recipes/sft.py", "TRL_EXT_TEST_STEP_SECONDS": "1"}
-    cluster.submit(["tests/slurm/slowed.py", *SFT[1:], "--num_processes", "4", "--output_dir", str(out)], job, env)
+def test_sft_at_a_fixed_size_waits_for_the_lost_node_resumes_from_memory_and_ends_as_accelerate_launch_does(
+        cluster, references, tmp_path):
+    """With memory checkpoints every 2 steps (disk every 4): the node is lost once memory checkpoint-10 is committed
+    (step 12 held until then, so that it is the newest), and the run resumes from step 10 in memory, not from the
+    disk's checkpoint-8. Both nodes run on this one machine, so they share its memory tier (one directory): Ray's
+    restart meets the tier, and the model equals the reference's, which takes no memory checkpoints."""
+    out, job, memory, holds = tmp_path / "sft", "sft-fixed", tmp_path / "shm", tmp_path / "holds"
+    holds.mkdir()
+    env = {"TRL_EXT_TEST_RECIPE": "recipes/sft.py", "TRL_EXT_TEST_STEP_SECONDS": "1", "TRL_EXT_MEMORY_DIR": str(memory),
+           "TRL_EXT_TEST_HOLD": "step-12", "TRL_EXT_TEST_HOLD_DIR": str(holds)}
+    cluster.submit(["tests/slurm/slowed.py", *SFT[1:], "--memory_checkpoint_steps", "2", "--num_processes", "4",
+                    "--output_dir", str(out)], job, env)
     at = cluster.wait_for_line(job, "Ray: rank 0 of 4", timeout=600)
     assert "(FSDP2)" in cluster.logs(job)[at - 400:at + 400]
-    while _newest(out) < 8:
+    at = cluster.wait_for_line(job, "[test] holding step-12", timeout=600, after=at)
+    while not any(memory.glob("*/.checkpoint-10.manifest.json")):  # committed in the background
         assert cluster.status(job) == "RUNNING", cluster.logs(job)[-4000:]
         time.sleep(0.2)
+    assert _newest(out) == 8
     cluster.kill_node()
     at = cluster.wait_for_line(job, "Ray lost rank", timeout=300, after=at)
     cluster.wait_for_line(job, "Attempting to start training worker group of size 4", timeout=300, after=at)
@@ -233,8 +244,10 @@ def test_sft_at_a_fixed_size_waits_for_the_lost_node_and_ends_as_accelerate_laun
     assert cluster.wait_job(job, timeout=900) == "SUCCEEDED", cluster.logs(job)[-6000:]
     log = cluster.logs(job)
     assert "Ray: rank 0 of 4 on 1 machine(s), run ray-sft-fixed, restart 1" in log, log[-6000:]
-    assert f"restart 1: resuming from {out}/checkpoint-" in log, log[-6000:]
+    assert "restart 1: resuming from step 10 in memory (" in log, log[-6000:]
+    assert "memory_checkpoint_steps=2: a checkpoint in memory every 2 steps" in log, log[-6000:]
     assert "SFT model saved and verified" in log and "{'loss'" in log, log[-6000:]  # the run's own lines
+    assert not memory.exists() or not any(memory.iterdir()), "the completed run kept its memory checkpoints"
     reference = references("sft")
     _same_losses(out, reference)
     assert_same_model(out, reference, atol=ATOL)

@@ -105,6 +105,13 @@ def test_the_driver_decides_the_workers_the_output_directory_and_every_workers_c
         str(tmp_path / "cli")])
 
 
+def test_the_workers_get_the_drivers_settings_but_keep_their_nodes_memory_tier(monkeypatch):
+    monkeypatch.setenv("TRL_EXT_MAX_FAILURES", "5")
+    monkeypatch.setenv("TRL_EXT_MEMORY_DIR", "/driver/shm")  # each node's own: its pod's or `ray start`'s
+    passed = recipe.passed_on()
+    assert passed["TRL_EXT_MAX_FAILURES"] == "5" and "TRL_EXT_MEMORY_DIR" not in passed
+
+
 def test_another_runs_directory_is_refused_before_anything_starts(tmp_path):
     other = tmp_path / "other"
     other.mkdir()

@@ -20,9 +20,11 @@ from trl_ext.launching.ray import cluster, group
 from trl_ext.launching.ray.worker import Task
 from trl_ext.placement import failure_limit, orchestrators, ownership
 from trl_ext.process.hosted import HOSTED
+from trl_ext.settings import environment
 
-# The launch's own variables, not the run's: the workers get theirs from Ray and trl_ext.ray
-_NOT_PASSED_ON = (orchestrators.NODE_ENV, ownership.RUN_ENV, LAUNCH_ENV, HOSTED)
+# The launch's own variables, not the run's: the workers get theirs from Ray and trl_ext.ray. The memory tier's
+# directory is each node's own (its pod's or `ray start`'s environment), not the driver's.
+_NOT_PASSED_ON = (orchestrators.NODE_ENV, ownership.RUN_ENV, LAUNCH_ENV, HOSTED, environment.MEMORY_DIR.name)
 # accelerate launch's placement options: Ray places the workers
 _PLACEMENT = ("num_machines", "machine_rank", "main_process_ip", "main_process_port")
 
