@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 
 from trl_ext.files import checkpoint_dirs, manifest
+from trl_ext.process import memory_limit
 from trl_ext.settings import environment
 from trl_ext.settings.trainer_options import SaveOptions
 
@@ -248,6 +249,11 @@ class MemoryTier:
         if available < 2 * need:
             return (f"two checkpoints ({2 * need / 2**30:.2f} GiB) do not fit in this machine's available memory "
                     f"({available / 2**30:.2f} GiB)")
+        limited = memory_limit.room_left()  # a pod's limit: files in a tmpfs count against it
+        if limited is not None and limited[0] + _bytes_under(self.root) < 2 * need:
+            return (f"two checkpoints ({2 * need / 2**30:.2f} GiB) do not fit under this container's memory limit "
+                    f"({limited[0] / 2**30:.2f} GiB left of {limited[1] / 2**30:.2f} GiB; files in /dev/shm count "
+                    "against it): give the pod more memory, or set TRL_EXT_MEMORY_DIR elsewhere")
         return None
 
 
