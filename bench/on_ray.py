@@ -1,6 +1,6 @@
 """Ray's cost to a run, and a lost node's cost, on a private 2-node Ray cluster on this host (tests/ray/cluster.py).
 
-    python bench/on_ray.py [--repeats 2] [--steps 40] [--skip overhead|recovery]
+    python bench/on_ray.py [--repeats 2] [--steps 40] [--skip overhead|recovery] [--health-check-ms 1000]
 
 1. Without failures: the same DPO job (ZeRO-3, the embedded tiny model, 4 processes, no checkpoints) under
    ``accelerate launch`` (``python recipes/dpo.py --num_processes 4``, the recipe launching itself) and as a Ray job
@@ -14,6 +14,10 @@
    it starts them (placement, actors, process group); each rank's recipe starts (trl_ext's worker imports the
    trainers: transformers, TRL); the trainer is built (the model); ``train()`` loads the checkpoint (DeepSpeed's
    universal checkpoint for the other number of processes); the first step.
+
+``--health-check-ms P``: the head started with Ray's node health check every P ms and 3 failures to mark a node dead
+(``--system-config`` ``health_check_period_ms``, ``health_check_failure_threshold``; Ray's defaults: 3000 ms, 5), a
+cluster's own setting that no job can change.
 
 Events the job prints (``[timing]``) carry their own time; Ray's own events (the controller's lines) are timed when
 the bench first sees them in the job's log, polled every 0.25 s. Times are wall clock on this machine: run it on an
@@ -148,8 +152,14 @@ def recovery(cluster: RayCluster, work: Path, steps: int) -> None:
         time.sleep(0.05)
     killed = cluster.kill_node()
     noticed = log.wait("Ray lost rank")
-    dead = log.wait("Ray marked node(s)")  # trl_ext's line, once Ray marked the lost node dead
-    attempting = log.wait("Attempting to start training worker group of size 2")
+    marked, attempt = "Ray marked node(s)", "Attempting to start training worker group of size 2"
+    deadline = time.monotonic() + 900
+    while attempt not in log.seen and time.monotonic() < deadline:
+        log.poll(marked, attempt)
+        time.sleep(0.25)
+    attempting = log.wait(attempt, timeout=1)
+    # trl_ext's line once Ray marked the lost node dead; none where Ray had marked it before the verdict ran
+    dead = log.seen.get(marked, noticed)
     restarted = log.wait("Started training worker group of size 2")
     assert cluster.wait_job(name, timeout=1800) == "SUCCEEDED", cluster.logs(name)[-4000:]
     events = _events(cluster.logs(name))
@@ -178,12 +188,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip", choices=["overhead", "recovery"], default=None)
+    parser.add_argument("--health-check-ms", type=int, default=None, help="the head's health_check_period_ms (3 "
+                        "failures mark a node dead); Ray's defaults: 3000 ms, 5 failures")
     args = parser.parse_args()
+    checks = ({"health_check_period_ms": args.health_check_ms, "health_check_failure_threshold": 3}
+              if args.health_check_ms else None)
     env = {"PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": deepspeed_op.build(), "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     work = Path(tempfile.mkdtemp(prefix="trl-ext-ray-bench-"))
     started = time.monotonic()
-    with RayCluster(cpus_per_node=2, env=env, cwd=str(REPO)) as cluster:
+    with RayCluster(cpus_per_node=2, env=env, cwd=str(REPO), system_config=checks) as cluster:
         print(f"the cluster started in {time.monotonic() - started:.1f} s (ray start --head, then the second node)")
         if args.skip != "overhead":
             overhead(cluster, work, args.repeats, args.steps)

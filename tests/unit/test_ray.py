@@ -207,6 +207,24 @@ def test_an_error_of_the_runs_own_is_told_from_a_lost_node():
     assert failures.lost_nodes({0: _HealthCheckFailed("cd34", RuntimeError("died"))}) == set()  # dead, not lost
 
 
+def test_every_lost_group_refreshes_rays_view_even_when_its_node_was_already_dead(monkeypatch, tmp_path):
+    """With Ray's node health checks faster than the controller (1 s x 3 on a cluster), the lost node is dead before
+    trl_ext's verdict runs: its workers are reported died, not unreachable, so no node is waited for; the view is
+    refreshed all the same, or the next group is sized for the dead node and waits out a whole start timeout
+    (measured: 30 s, bench/on_ray.py --health-check-ms 1000, 2026-12-03)."""
+    pytest.importorskip("ray.train")
+    from trl_ext.launching.ray import controller
+
+    refreshed, waited = [], []
+    monkeypatch.setattr(controller.cluster, "refresh_view", lambda say: refreshed.append(True))
+    monkeypatch.setattr(controller, "_marked_dead", lambda nodes, seconds: waited.append(nodes) or True)
+    verdict = controller.Verdict("ray-run", str(tmp_path), limit=3)
+    verdict.after_exception(None, {2: _HealthCheckFailed("cd34", RuntimeError("died"))})  # dead already
+    assert (refreshed, waited) == ([True], [])
+    verdict.after_exception(None, {2: _HealthCheckFailed("ab12", ActorUnavailableError("unreachable"))})
+    assert (refreshed, waited) == ([True, True], [{"ab12"}])
+
+
 def test_what_ends_a_rank_keeps_its_kind_across_processes():
     import pickle
 

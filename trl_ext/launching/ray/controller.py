@@ -6,8 +6,8 @@
   without a new committed checkpoint); past its limit the run gives up, raised here as above; else Ray restarts the
   group (its own ``max_failures`` is off). First, the nodes whose workers Ray could
   no longer reach are given a bounded time to be marked dead, and Ray's view of the cluster is refreshed (patch
-  ``ray-fresh-cluster-view``): an elastic group restarted on a stale view is sized for the dead node too and waits out
-  a whole start timeout for workers that cannot start.
+  ``ray-fresh-cluster-view``), after every lost group: an elastic group restarted on a stale view is sized for the
+  dead node too and waits out a whole start timeout for workers that cannot start.
 """
 
 import time
@@ -48,13 +48,14 @@ class Verdict(UserCallback):
              f"committed checkpoint ({in_a_row} lost group(s) in a row without a new checkpoint; the limit is "
              f"{self.limit}, {failure_limit.setting()})")
         lost = failures.lost_nodes(worker_exceptions)
-        if not lost:
-            return
-        nodes, started = ", ".join(sorted(node[:8] for node in lost)), time.monotonic()
-        if _marked_dead(lost, NODE_DEATH_WAIT_S):
-            _say(f"Ray marked node(s) {nodes} dead {time.monotonic() - started:.1f} s later")
-        else:
-            _say(f"Ray still counts node(s) {nodes} as alive after {NODE_DEATH_WAIT_S:.0f} s")
+        if lost:
+            nodes, started = ", ".join(sorted(node[:8] for node in lost)), time.monotonic()
+            if _marked_dead(lost, NODE_DEATH_WAIT_S):
+                _say(f"Ray marked node(s) {nodes} dead {time.monotonic() - started:.1f} s later")
+            else:
+                _say(f"Ray still counts node(s) {nodes} as alive after {NODE_DEATH_WAIT_S:.0f} s")
+        # Always: a node Ray marked dead before this ran (its workers reported died, not unreachable) leaves the view
+        # as stale, and the group would be sized for it and wait out a whole start timeout (seen with 1-s checks)
         cluster.refresh_view(_say)
 
 
