@@ -117,6 +117,11 @@ def _pieces(sizes: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
 def transfer(group, send: tuple[int, Path, list[str]] | None, receive: tuple[int, Path] | None) -> list[str]:
     """Send files to one process while receiving others' files from one process (either may be None).
 
+    A file that cannot be read or written does not stop the exchange halfway: every message announced is sent and
+    received (zeros in place of what could not be read), and the error is raised once the partner has had all of
+    them, so that neither side is left waiting for the group's timeout. A received file is then incomplete: the
+    caller's agreement on the outcome keeps it from counting.
+
     Args:
         group: the process group (its ranks are global ranks).
         send: ``(to_rank, directory, names)``: the files under ``directory`` to send.
@@ -124,8 +129,17 @@ def transfer(group, send: tuple[int, Path, list[str]] | None, receive: tuple[int
 
     Returns:
         The names received.
+
+    Raises:
+        OSError: a file of this side could not be read or written (after the exchange).
     """
-    sizes = [[name, (send[1] / name).stat().st_size] for name in send[2]] if send is not None else []
+    failed = []
+    sizes = []
+    for name in send[2] if send is not None else []:
+        try:
+            sizes.append([name, (send[1] / name).stat().st_size])
+        except OSError as exc:
+            failed.append(f"could not read {name}: {exc}")
     header = json.dumps(sizes).encode() if send is not None else b""
     length = torch.zeros(1, dtype=torch.int64)
     _pair(group, torch.tensor([len(header)]) if send else None, send and send[0], length if receive else None,
@@ -139,22 +153,35 @@ def transfer(group, send: tuple[int, Path, list[str]] | None, receive: tuple[int
         outgoing = None
         if i < len(out_pieces):
             name, start, size = out_pieces[i]
-            with open(send[1] / name, "rb") as f:
-                f.seek(start)
-                outgoing = torch.frombuffer(bytearray(f.read(size)), dtype=torch.uint8)
+            outgoing = torch.zeros(size, dtype=torch.uint8)  # the piece announced, whatever happens to the file
+            if not failed:
+                try:
+                    with open(send[1] / name, "rb") as f:
+                        f.seek(start)
+                        data = f.read(size)
+                    if len(data) != size:
+                        raise OSError(f"it shrank to {start + len(data)} bytes while it was sent")
+                    outgoing = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                except OSError as exc:
+                    failed.append(f"could not read {name}: {exc}")
         buffer = torch.empty(in_pieces[i][2], dtype=torch.uint8) if i < len(in_pieces) else None
         _pair(group, outgoing, send and send[0], buffer, receive and receive[0])
-        if buffer is not None:
+        if buffer is not None and not failed:
             name, start, _ = in_pieces[i]
             path = receive[1] / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "r+b" if start else "wb") as f:
-                f.seek(start)
-                f.write(buffer.numpy().tobytes())
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "r+b" if start else "wb") as f:
+                    f.seek(start)
+                    f.write(buffer.numpy().tobytes())
+            except OSError as exc:
+                failed.append(f"could not write {path}: {exc}")
     for name, size in received:  # empty files travel in the header alone
-        if size == 0:
+        if size == 0 and not failed:
             (receive[1] / name).parent.mkdir(parents=True, exist_ok=True)
             (receive[1] / name).touch()
+    if failed:
+        raise OSError(failed[0])
     return [name for name, _ in received]
 
 
@@ -181,9 +208,8 @@ def replicate(machines: Machines, world: int, checkpoint: Path, group) -> None:
         try:
             own = files_under(checkpoint)
             # a file both parts hold (none today) keeps this machine's copy
-            staging = checkpoint.parent / f".{checkpoint.name}.trl_ext-replica"
+            staging = checkpoint.parent / f".{checkpoint.name}.trl_ext-replica"  # made by transfer, file by file
             shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir()
             theirs = transfer(group, (machines.leader(machines.index + 1), checkpoint, own),
                               (machines.leader(machines.index - 1), staging))
             for name in theirs:
