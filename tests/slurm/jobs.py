@@ -47,12 +47,12 @@ def slowed(args: list[str], runs: str = "0", **options) -> tuple[list[str], dict
         args: the recipe and its options.
         runs: the runs (restart counts, comma-separated) the options apply to.
         **options: ``step_seconds``, ``slow_checkpoint``, ``hold`` (what to hold, comma-separated) with ``hold_dir``,
-            ``raise_at_step``.
+            ``raise_at_step``; ``memory_dir`` (with ``{node}``: each node's memory tier, in every run).
     """
     env = {"TRL_EXT_TEST_RECIPE": args[0], "TRL_EXT_TEST_RUNS": runs}
     names = {"step_seconds": "TRL_EXT_TEST_STEP_SECONDS", "slow_checkpoint": "TRL_EXT_TEST_SLOW_CHECKPOINT",
              "hold": "TRL_EXT_TEST_HOLD", "hold_dir": "TRL_EXT_TEST_HOLD_DIR",
-             "raise_at_step": "TRL_EXT_TEST_RAISE_AT_STEP"}
+             "raise_at_step": "TRL_EXT_TEST_RAISE_AT_STEP", "memory_dir": "TRL_EXT_TEST_MEMORY_DIR"}
     env.update({names[key]: str(value) for key, value in options.items()})
     return ["tests/slurm/slowed.py", *args[1:]], env
 

@@ -16,6 +16,9 @@ comma-separated; default ``0``, the first) that the rest applies to:
   hold directory.
 - ``TRL_EXT_TEST_RAISE_AT_STEP=N``: rank 0 raises ``ValueError`` in step N, a bug.
 
+In every run, ``TRL_EXT_TEST_MEMORY_DIR`` (a path with ``{node}``, Slurm's ``SLURMD_NODENAME``) gives each node its own
+memory tier (``TRL_EXT_MEMORY_DIR``), as each machine's /dev/shm is its own: the test's Slurm nodes share one host.
+
 The recipe re-launches this file in every rank (it stays ``sys.argv[0]``), so the ranks run it too.
 """
 
@@ -28,6 +31,9 @@ import transformers
 from trl_ext.files import shards
 
 RUNS = os.environ.get("TRL_EXT_TEST_RUNS", "0").split(",")
+if "TRL_EXT_TEST_MEMORY_DIR" in os.environ:  # before the recipe re-launches its ranks, which inherit it
+    os.environ["TRL_EXT_MEMORY_DIR"] = os.environ["TRL_EXT_TEST_MEMORY_DIR"].format(
+        node=os.environ.get("SLURMD_NODENAME", "local"))
 HOLD_SECONDS = 600  # a hold the test never releases ends the job by its own timeout, not this one's
 
 

@@ -3,10 +3,12 @@ slurmstepd daemons and every task on it, with SIGKILL) while two jobs train on b
 its checkpoint-40 (tests/slurm/slowed.py), so both are mid-run at a known point, and that checkpoint is never
 committed:
 
-- ``-N 2`` (one process per node): requeued, it waits for two nodes; n2 comes back (once slurmctld holds no message it
-  would send again to n2, `SlurmCluster.retries_pending`), and the job resumes from checkpoint-20 and ends with the
-  uninterrupted run's model (a SIGTERM slurmctld still held for the lost run, delivered to the next run's step,
-  requeues it once more: `trl_ext/launching/restart.py`);
+- ``-N 2`` (one process per node), with memory checkpoints every 6 steps, each node its own memory tier: requeued, it
+  waits for two nodes; n2 comes back (once slurmctld holds no message it would send again to n2,
+  `SlurmCluster.retries_pending`) with its memory, and the job resumes from step 36 in memory (not the disk's
+  checkpoint-20) and ends with the model of the uninterrupted run, which takes no memory checkpoints (a SIGTERM
+  slurmctld still held for the lost run, delivered to the next run's step, requeues it once more:
+  `trl_ext/launching/restart.py`);
 - ``-N 1-2`` (two processes per node, 24 steps, held in the write of its last checkpoint): it got both nodes while
   they were free; requeued, it goes on on n1 alone, at another number of processes with the same global batch (two
   batches accumulated), and ends on the trajectory of the same job run uninterrupted on one node with two batches
@@ -40,6 +42,7 @@ from trl_ext.assets import resolve_model
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 HELD = f"checkpoint-{2 * SAVE_STEPS}"
+MEMORY_STEPS = 6  # the -N 2 job's: its newest memory checkpoint when n2 dies is 36, replicated before checkpoint-40
 RANGED_HELD = f"checkpoint-{RANGED_STEPS}"  # its last checkpoint
 
 
@@ -51,7 +54,8 @@ def lost_node(slurm_cluster, early, tmp_path_factory):
     holds = tmp / "holds"
     holds.mkdir()
     fixed, ranged = tmp / "fixed", tmp / "ranged"
-    args, env = slowed(DPO, hold=HELD, hold_dir=holds)
+    args, env = slowed([*DPO, "--memory_checkpoint_steps", str(MEMORY_STEPS)], hold=HELD, hold_dir=holds,
+                       memory_dir=tmp / "shm-{node}")
     two = submit(slurm_cluster, fixed, args, nodes=2, env=env)
     args, env = slowed(RANGED, hold=RANGED_HELD, hold_dir=holds)
     one_or_two = submit(slurm_cluster, ranged, args, nodes="1-2", env=env)
@@ -86,9 +90,12 @@ def test_a_job_on_two_nodes_waits_for_the_node_to_come_back_and_ends_with_the_un
     job, out, log = lost_node["fixed"]
     _first_run_lost_its_peer(log)
     assert f"Slurm job {job}, restart 1: 2 node(s) n[1-2]" in log, log[-6000:]
-    assert f"Slurm job {job}, restart 1: resuming from {out}/checkpoint-{SAVE_STEPS}\n" in log, log[-6000:]
+    newest = 2 * SAVE_STEPS // MEMORY_STEPS * MEMORY_STEPS  # 36: the one before the held checkpoint-40
+    resumed = [line for line in log.splitlines() if f"Slurm job {job}, restart 1: resuming from" in line]
+    assert resumed and f"resuming from step {newest} in memory (" in resumed[0] and \
+        f"the newest on disk is checkpoint-{SAVE_STEPS}" in resumed[0], resumed or log[-6000:]
     assert not list(out.glob(".*partial")), "the interrupted checkpoint's partial directory was left behind"
-    assert_same_model(out, reference[0])
+    assert_same_model(out, reference[0])  # the reference takes no memory checkpoints
 
 
 def test_a_job_with_a_node_range_goes_on_with_the_node_it_has_at_another_world_size(lost_node):
