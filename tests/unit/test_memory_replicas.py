@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import pytest
 
+from trl_ext.errors import CheckpointError
 from trl_ext.saving import memory_replicas
 
 
@@ -23,7 +24,7 @@ def _ring(rank: int, store: str, root: str, names: list[str], results) -> None:
     try:
         got = memory_replicas.transfer(dist.group.WORLD, (1 - rank, here / "own", names), (1 - rank, here / "replica"))
         results.put((rank, "ok", sorted(got)))
-    except OSError as exc:
+    except CheckpointError as exc:
         results.put((rank, "error", str(exc)))
     finally:
         dist.destroy_process_group()
@@ -73,7 +74,7 @@ def test_a_file_one_side_cannot_read_fails_that_side_after_the_exchange_and_neve
     _files(tmp_path)
     names = ["model.safetensors", "sub/state.json", "empty"]
     got = _exchange(tmp_path, {0: names, 1: ["model.safetensors", bad, "sub/state.json"]})
-    assert got[1][0] == "error" and got[1][1].startswith(f"could not read {bad}"), got
+    assert got[1][0] == "error" and got[1][1].startswith(f"saving failed: could not read {bad}"), got
     # machine 0 had every piece machine 1 announced (a directory is announced by its size, then cannot be read); the
     # run's agreement on the outcome keeps this replica from counting
     announced = ["model.safetensors", "sub/state.json"] + (["not-a-file"] if bad == "not-a-file" else [])

@@ -131,7 +131,7 @@ def transfer(group, send: tuple[int, Path, list[str]] | None, receive: tuple[int
         The names received.
 
     Raises:
-        OSError: a file of this side could not be read or written (after the exchange).
+        CheckpointError: a file of this side could not be read or written (after the exchange).
     """
     failed = []
     sizes = []
@@ -159,11 +159,13 @@ def transfer(group, send: tuple[int, Path, list[str]] | None, receive: tuple[int
                     with open(send[1] / name, "rb") as f:
                         f.seek(start)
                         data = f.read(size)
-                    if len(data) != size:
-                        raise OSError(f"it shrank to {start + len(data)} bytes while it was sent")
-                    outgoing = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 except OSError as exc:
                     failed.append(f"could not read {name}: {exc}")
+                else:
+                    if len(data) == size:
+                        outgoing = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    else:
+                        failed.append(f"could not read {name}: it shrank to {start + len(data)} bytes while sent")
         buffer = torch.empty(in_pieces[i][2], dtype=torch.uint8) if i < len(in_pieces) else None
         _pair(group, outgoing, send and send[0], buffer, receive and receive[0])
         if buffer is not None and not failed:
@@ -181,7 +183,7 @@ def transfer(group, send: tuple[int, Path, list[str]] | None, receive: tuple[int
             (receive[1] / name).parent.mkdir(parents=True, exist_ok=True)
             (receive[1] / name).touch()
     if failed:
-        raise OSError(failed[0])
+        raise CheckpointError(f"saving failed: {failed[0]}", kind="save")
     return [name for name, _ in received]
 
 
