@@ -217,3 +217,30 @@ def run_training(tmp_path: Path, backend: str, trainer: str, *extra: str, timeou
     assert not result.timed_out, f"launch timed out after {timeout}s:\n{result.output[-4000:]}"
     assert result.returncode == 0, f"launch failed ({result.returncode}):\n{result.output[-6000:]}"
     return {**json.loads((out / "report_rank0.json").read_text()), "output": result.output}
+
+
+def forked_ranks(target: Callable, args_of_rank: Callable[[int, object], tuple], ranks: int = 2,
+                 timeout: float = 60, hung: str = "a rank did not finish within 60 s") -> list:
+    """``target(*args_of_rank(rank, results))`` in ``ranks`` forked processes (the parent's imports: no second
+    interpreter start-up); each puts what it found on ``results``, a queue. Fails the test, killing them, when one has
+    not ended within ``timeout`` seconds.
+
+    Returns:
+        What the processes put on the queue, one item each.
+    """
+    import multiprocessing
+
+    import pytest
+
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=target, args=args_of_rank(rank, results)) for rank in range(ranks)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout)
+        if process.is_alive():
+            for other in processes:
+                other.kill()
+            pytest.fail(hung)
+    return [results.get(timeout=5) for _ in processes]

@@ -4,12 +4,10 @@ every rank with its class, kind and detail (two real gloo processes)."""
 
 import ast
 import builtins
-import multiprocessing
 import pickle
 from pathlib import Path
 
-import pytest
-
+from tests.harness import forked_ranks
 from trl_ext import errors
 from trl_ext.files.audit import Problem
 
@@ -97,16 +95,6 @@ def _agree_on_rank(rank: int, store: str, results) -> None:
 
 
 def test_an_error_raised_on_one_rank_arrives_with_its_class_on_every_rank(tmp_path):
-    context = multiprocessing.get_context("fork")  # the parent's imports: no second interpreter start-up
-    results = context.Queue()
-    ranks = [context.Process(target=_agree_on_rank, args=(r, str(tmp_path / "store"), results)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(60)
-        if process.is_alive():
-            process.kill()
-            pytest.fail("a rank did not finish within 60 s")
-    got = dict(results.get(timeout=5) for _ in ranks)
+    got = dict(forked_ranks(_agree_on_rank, lambda rank, results: (rank, str(tmp_path / "store"), results)))
     expected = ("ResumeError", "rank 1 cannot read its checkpoint", "missing", "rank 1")
     assert got == {0: expected, 1: expected}

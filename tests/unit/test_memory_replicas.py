@@ -4,11 +4,11 @@ cannot be read on one side (gone before it was listed; a directory, which fails 
 ends the exchange with an error on that side only after every announced piece went through, so the partner is never
 left waiting for the group's timeout (30 minutes in a run; 20 s here, and each process must end within 60 s)."""
 
-import multiprocessing
 from datetime import timedelta
 
 import pytest
 
+from tests.harness import forked_ranks
 from trl_ext.errors import CheckpointError
 from trl_ext.saving import memory_replicas
 
@@ -31,18 +31,9 @@ def _ring(rank: int, store: str, root: str, names: list[str], results) -> None:
 
 
 def _exchange(tmp_path, names: dict[int, list[str]]) -> dict:
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    ranks = [context.Process(target=_ring, args=(r, str(tmp_path / "store"), str(tmp_path), names[r], results))
-             for r in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(60)
-        if process.is_alive():
-            process.kill()
-            pytest.fail("a machine was left waiting for its partner")
-    return {rank: (status, value) for rank, status, value in (results.get(timeout=5) for _ in ranks)}
+    found = forked_ranks(_ring, lambda rank, results: (rank, str(tmp_path / "store"), str(tmp_path), names[rank],
+                                                      results), hung="a machine was left waiting for its partner")
+    return {rank: (status, value) for rank, status, value in found}
 
 
 def _files(tmp_path) -> None:
