@@ -6,13 +6,12 @@
 # (2026-12-02).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv-newest
 # Some machines' pip config caps torch below its newest release (a constraints file for the wheels on their disk):
 # read no pip config here, so that PyPI's newest torch is the one installed.
 export PIP_CONFIG_FILE=/dev/null
 # The embedded models built by this venv's versions (config.json carries them), as .ci/oldest.sh does
 export TRL_EXT_CACHE="$PWD/.venv-newest/trl_ext_cache"
-.venv-newest/bin/pip install -q --no-compile "torch==2.15.0" -e ".[test]"
+.ci/uv_install.sh .venv-newest "torch==2.15.0" -e ".[test]"
 .venv-newest/bin/python -c "import torch, transformers; print('newest: torch', torch.__version__, \
 'transformers', transformers.__version__)"
 # DeepSpeed's CPU comm op for this torch, built before the recipes' launches rather than under their timeout: while the

@@ -5,7 +5,6 @@
 # from the README's test command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv-oldest
 # DeepSpeed compiles its CPU ops (shared-memory comm) on first use into torch's extension cache, one directory per op
 # name for every DeepSpeed version: keep this venv's builds apart from the newest's.
 export TORCH_EXTENSIONS_DIR="$PWD/.venv-oldest/torch_extensions"
@@ -13,7 +12,7 @@ export TORCH_EXTENSIONS_DIR="$PWD/.venv-oldest/torch_extensions"
 # transformers_version, say), and in the cache the main suite shares, which session built a model first would decide
 # what the other's saves are compared with
 export TRL_EXT_CACHE="$PWD/.venv-oldest/trl_ext_cache"
-.venv-oldest/bin/pip install -q --no-compile torch==2.13.0 -e ".[test]" \
+.ci/uv_install.sh .venv-oldest torch==2.13.0 -e ".[test]" \
     "trl==1.14.2" "transformers==5.10.4" "accelerate==1.13.0" "peft==0.20.0" "deepspeed==0.19.2"
 # Build DeepSpeed's CPU comm op now, once, rather than inside the first test's launch timeout
 .venv-oldest/bin/python -c "from deepspeed.accelerator import get_accelerator as a

@@ -15,9 +15,9 @@ fi
 python -c "from tests import deepspeed_op; deepspeed_op.use_own_directory(); deepspeed_op.build()"
 # Ray's daemons wait fixed times for each other at start (15 s, 30 s, and 60 s for the dashboard: tests/ray/cluster.py
 # sets that one to 900 s), which they missed on 2 cores while the other legs' pip installs ran (2026-12-02, twice):
-# the cluster starts once no pip install runs on this machine, or after 45 minutes.
+# the cluster starts once no install (pip's or uv's) runs on this machine, or after 45 minutes.
 for _ in $(seq 540); do
-    pgrep -f "bin/pip install" >/dev/null || break
+    pgrep -f "pip install" >/dev/null || break
     sleep 5
 done
 python -m pytest -m ray "$@"

@@ -6,7 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python -m venv "$work/venv"
-"$work/venv/bin/pip" install -q --no-compile skypilot==0.14.1 pytest pytest-timeout pyyaml
+.ci/uv_install.sh "$work/venv" skypilot==0.14.1 pytest pytest-timeout pyyaml
 "$work/venv/bin/python" -c "import sky" # the parser is there: the tests must not skip
 "$work/venv/bin/python" -m pytest -p no:cacheprovider --noconftest tests/test_examples.py -k skypilot "$@"

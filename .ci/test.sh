@@ -16,9 +16,8 @@
 # PATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# The legs install with --no-compile: compiling transformers' 2,912 modules to bytecode took 16 CPU-seconds (the main
-# venv has 21,590 modules), while the installs starve each other at the start; a module is compiled when first
-# imported instead. In the one run measured with it the installs still ended about 33 minutes in (2026-12-02).
+# The legs make their venvs with uv (.ci/uv_install.sh): with pip, their installs ran beside the tests for the first 33
+# minutes (2026-12-02). uv compiles no bytecode either: a module is compiled when first imported.
 # CI's gate: every fast test and one proof of each capability (tests/conftest.py: EXTRA); TRL_EXT_TESTS_GATE=0 runs all
 export TRL_EXT_TESTS_GATE="${TRL_EXT_TESTS_GATE:-1}"
 logs=$(mktemp -d)

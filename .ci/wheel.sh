@@ -9,8 +9,7 @@ cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python -m pip wheel . --no-deps --wheel-dir "$work/wheel" -q
-python -m venv "$work/venv"
-"$work/venv/bin/pip" install -q --no-compile torch==2.13.0 "$work"/wheel/trl_ext-*.whl
+.ci/uv_install.sh "$work/venv" torch==2.13.0 "$work"/wheel/trl_ext-*.whl
 mkdir "$work/empty"
 cd "$work/empty"
 export TRL_EXT_CACHE="$work/cache" TORCH_EXTENSIONS_DIR="$work/torch_extensions"
