@@ -10,7 +10,8 @@
 2. Recovery: the same job with ``--num_processes 2-4`` and a checkpoint every 10 steps; once checkpoint-20 is
    committed, the second node is killed (its raylet, log monitor and workers, SIGKILL). The parts, from the kill to
    the first step after the resume: Ray Train's controller reports the lost workers (its health check of them, then
-   trl_ext's verdict); it decides on the workers left (the lost node marked dead, Ray's view of the cluster refreshed);
+   trl_ext's verdict); it decides on the workers left (the lost node reported dead by trl_ext once its raylet refuses
+   connections, Ray's view of the cluster refreshed);
    it starts them (placement, actors, process group); each rank's recipe starts (trl_ext's worker imports the
    trainers: transformers, TRL); the trainer is built (the model); ``train()`` loads the checkpoint (DeepSpeed's
    universal checkpoint for the other number of processes); the first step.
@@ -166,7 +167,7 @@ def recovery(cluster: RayCluster, work: Path, steps: int) -> None:
     first = events[("first_step", 1)][0]
     parts = [
         ("failure noticed: the kill -> Ray Train's controller reports the lost workers", noticed - killed),
-        ("-> Ray marks the lost node dead (its health checks)", dead - noticed),
+        ("-> the lost node marked dead (trl_ext's report, else Ray's health checks)", dead - noticed),
         ("-> Ray Train decides on 2 workers (Ray's view of the cluster refreshed)", attempting - dead),
         ("-> Ray Train started them (placement, actors, process group)", restarted - attempting),
         ("-> the ranks' recipe starts (trl_ext's worker: transformers, TRL)", events[("start", 1)][0] - restarted),

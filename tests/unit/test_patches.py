@@ -197,8 +197,9 @@ PRIVATE_NAMES = ("_CHECKPOINT_PREFIX", "CheckpointWrapper", "_cdata", "_local_te
 def _private_reads(unit: ast.AST) -> set[tuple[int, str]]:
     found = set()
     for node in ast.walk(unit):
-        if isinstance(node, ast.ImportFrom) and node.module and "algorithms._checkpoint" in node.module:
-            found.add((node.lineno, "algorithms._checkpoint"))
+        if isinstance(node, ast.ImportFrom) and node.module and any(
+                part.startswith("_") for part in node.module.split(".")):  # a library's private module
+            found.add((node.lineno, node.module))
         name = node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant) \
             else None
         if name in PRIVATE_NAMES and not (isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self"):

@@ -215,14 +215,16 @@ def test_every_lost_group_refreshes_rays_view_even_when_its_node_was_already_dea
     pytest.importorskip("ray.train")
     from trl_ext.launching.ray import controller
 
-    refreshed, waited = [], []
+    refreshed, waited, reported = [], [], []
     monkeypatch.setattr(controller.cluster, "refresh_view", lambda say: refreshed.append(True))
     monkeypatch.setattr(controller, "_marked_dead", lambda nodes, seconds: waited.append(nodes) or True)
+    monkeypatch.setattr(controller.node_death, "report_dead", lambda nodes, say: reported.append(nodes))
     verdict = controller.Verdict("ray-run", str(tmp_path), limit=3)
     verdict.after_exception(None, {2: _HealthCheckFailed("cd34", RuntimeError("died"))})  # dead already
-    assert (refreshed, waited) == ([True], [])
+    assert (refreshed, waited, reported) == ([True], [], [])
     verdict.after_exception(None, {2: _HealthCheckFailed("ab12", ActorUnavailableError("unreachable"))})
-    assert (refreshed, waited) == ([True, True], [{"ab12"}])
+    # reported dead where its raylet is gone (tests/unit/test_ray_node_death.py), then seen dead, then the view
+    assert (refreshed, waited, reported) == ([True, True], [{"ab12"}], [{"ab12"}])
 
 
 def test_what_ends_a_rank_keeps_its_kind_across_processes():

@@ -4,8 +4,9 @@
   policy never retries; the driver then says it in one line (``group``).
 - A lost worker or node: counted by the run's own rule (``failure_limit.count_lost_group``: lost groups in a row
   without a new committed checkpoint); past its limit the run gives up, raised here as above; else Ray restarts the
-  group (its own ``max_failures`` is off). First, the nodes whose workers Ray could
-  no longer reach are given a bounded time to be marked dead, and Ray's view of the cluster is refreshed (patch
+  group (its own ``max_failures`` is off). First, the nodes whose workers Ray could no longer reach are reported
+  dead to Ray where their raylets are gone too (``node_death``), else given a bounded time for Ray's health checks
+  to mark them, and Ray's view of the cluster is refreshed (patch
   ``ray-fresh-cluster-view``), after every lost group: an elastic group restarted on a stale view is sized for the
   dead node too and waits out a whole start timeout for workers that cannot start.
 """
@@ -16,7 +17,7 @@ import ray
 from ray.train import UserCallback
 
 from trl_ext.errors import GAVE_UP
-from trl_ext.launching.ray import cluster, failures
+from trl_ext.launching.ray import cluster, failures, node_death
 from trl_ext.placement import failure_limit
 from trl_ext.placement.outcome import ERROR
 
@@ -50,6 +51,7 @@ class Verdict(UserCallback):
         lost = failures.lost_nodes(worker_exceptions)
         if lost:
             nodes, started = ", ".join(sorted(node[:8] for node in lost)), time.monotonic()
+            node_death.report_dead(lost, _say)
             if _marked_dead(lost, NODE_DEATH_WAIT_S):
                 _say(f"Ray marked node(s) {nodes} dead {time.monotonic() - started:.1f} s later")
             else:
