@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# CI's gate (or, with TRL_EXT_TESTS_GATE=0, every test), in eight sessions side by side from the start: the main
+# CI's gate (or, with TRL_EXT_TESTS_GATE=0, every test), in eight sessions side by side: from the start, the main
 # suite on two pytest-xdist workers (printed as it goes), the oldest-versions leg (.ci/oldest.sh), the
-# newest-versions leg (.ci/newest.sh), the Slurm leg (.ci/slurm.sh), the Ray leg (.ci/ray.sh), the real-vLLM leg
-# (.ci/vllm.sh), and two light ones: the wheel, installed in a fresh venv and run from an empty directory
-# (.ci/wheel.sh), and SkyPilot's parser on the examples (.ci/skypilot.sh); this script's arguments go to each. The two
+# newest-versions leg (.ci/newest.sh), the Slurm leg (.ci/slurm.sh), the Ray leg (.ci/ray.sh) and the real-vLLM leg
+# (.ci/vllm.sh); once the main suite has ended, two light ones: the wheel, installed in a fresh venv and run from an
+# empty directory (.ci/wheel.sh), and SkyPilot's parser on the examples (.ci/skypilot.sh). The oldest leg's launches
+# also wait for the main suite's end (TRL_EXT_CI_MAIN_DONE): with everything side by side from the start, the load
+# reached 15-34 on 2 cores, and that leg's three 2-process launches, 110 s each alone, missed their time bound
+# (2026-12-03, 3 of 3). This script's arguments go to each session. The two
 # recipes the newest leg runs (DPO as written under ZeRO-3 and under FSDP2) run there only: the main suite runs the
 # same recipes' other trainers and configs.
 # On 2 cores one session alone leaves the machine idle a quarter of the time (measured): while a launch starts its
@@ -23,17 +26,26 @@ export TRL_EXT_TESTS_GATE="${TRL_EXT_TESTS_GATE:-1}"
 logs=$(mktemp -d)
 export TIMEFORMAT="session time: %0R s wall, %0U s user + %0S s system CPU"
 names=(oldest newest slurm ray vllm wheel skypilot)
-pids=()
+after_main=(wheel skypilot)
+export TRL_EXT_CI_MAIN_DONE="$logs/main.done"
+declare -A pids
+start() {
+    { time ".ci/$1.sh" "${@:2}"; } > "$logs/$1.log" 2>&1 &
+    pids[$1]=$!
+}
 for name in "${names[@]}"; do
-    { time ".ci/$name.sh" "$@"; } > "$logs/$name.log" 2>&1 &
-    pids+=($!)
+    [[ " ${after_main[*]} " == *" $name "* ]] || start "$name" "$@"
 done
 { time python -m pytest -n 2 --dist loadscope --no-loadscope-reorder \
     --deselect "tests/test_recipes.py::test_recipe_as_written_under_zero3[dpo]" \
     --deselect tests/distributed/test_fsdp2.py::test_dpo_recipe_as_written_under_fsdp2 "$@"; } 2>&1 | tee "$logs/main.log"
 statuses=("${PIPESTATUS[0]}")
+touch "$TRL_EXT_CI_MAIN_DONE"
+for name in "${after_main[@]}"; do
+    start "$name" "$@"
+done
 for i in "${!names[@]}"; do
-    wait "${pids[$i]}"
+    wait "${pids[${names[$i]}]}"
     statuses+=($?)
     echo "=== ${names[$i]}: .ci/${names[$i]}.sh (exit ${statuses[-1]})"
     # less pip's warnings, a line per package, about the machine's own package indexes

@@ -47,6 +47,7 @@ def engine_args(backend: str, trainer: str, lora: bool, batch: int = 2, accumula
 # Set by .ci/oldest.sh: DeepSpeed 0.19.2 cannot run several engines one after another in one process, and there only
 # the runs that the selected tests use are wanted.
 ONE_RUN_PER_LAUNCH = "TRL_EXT_TESTS_ONE_RUN_PER_LAUNCH"
+MANY_TIMEOUT = 600  # seconds for a shared launch (run_many.py)
 
 
 def _with_output_dir(args: list[str], default: Path) -> tuple[list[str], Path]:
@@ -68,6 +69,8 @@ class SharedRuns:
         """The output directory of ``script ARGS --output_dir OUT`` under ``backend``, launched on first use (``ARGS``
         may name their own ``--output_dir``: a test's own run, made in a shared launch)."""
         key = (script, backend, tuple(args), tuple(sorted(zero.items())), num_processes)
+        if os.environ.get(ONE_RUN_PER_LAUNCH):
+            timeout = max(timeout, MANY_TIMEOUT)  # a run ``many`` would have made: the bound of its launch
         if key not in self.done:
             directory = self._directory()
             args, out = _with_output_dir(args, directory / "out")
@@ -75,7 +78,7 @@ class SharedRuns:
             self.done[key] = out
         return self.done[key]
 
-    def many(self, script: str, backend: str, runs: list[list[str]], timeout: float = 600,
+    def many(self, script: str, backend: str, runs: list[list[str]], timeout: float = MANY_TIMEOUT,
              num_processes: int = 2) -> None:
         """Make those of ``runs`` (argument lists of ``script``) not made yet in one launch (``run_many.py``);
         ``get`` then finds them."""
