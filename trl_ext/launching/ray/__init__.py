@@ -1,7 +1,8 @@
 """The Ray job's process roles: the driver (``recipe``: a recipe started by ``ray job submit``; ``fit`` from Python),
-the worker group it starts (``group``, sized by ``cluster``, grown by ``growth``), the controller's verdict on a failure
-(``controller``, ``failures``), and each worker's rank (``worker``), which reports to Ray (``reporting``). Importing
-this package does not import Ray; calling into it does. The public face is ``trl_ext.ray`` (docs/ray.md)."""
+the worker group it starts (``group``, sized by ``cluster``, grown by ``growth``), the controller's verdict on a
+failure (``controller``, ``failures``; a lost node reported dead to Ray by ``node_death``), and each worker's rank
+(``worker``), which reports to Ray (``reporting``). Importing this package does not import Ray; calling into it does.
+The public face is ``trl_ext.ray`` (docs/ray.md)."""
 
 
 def fit(train, output_dir: str, *args, accelerate_config: str | None = None,
