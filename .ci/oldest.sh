@@ -14,9 +14,11 @@ export TORCH_EXTENSIONS_DIR="$PWD/.venv-oldest/torch_extensions"
 export TRL_EXT_CACHE="$PWD/.venv-oldest/trl_ext_cache"
 .ci/uv_install.sh .venv-oldest torch==2.13.0 -e ".[test]" \
     "trl==1.14.2" "transformers==5.10.4" "accelerate==1.13.0" "peft==0.20.0" "deepspeed==0.19.2"
-# Build DeepSpeed's CPU comm op now, once, rather than inside the first test's launch timeout
+# Build DeepSpeed's CPU comm op once, while the unit tests run, rather than inside the first launch's time bound (its
+# compile took 12 minutes beside the other legs, 2026-12-03)
 .venv-oldest/bin/python -c "from deepspeed.accelerator import get_accelerator as a
-a().create_op_builder('ShareMemCommBuilder').load()"
+a().create_op_builder('ShareMemCommBuilder').load()" &
+build=$!
 # One training run per launch: DeepSpeed 0.19.2 cannot run several engines one after another in one process.
 # The unit tests first, the launches last, once the main suite beside this leg has ended (.ci/test.sh sets
 # TRL_EXT_CI_MAIN_DONE; at most 45 minutes' wait): with every leg running (load 15-34 on 2 cores) a 2-process launch
@@ -24,6 +26,7 @@ a().create_op_builder('ShareMemCommBuilder').load()"
 export TRL_EXT_TESTS_ONE_RUN_PER_LAUNCH=1
 status=0
 .venv-oldest/bin/python -m pytest -m compat --ignore tests/distributed "$@" || status=$?
+wait "$build"
 for _ in $(seq 540); do
     [ -z "${TRL_EXT_CI_MAIN_DONE:-}" ] || [ -e "$TRL_EXT_CI_MAIN_DONE" ] && break
     sleep 5
