@@ -115,7 +115,8 @@ class NotFoundError(TrlExtError, FileNotFoundError):
 
 
 class ServerError(TrlExtError, ConnectionError):
-    """A vLLM server that did not answer within its bound, or failed a request (server mode of GRPO and RLOO)."""
+    """A vLLM server that did not answer within its bound, or failed a request (server mode of GRPO and RLOO); Ray's
+    GCS refusing a lost node's report."""
 
     kind = "server"
 

@@ -69,7 +69,7 @@ def test_a_report_the_gcs_refuses_or_cannot_take_is_said_and_left_to_rays_checks
     servicer.code = 5
     lines = []
     assert node_death.report_dead({"ab" * 28}, lines.append, [_node("ab" * 28, _closed_port())], address) == set()
-    assert lines == [f"could not report node {'ab' * 4} dead to Ray (RuntimeError: the GCS answered 5: no)"]
+    assert lines == [f"could not report node {'ab' * 4} dead to Ray (ServerError: the GCS answered 5: no)"]
     lines.clear()
     nowhere = f"127.0.0.1:{_closed_port()}"
     assert node_death.report_dead({"ab" * 28}, lines.append, [_node("ab" * 28, _closed_port())], nowhere) == set()

@@ -12,6 +12,7 @@ answers is left to Ray's own checks.
 import socket
 
 from trl_ext import patches
+from trl_ext.errors import ServerError, SetupError
 from trl_ext.launching.ray import failures
 
 PROBE_S = 2.0  # a live raylet's listening socket is answered by the kernel, however busy the process is
@@ -80,7 +81,7 @@ def report_dead(node_ids: set[str], say, nodes: list[dict] | None = None, gcs_ad
 def _unregister(gcs_address: str, node_id: str, reason: str, timeout: float = 10.0) -> None:
     """What a raylet sends the GCS when it shuts down, sent for it (patch ``ray-unregister-lost-node``)."""
     if not patches.applies("ray-unregister-lost-node"):
-        raise RuntimeError("this Ray release has no UnregisterNode call as trl_ext knows it")
+        raise SetupError("this Ray release has no UnregisterNode call as trl_ext knows it")
     from ray._private.grpc_utils import init_grpc_channel
     from ray.core.generated import common_pb2, gcs_service_pb2, gcs_service_pb2_grpc
 
@@ -93,4 +94,4 @@ def _unregister(gcs_address: str, node_id: str, reason: str, timeout: float = 10
     finally:
         channel.close()
     if reply.status.code:
-        raise RuntimeError(f"the GCS answered {reply.status.code}: {reply.status.message}")
+        raise ServerError(f"the GCS answered {reply.status.code}: {reply.status.message}")
