@@ -12,6 +12,7 @@ grpc = pytest.importorskip("grpc")
 
 from ray.core.generated import common_pb2, gcs_service_pb2, gcs_service_pb2_grpc  # noqa: E402
 
+from tests.ray.cluster import free_port as _closed_port  # noqa: E402 - nothing listens there once it returns
 from trl_ext.launching.ray import node_death  # noqa: E402
 
 
@@ -33,12 +34,6 @@ def gcs():
     server.start()
     yield servicer, f"127.0.0.1:{port}"
     server.stop(grace=None)
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # closed again on return: nothing listens there
 
 
 def _node(node_id: str, port: int, alive: bool = True) -> dict:
