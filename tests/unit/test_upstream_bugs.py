@@ -292,18 +292,15 @@ def test_a_rank_that_should_not_read_still_reads_every_weight(tiny_model_path):
                  f"weight bytes read on a rank that keeps its weights on meta: {read} of about {total}")
 
 
-def _unused_conversions_under_zero3(rank: int) -> list[str]:
+def _unused_conversions_under_zero3(rank: int, path: str) -> list[str]:
     import deepspeed
     import transformers
     from transformers.integrations import HfDeepSpeedConfig
 
-    from tests.families import family_path
-
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
                                 "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1})
-    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(family_path("qwen2_vl"),
-                                                                          dtype=torch.float32)
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     del config
     return [str(c) for c in getattr(model, "_weight_conversions", None) or [] if not c.was_used()]
 
@@ -311,7 +308,12 @@ def _unused_conversions_under_zero3(rank: int) -> list[str]:
 def test_a_zero3_load_keeps_conversions_that_never_matched():
     """Outside ZeRO-3, from_pretrained keeps the weight conversions that matched the checkpoint; under ZeRO-3 it keeps
     unused ones too, and reverting them on save writes wrong names."""
-    (unused,) = in_processes(_unused_conversions_under_zero3, timeout=180, deepspeed=True)
+    from tests.families import family_path
+
+    # Resolved here, outside the bound: the first use builds every family (in a fresh session, the oldest leg's, that
+    # build ran inside the child's 180 s at CI's load and timed it out, 2026-12-03)
+    path = family_path("qwen2_vl")
+    (unused,) = in_processes(lambda rank: _unused_conversions_under_zero3(rank, path), timeout=180, deepspeed=True)
     still_needed("unused-weight-conversions", isinstance(unused, list) and bool(unused),
                  f"conversions a ZeRO-3 load keeps without using them: {unused}")
 
