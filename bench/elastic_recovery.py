@@ -27,7 +27,6 @@ wall clock on this machine: run it on an idle machine.
 """
 
 import argparse
-import re
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from _timing import first_events  # noqa: E402 - bench/, beside this file
+from _timing import first_events, resumed_parts, steps_at_the_kill  # noqa: E402 - bench/, beside this file
 
 from tests.machines import ELASTIC_ENV, TORCHRUN, Machine, wait_for_path, wait_for_port  # noqa: E402
 
@@ -44,7 +43,6 @@ DPO = ["bench/_recovery_worker.py", "--config", "accelerate_configs/zero3.yaml",
        "--max_steps", "60", "--save_steps", "20", "--save_strategy", "steps", "--eval_strategy", "no",
        "--per_device_train_batch_size", "2", "--report_to", "none"]
 DISK_STEP, MEMORY_STEP, MEMORY_EVERY = 20, 26, 2
-STEP = re.compile(r"\[step\] (\d+) ([\d.]+)")
 
 
 
@@ -82,23 +80,17 @@ def _run(label: str, work: Path, args, memory: bool, kill_after: float | None) -
     events = first_events(first.output)
     if code != 0 or ("first_step", 1) not in events:
         raise SystemExit(f"{label}: the run did not resume and complete (exit {code}):\n{first.output[-6000:]}")
-    done = [int(n) for n, when in STEP.findall(first.output) if float(when) < killed]
-    resumed = re.search(r"resuming from (?:step (\d+) in memory|\S*checkpoint-(\d+))", first.output)
+    last_step, resumed_step = steps_at_the_kill(first.output, killed)
     return {
         "parts": [
             ("failure detection: the kill -> the agent reports its ranks failed", noticed - killed),
             (f"rendezvous: -> the restarted ranks' Python up ({conf})", events[("start", 1)] - noticed),
-            ("imports: -> the trainer being built", events[("trainer", 1)] - events[("start", 1)]),
-            ("model load: the trainer built", events[("trainer_built", 1)] - events[("trainer", 1)]),
-            ("-> train()", events[("train", 1)] - events[("trainer_built", 1)]),
-            ("checkpoint chosen and loaded: train() -> loaded", events[("resumed", 1)] - events[("train", 1)]),
-            ("-> the first step done", events[("first_step", 1)] - events[("resumed", 1)]),
+            *resumed_parts(events),
         ],
         "total": events[("first_step", 1)] - killed,
         "first_start": events[("first_step", 0)] - events[("start", 0)],
         "resumed_start": events[("first_step", 1)] - events[("start", 1)],
-        "last_step": max(done, default=0),
-        "resumed_step": int(next(g for g in resumed.groups() if g)) if resumed else 0,
+        "last_step": last_step, "resumed_step": resumed_step,
         "since_disk": killed - committed.stat().st_mtime if committed.exists() else 0.0,
     }
 

@@ -22,7 +22,6 @@ this machine: run it on an idle machine.
 
 import argparse
 import ast
-import re
 import statistics
 import sys
 import tempfile
@@ -32,11 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from _timing import first_events  # noqa: E402 - bench/, beside this file
+from _timing import first_events, resumed_parts, steps_at_the_kill  # noqa: E402 - bench/, beside this file
 
 from tests.machines import Machine, rank_process  # noqa: E402
 
-STEP = re.compile(r"\[step\] (\d+) ([\d.]+)")
 DISK_STEP, MEMORY_STEP = 20, 26
 
 
@@ -86,21 +84,15 @@ def _run(label: str, work: Path, args, memory_dir: str, kill_after: float | None
     events = first_events(machine.output)
     if code != 0 or ("first_step", 1) not in events:
         raise SystemExit(f"{label}: the run did not resume and complete (exit {code}):\n{machine.output[-6000:]}")
-    done = [int(n) for n, when in STEP.findall(machine.output) if float(when) < killed]
-    resumed = re.search(r"resuming from (?:step (\d+) in memory|\S*checkpoint-(\d+))", machine.output)
-    resumed_step = int(next(g for g in resumed.groups() if g)) if resumed else 0
+    last_step, resumed_step = steps_at_the_kill(machine.output, killed)
     return {
         "parts": [
             ("the kill -> the launch reports its ranks failed", noticed - killed),
             ("-> the restarted ranks' Python up", events[("start", 1)] - noticed),
-            ("imports: -> the trainer being built", events[("trainer", 1)] - events[("start", 1)]),
-            ("model load: the trainer built", events[("trainer_built", 1)] - events[("trainer", 1)]),
-            ("-> train()", events[("train", 1)] - events[("trainer_built", 1)]),
-            ("checkpoint chosen and loaded: train() -> loaded", events[("resumed", 1)] - events[("train", 1)]),
-            ("-> the first step done", events[("first_step", 1)] - events[("resumed", 1)]),
+            *resumed_parts(events),
         ],
         "total": events[("first_step", 1)] - killed,
-        "last_step": max(done, default=0), "resumed_step": resumed_step,
+        "last_step": last_step, "resumed_step": resumed_step,
         "since_disk": killed - (committed.stat().st_mtime if committed.exists() else killed),
         "memory_held": _metrics(machine.output, "memory_checkpoint/held_s"),
         "disk_held": _metrics(machine.output, "checkpoint/held_s"),

@@ -26,6 +26,7 @@ idle machine.
 """
 
 import argparse
+import json
 import os
 import re
 import resource
@@ -142,6 +143,24 @@ def overhead(cluster: RayCluster, work: Path, repeats: int, steps: int) -> None:
         print(f"  {key:<30} {a:>18.2f} {r:>16.2f} {r / a:>6.2f}x")
 
 
+def _group_start_breakdown(cluster: RayCluster) -> list[str]:
+    """Ray Train's own account of its last worker group start: the debug lines its controller writes to the session's
+    ``logs/train/ray-train-sys-controller-*.log`` (JSON, one record a line) whatever the job's log level."""
+    lines = []
+    for log in sorted(Path(cluster.temp).glob("session_*/logs/train/ray-train-sys-controller-*.log"),
+                      key=os.path.getmtime):  # the newest job's last
+        for line in log.read_text().splitlines():
+            try:
+                message = json.loads(line).get("message", "")
+            except ValueError:
+                continue
+            if message.startswith("Attempting to start training worker group"):
+                lines = []  # a later start's account replaces an earlier one's
+            if message.startswith("[Worker Group Initialization]"):
+                lines.append(message.removeprefix("[Worker Group Initialization] "))
+    return lines
+
+
 def recovery(cluster: RayCluster, work: Path, steps: int) -> None:
     name, out = "recovery", work / "recovery"
     env = {**ENV, "TRL_EXT_BENCH_STEP_SECONDS": "0.5"}
@@ -182,6 +201,9 @@ def recovery(cluster: RayCluster, work: Path, steps: int) -> None:
     print(f"  {'between the parts (trainer built -> train())':<80} "
           f"{events[('train', 1)][0] - events[('trainer_built', 1)][0]:7.1f} s")
     print(f"from the kill to the first step after the resume: {first - killed:.1f} s")
+    print("Ray Train's own account of starting the 2 workers (its controller's debug log):")
+    for line in _group_start_breakdown(cluster):
+        print("  " + line.replace("\n", "\n  "))
 
 
 def main() -> None:
