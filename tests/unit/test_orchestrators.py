@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 
 from tests.harness import REPO
+from tests.launcher_env import clean_launcher_env
 from tests.machines import free_ports
 from trl_ext.errors import SetupError, UsageError
 from trl_ext.launching import decision, in_process, launch, node, rendezvous, scripting
 from trl_ext.placement import orchestrators, outcome, ownership
-from trl_ext.process import notices
 
 ZERO3 = "accelerate_configs/zero3.yaml"
 # Every variable a reader looks at: each test starts from none of them.
@@ -43,17 +43,7 @@ TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
 @pytest.fixture
 def env(monkeypatch):
     """Set a launcher's variables (none else set); returns the setter."""
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(notices, "_speaks", [True])  # a launch decided here may silence this process's notices
-    for key in ALL:
-        monkeypatch.delenv(key, raising=False)
-
-    def set_env(**variables):
-        for key, value in variables.items():
-            monkeypatch.setenv(key, value)
-        return monkeypatch
-
-    return set_env
+    return clean_launcher_env(monkeypatch, ALL)
 
 
 def test_no_orchestrator(env):

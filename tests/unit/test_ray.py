@@ -12,11 +12,11 @@ import sys
 import pytest
 
 from tests.harness import REPO
+from tests.launcher_env import clean_launcher_env
 from trl_ext.errors import UsageError
 from trl_ext.launching import decision, launch
 from trl_ext.launching.ray import cluster, failures, recipe, worker
 from trl_ext.placement import orchestrators, outcome, ownership
-from trl_ext.process import notices
 from trl_ext.trainers.preemption import Preemption
 
 SUBMITTED = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(
@@ -29,17 +29,7 @@ RAY_ENV = ("RAY_JOB_CONFIG_JSON_ENV_VAR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "L
 
 @pytest.fixture
 def env(monkeypatch):
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(notices, "_speaks", [True])
-    for key in RAY_ENV:
-        monkeypatch.delenv(key, raising=False)
-
-    def set_env(**variables):
-        for key, value in variables.items():
-            monkeypatch.setenv(key, value)
-        return monkeypatch
-
-    return set_env
+    return clean_launcher_env(monkeypatch, RAY_ENV)
 
 
 def test_a_ray_jobs_driver_is_one_process_for_the_cluster_named_by_its_submission(env):
