@@ -14,7 +14,8 @@
    connections, Ray's view of the cluster refreshed);
    it starts them (placement, actors, process group); each rank's recipe starts (trl_ext's worker imports the
    trainers: transformers, TRL); the trainer is built (the model); ``train()`` loads the checkpoint (DeepSpeed's
-   universal checkpoint for the other number of processes); the first step.
+   universal checkpoint for the other number of processes); the first step. Then Ray Train's own account of that
+   group start, part by part (the debug lines its controller writes to the session's ``logs/train`` directory).
 
 ``--health-check-ms P``: the head started with Ray's node health check every P ms and 3 failures to mark a node dead
 (``--system-config`` ``health_check_period_ms``, ``health_check_failure_threshold``; Ray's defaults: 3000 ms, 5), a
