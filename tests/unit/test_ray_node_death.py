@@ -77,3 +77,29 @@ def test_a_raylet_that_takes_no_connection_is_told_from_one_that_does():
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         assert node_death.raylet_gone("127.0.0.1", listening.getsockname()[1]) is None
+
+
+def test_a_raylet_whose_machine_does_not_answer_is_reported_dead_after_the_probe(gcs, monkeypatch):
+    """A machine that is gone answers nothing: its port neither refuses nor accepts. Here: a listening socket whose
+    queue of connections is full, so the kernel drops further connection requests unanswered."""
+    servicer, address = gcs
+    monkeypatch.setattr(node_death, "PROBE_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        port, queued = silent.getsockname()[1], []
+        try:
+            for _ in range(8):  # fill the accept queue (its length is the kernel's to decide)
+                queued.append(socket.create_connection(("127.0.0.1", port), timeout=0.2))
+        except TimeoutError:
+            pass
+        else:
+            pytest.fail("the kernel queued 8 connections on a backlog of 0: no port to leave unanswered")
+        lines = []
+        assert node_death.report_dead({"ab" * 28}, lines.append, [_node("ab" * 28, port)], address) == {"ab" * 28}
+        for connection in queued:
+            connection.close()
+    assert lines == [f"node {'ab' * 4}'s raylet gave no answer in 0.5 s: reported dead to Ray without waiting for its "
+                     "health checks"]
+    [request] = servicer.requests
+    assert request.node_death_info.reason_message.endswith("gave no answer in 0.5 s")

@@ -18,24 +18,25 @@ from trl_ext.launching.ray import failures
 PROBE_S = 2.0  # a live raylet's listening socket is answered by the kernel, however busy the process is
 
 
-def raylet_gone(address: str, port: int, timeout: float = PROBE_S) -> str | None:
+def raylet_gone(address: str, port: int, timeout: float | None = None) -> str | None:
     """Why a raylet no longer takes connections, or None if it does.
 
     Args:
         address: the node's ``NodeManagerAddress``.
         port: its ``NodeManagerPort``.
-        timeout: seconds to wait for the connection.
+        timeout: seconds to wait for the connection (default: ``PROBE_S``).
 
     Returns:
-        ``"refused"``, ``"no answer in 2 s"`` (the machine is gone or cut off), another OS error's text, or None.
+        ``"refused"``, ``"gave no answer in 2 s"`` (the machine is gone or cut off), another OS error's text, or None.
     """
+    timeout = PROBE_S if timeout is None else timeout
     try:
         with socket.create_connection((address, port), timeout=timeout):
             return None
     except ConnectionRefusedError:
         return "refused"
     except TimeoutError:
-        return f"no answer in {timeout:g} s"
+        return f"gave no answer in {timeout:g} s"
     except OSError as exc:  # no route to host, network unreachable
         return exc.strerror or type(exc).__name__
 
