@@ -36,3 +36,22 @@ def test_trl_ext_imports_only_its_own_modules_beyond_trls():
     assert not [m for m in added if m.startswith(NOT_IMPORTED)], added
     assert "trl_ext.trainers.sft" not in added  # only the trainer asked for
     assert len(added) <= 90, len(added)  # trl_ext's own: a few dozen small modules (81 with a module per orchestrator)
+
+
+
+_LIBRARIES = ("import json, sys; from trl_ext.mirror import {names}; "
+              "print(json.dumps([m for m in ('torch', 'transformers', 'peft', 'trl') if m in sys.modules]))")
+
+
+def _libraries(names: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", _LIBRARIES.format(names=names)], capture_output=True, text=True,
+                         cwd=REPO, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_mirror_without_its_trainer_object_imports_no_ml_library():
+    """A process's exit with uploads queued and ``trl-ext verify URL`` use the mirror without training: the store, the
+    lease and the uploader import none of torch, transformers, PEFT and TRL; verify only torch (the safetensors
+    header's dtypes). trl_ext.mirror's trainer object, which imports transformers, is imported when first asked for."""
+    assert _libraries("lease, outbox, store, uploader") == []
+    assert _libraries("verify") == ["torch"]

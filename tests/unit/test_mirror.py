@@ -376,7 +376,7 @@ if mode == "raise":
 HANG = 120
 
 
-@pytest.mark.slow  # five interpreters that import transformers (~40 s)
+@pytest.mark.slow  # five interpreters, the silent stores' waits (about 10 s on an idle machine)
 @pytest.mark.parametrize("mode", ["return", "raise", "silent", "sigterm", "sigterm-silent"])
 def test_a_process_that_returns_with_uploads_queued_finishes_them_and_ends(mode, tmp_path):
     """A real interpreter exit (the file uploads run on a thread pool, which the interpreter shuts at exit): the
