@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
+from tests.harness import (
+    MANY_TIMEOUT,
+    ONE_RUN_PER_LAUNCH,
+    SCRIPTS,
+    accelerate_launch,
+    hang_bound,
+    write_accelerate_config,
+)
 
 # The uninterrupted runs of tests/distributed/test_reliability.py: 4 steps, a checkpoint every 2, TRL's default
 # gradient checkpointing. They also serve test_zero_training (trains under ZeRO-3, partitions) and test_checkpointing
@@ -44,10 +51,6 @@ def engine_args(backend: str, trainer: str, lora: bool, batch: int = 2, accumula
                       *checkpoints)
 
 
-# Set by .ci/oldest.sh: DeepSpeed 0.19.2 cannot run several engines one after another in one process, and there only
-# the runs that the selected tests use are wanted.
-ONE_RUN_PER_LAUNCH = "TRL_EXT_TESTS_ONE_RUN_PER_LAUNCH"
-MANY_TIMEOUT = 600  # seconds for a shared launch (run_many.py)
 
 
 def _with_output_dir(args: list[str], default: Path) -> tuple[list[str], Path]:
@@ -69,8 +72,7 @@ class SharedRuns:
         """The output directory of ``script ARGS --output_dir OUT`` under ``backend``, launched on first use (``ARGS``
         may name their own ``--output_dir``: a test's own run, made in a shared launch)."""
         key = (script, backend, tuple(args), tuple(sorted(zero.items())), num_processes)
-        if os.environ.get(ONE_RUN_PER_LAUNCH):
-            timeout = max(timeout, MANY_TIMEOUT)  # a run ``many`` would have made: the bound of its launch
+        timeout = hang_bound(timeout)  # in the one-run-per-launch leg, a run ``many`` would have made
         if key not in self.done:
             directory = self._directory()
             args, out = _with_output_dir(args, directory / "out")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers.trainer_utils import get_last_checkpoint
 
 from tests.distributed.conftest import ZERO3_TRAIN
-from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
+from tests.harness import SCRIPTS, accelerate_launch, hang_bound, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.files.audit import audit
 from trl_ext.files.commit import PARTIAL_SUFFIX
@@ -41,7 +41,7 @@ def train(tmp_path: Path, trainer: str, out: str, *args: str):
     # The timeout is the hang detector: a run whose peer died must not wait out the 30-minute collective timeout.
     return accelerate_launch(SCRIPTS / "train.py",
                              ["--trainer", trainer, "--output_dir", str(tmp_path / out), *TRAIN, *args], config,
-                             timeout=240)
+                             timeout=hang_bound(240))
 
 
 def digest(directory: Path) -> dict[str, str]:
