@@ -15,7 +15,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from tests import reloading
 from tests.distributed.conftest import SFT_LORA_ROUNDTRIP
-from tests.harness import SCRIPTS, accelerate_launch, write_accelerate_config
+from tests.harness import SCRIPTS, accelerate_launch, hang_bound, write_accelerate_config
 from trl_ext.assets import default_model_path
 from trl_ext.files.audit import audit
 
@@ -28,7 +28,7 @@ def run(tmp_path: Path, backend: str, trainer: str, *args: str, expect_success: 
     config = write_accelerate_config(tmp_path / "configs", backend, **zero)
     out = tmp_path / "out"
     result = accelerate_launch(SCRIPTS / "save_roundtrip.py", ["--trainer", trainer, "--output_dir", str(out), *args],
-                               config, timeout=300)
+                               config, timeout=hang_bound(300))
     assert not result.timed_out, result.output[-4000:]
     if expect_success:
         assert result.returncode == 0, result.output[-6000:]
