@@ -51,8 +51,6 @@ def engine_args(backend: str, trainer: str, lora: bool, batch: int = 2, accumula
                       *checkpoints)
 
 
-
-
 def _with_output_dir(args: list[str], default: Path) -> tuple[list[str], Path]:
     """``args`` with an ``--output_dir`` (``default`` unless they name one), and that directory."""
     if "--output_dir" in args:
