@@ -23,10 +23,14 @@ NOT_IMPORTED = ("trl_ext.merge", "trl_ext.launching", "trl_ext.cli", "trl_ext.tr
                 "trl_ext.assets")
 
 
-def _added(names: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", PROBE.format(names=names)], capture_output=True, text=True, cwd=REPO,
-                         check=True)
+def _printed(code: str) -> list[str]:
+    """The JSON list ``code`` prints last, run in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _added(names: str) -> list[str]:
+    return _printed(PROBE.format(names=names))
 
 
 def test_trl_ext_imports_only_its_own_modules_beyond_trls():
@@ -38,15 +42,12 @@ def test_trl_ext_imports_only_its_own_modules_beyond_trls():
     assert len(added) <= 90, len(added)  # trl_ext's own: a few dozen small modules (81 with a module per orchestrator)
 
 
-
 _LIBRARIES = ("import json, sys; from trl_ext.mirror import {names}; "
               "print(json.dumps([m for m in ('torch', 'transformers', 'peft', 'trl') if m in sys.modules]))")
 
 
 def _libraries(names: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", _LIBRARIES.format(names=names)], capture_output=True, text=True,
-                         cwd=REPO, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _printed(_LIBRARIES.format(names=names))
 
 
 def test_the_mirror_without_its_trainer_object_imports_no_ml_library():
