@@ -60,11 +60,15 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The DPO and SFT runs under ``accelerate launch`` on 4 processes, started at once, waited for when needed."""
+def references(request, tmp_path_factory):
+    """The DPO and SFT runs under ``accelerate launch`` on 4 processes, started at once, waited for when needed: those
+    of the tests selected (CI's gate runs the DPO one only)."""
     tmp = tmp_path_factory.mktemp("references")
+    readers = {"dpo": "test_dpo_with_a_range_", "sft": "test_sft_at_a_fixed_size_"}  # each reference's test
     started = {}
     for name, args in (("dpo", DPO), ("sft", SFT)):
+        if not any(item.name.startswith(readers[name]) for item in request.session.items):
+            continue
         out = tmp / name
         log = open(tmp / f"{name}.log", "w")
         started[name] = (subprocess.Popen([sys.executable, *args, "--num_processes", "4", "--output_dir", str(out)],

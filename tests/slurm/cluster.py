@@ -525,7 +525,7 @@ class SlurmCluster:
         return parse_record(self._run(["scontrol", "show", "node", "-o", node]).stdout)
 
     def wait_state(self, job_id: str, states, timeout: float = 60, min_restarts: int = 0,
-                   count_pending: bool = True) -> dict[str, str]:
+                   count_pending: bool = True, output: Path | None = None) -> dict[str, str]:
         """Waits until the job is in one of `states` (and has been restarted at least `min_restarts` times).
 
         Args:
@@ -536,6 +536,7 @@ class SlurmCluster:
             count_pending: Whether the time the job spends PENDING counts towards `timeout`. False for a wait on
                 the job's own work: how long it queues depends on the jobs before it (the test's own timeout still
                 bounds the whole).
+            output: The job's log: then only the seconds it has not grown count (see `wait_until`).
 
         Returns:
             The job's record once it is there.
@@ -553,10 +554,10 @@ class SlurmCluster:
             return info.get("JobState") in TERMINAL_STATES and int(info.get("Restarts", "0") or 0) >= min_restarts
 
         return self.wait_until(job_id, there, ended, timeout, f"{sorted(wanted)} with restarts >= {min_restarts}",
-                               count_pending)
+                               count_pending, output=output)
 
     def wait_until(self, job_id: str, done, ended, timeout: float, what: str, count_pending: bool = True,
-                   poll: float = 0.2) -> dict[str, str]:
+                   poll: float = 0.2, output: Path | None = None) -> dict[str, str]:
         """Polls the job's record until ``done(record)``: the one waiting loop of the Slurm tests.
 
         Args:
@@ -567,6 +568,10 @@ class SlurmCluster:
             what: What is waited for, for the message.
             count_pending: Whether the time the job spends PENDING counts towards `timeout` (see `wait_state`).
             poll: Seconds between looks.
+            output: The job's log. Given, ``timeout`` bounds the seconds since it last grew: a hang's bound, not a
+                run's. A job that prints as it goes is not hung however slowly it runs (the early jobs share the
+                nodes' cores with each other and with CI's other legs: the reference run printed its last step 110 s
+                into training and was still saving at 400 s, 2026-12-03); the test's own timeout bounds the whole.
 
         Returns:
             The job's record once ``done``.
@@ -575,7 +580,7 @@ class SlurmCluster:
             SlurmError: At the timeout, or when the job has ended; the message has the job's record, its output so
                 far and the daemons' log tails.
         """
-        clock = RunClock(self, job_id, count_pending)
+        clock = RunClock(self, job_id, count_pending, output)
         while True:
             info = clock.tick()
             if done(info):
@@ -585,8 +590,9 @@ class SlurmCluster:
                 raise SlurmError(self.describe(job_id, f"job {job_id} ended {state}, waiting for {what}"))
             if clock.seconds > timeout:
                 raise SlurmError(self.describe(job_id, f"job {job_id} still {state} after {timeout}s"
-                                                       f"{'' if count_pending else ' out of the queue'}, waiting for "
-                                                       f"{what}"))
+                                                       f"{'' if count_pending else ' out of the queue'}"
+                                                       f"{'' if output is None else ' with its log unchanged'}, "
+                                                       f"waiting for {what}"))
             time.sleep(poll)
 
     def wait_done(self, job_id: str, timeout: float = 60) -> dict[str, str]:
@@ -731,19 +737,22 @@ class SlurmCluster:
 
 
 class RunClock:
-    """The seconds a wait has lasted, or only those the job spent out of the queue (not PENDING).
+    """The seconds a wait has lasted, or only those the job spent out of the queue (not PENDING), or only those since
+    its log last grew.
 
     Args:
         cluster: The cluster.
         job_id: The job id.
         count_pending: Whether time PENDING counts too (then this is the wait's wall time).
+        output: The job's log: each tick that finds it grown starts the count again.
     """
 
-    def __init__(self, cluster: SlurmCluster, job_id: str, count_pending: bool = True):
-        self.cluster, self.job_id, self.count_pending = cluster, job_id, count_pending
+    def __init__(self, cluster: SlurmCluster, job_id: str, count_pending: bool = True, output: Path | None = None):
+        self.cluster, self.job_id, self.count_pending, self.output = cluster, job_id, count_pending, output
         self.seconds = 0.0
         self._last = time.monotonic()
         self._pending = False
+        self._size = -1
 
     def tick(self) -> dict[str, str]:
         """Adds the time since the last tick (unless the job was pending then) and returns the job's record."""
@@ -751,6 +760,10 @@ class RunClock:
         if self.count_pending or not self._pending:
             self.seconds += now - self._last
         self._last = now
+        if self.output is not None:
+            size = self.output.stat().st_size if self.output.exists() else -1
+            if size != self._size:
+                self._size, self.seconds = size, 0.0
         info = self.cluster.job_info(self.job_id)
         self._pending = info.get("JobState") == "PENDING"
         return info

@@ -62,9 +62,10 @@ def log_of(out: Path) -> str:
 
 
 def finished(cluster, job: str, out: Path, timeout: float = 400, min_restarts: int = 0) -> str:
-    """Waits for the job to complete (``timeout``: seconds out of the queue), checks that it saved and verified its
-    model, and returns its log."""
-    info = cluster.wait_state(job, "COMPLETED", timeout=timeout, min_restarts=min_restarts, count_pending=False)
+    """Waits for the job to complete (``timeout``: seconds out of the queue with its log unchanged, a hang's bound),
+    checks that it saved and verified its model, and returns its log."""
+    info = cluster.wait_state(job, "COMPLETED", timeout=timeout, min_restarts=min_restarts, count_pending=False,
+                              output=Path(f"{out}.log"))
     log = log_of(out)
     assert info["ExitCode"] == "0:0", log[-4000:]
     assert "saved and verified" in log, log[-4000:]

@@ -5,6 +5,7 @@ group that grows, and that trl_ext never imports Ray unless it is used. The real
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -170,6 +171,16 @@ def test_too_few_resources_are_waited_for_a_stated_time_then_refused():
     now[0] = 0.0
     cluster.wait_for_room(lambda: nodes[0], group, 30, lines.append, clock=lambda: now[0], sleep=joined)
     assert now[0] == 5.0
+
+
+def test_a_group_that_cannot_start_is_tried_again_for_the_stated_wait_at_the_users_start_timeout(monkeypatch):
+    from trl_ext.launching.ray import group
+
+    monkeypatch.delenv(group.START_ENV, raising=False)
+    assert group.start_attempts(300) == 10 and os.environ[group.START_ENV] == "30.0"  # trl_ext's 30 s, set for Ray
+    monkeypatch.setenv(group.START_ENV, "120")  # the user's: kept, and the wait holds 3 starts, not 10 of 120 s
+    assert group.start_attempts(300) == 3 and os.environ[group.START_ENV] == "120"
+    assert group.start_attempts(10) == 1
 
 
 class _HealthCheckFailed(Exception):

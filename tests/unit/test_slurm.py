@@ -157,3 +157,35 @@ def test_the_sbatch_script_parses_and_asks_slurm_for_what_it_needs():
     assert "#SBATCH --ntasks-per-node" not in text and "#SBATCH --ntasks" not in text
     assert "srun --ntasks-per-node=1" in text
     assert "python -m trl_ext.launching.node" in text and "python -m trl_ext.launching.restart" in text
+
+
+def test_a_wait_on_a_jobs_log_counts_only_the_seconds_it_stayed_unchanged(tmp_path, monkeypatch):
+    """The Slurm tests' hang bound (`tests/slurm/cluster.RunClock` with the job's log): a job that prints is slow, not
+    hung, however long it runs; the time it spends queued never counts."""
+    from tests.slurm import cluster
+
+    now = [0.0]
+    monkeypatch.setattr(cluster.time, "monotonic", lambda: now[0])
+    states = iter(["PENDING", "RUNNING", "RUNNING", "RUNNING", "RUNNING"])
+
+    class Jobs:
+        def job_info(self, job_id):
+            return {"JobState": next(states)}
+
+    log = tmp_path / "job.log"
+    clock = cluster.RunClock(Jobs(), "1", count_pending=False, output=log)
+    clock.tick()  # no log yet: pending
+    now[0] = 100.0
+    clock.tick()  # the 100 s pending do not count; the log is still missing
+    assert clock.seconds == 0
+    now[0] = 150.0
+    log.write_text("step 1\n")
+    clock.tick()
+    assert clock.seconds == 0  # it grew: the count starts again
+    now[0] = 450.0
+    clock.tick()
+    assert clock.seconds == 300  # unchanged for 300 s
+    now[0] = 460.0
+    log.write_text("step 1\nstep 2\n")
+    clock.tick()
+    assert clock.seconds == 0

@@ -38,6 +38,7 @@ from trl_ext.settings import environment
 
 WAIT_ENV = environment.RAY_WAIT.name  # for room, and for a group that cannot start
 CONNECT_SECONDS = 30.0  # for an address where nothing answers
+START_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 START_SECONDS = 30.0  # Ray Train's wait for a group's workers to start, before it tries again (its default: 60 s)
 NEVER = 1e9  # Ray Train's own resize of a running elastic group: off (it would not save first; ``growth`` does)
 
@@ -114,14 +115,14 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
     failure_limit.started_by_hand(task.output_dir, task.run)
     task.most = group.workers[1] if group.elastic else 0
     task.per_worker = dict(group.per_worker)
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(START_SECONDS))  # passed on to Ray Train
+    starts = start_attempts(wait)
     # Ray Train's print() to its logger as well: it tees what libraries print into a redirected stdout (a StringIO)
     # to the job's log. Off, the workers' output reaches the job's log as it is.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     say(f"Ray run {task.run}: {group.describe()} on {len(cluster.alive(ray.nodes()))} node(s); output and Ray's "
         f"storage for the run: {task.output_dir}")
     while True:
-        result = _fit(task, group, max_failures, wait)
+        result = _fit(task, group, max_failures, wait, starts)
         value = result.return_value if isinstance(result.return_value, dict) else {}
         if GROW not in value:
             return result
@@ -132,7 +133,22 @@ def run(task: Task, asked: tuple[int, int] | None, say, max_failures: int | None
         cluster.refresh_view(say)
 
 
-def _fit(task: Task, group: cluster.Group, max_failures: int, wait: float):
+def start_attempts(wait: float) -> int:
+    """How many times Ray Train may start a worker group within ``wait``, each start waiting
+    ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (set here to ``START_SECONDS`` unless the user set it; Ray Train reads it
+    from the driver's environment).
+
+    Args:
+        wait: seconds for a group that cannot start (``TRL_EXT_RAY_WAIT_S``).
+
+    Returns:
+        Ray's ``controller_failure_limit``, at least 1.
+    """
+    seconds = float(os.environ.setdefault(START_ENV, str(START_SECONDS)))
+    return max(1, math.ceil(wait / seconds))
+
+
+def _fit(task: Task, group: cluster.Group, max_failures: int, wait: float, starts: int):
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
@@ -148,7 +164,7 @@ def _fit(task: Task, group: cluster.Group, max_failures: int, wait: float):
             # Ray's own count of lost groups counts every one, even after new checkpoints: off (-1); the run's rule
             # decides instead, in the controller (``Verdict``), as under every orchestrator (``failure_limit``)
             failure_config=FailureConfig(max_failures=-1,
-                                         controller_failure_limit=max(1, math.ceil(wait / START_SECONDS))),
+                                         controller_failure_limit=starts),
             callbacks=[controller.Verdict(task.run, task.output_dir, max_failures)]))
     try:
         return trainer.fit()
