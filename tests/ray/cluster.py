@@ -83,8 +83,12 @@ class RayCluster:
         self.cpus, self.cwd = cpus_per_node, cwd  # cwd: where the head starts, and so where jobs run
         # Ray's wait for its dashboard, 60 s by default, was missed beside the CI legs' installs (2026-12-02): the
         # dashboard imports its modules (aiohttp, grpc, OpenTelemetry) first, and 180 s did not suffice either.
+        # Ray starts its workers (Ray Train's controller and workers, fit's ranks) at nice 15 (worker_niceness): beside
+        # CI's other legs at nice 0 (load 15-20 on 2 cores) they got almost no CPU, and a 2-step fit() that takes 55 s
+        # at load 5 had not started training after 5 minutes at load 16 (2026-12-03): here they run at nice 0, as the
+        # references under accelerate launch do, and as on a node of their own.
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DASHBOARD_STARTUP_TIMEOUT_S": "900",
-                    **(env or {})}
+                    "RAY_worker_niceness": "0", **(env or {})}
         self.env.pop("RAY_ADDRESS", None)
         self.system_config = system_config or {}
         self.temp = tempfile.mkdtemp(prefix="trlray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
