@@ -1,21 +1,27 @@
 """Ray's cost to a run, and a lost node's cost, on a private 2-node Ray cluster on this host (tests/ray/cluster.py).
 
-    python bench/on_ray.py [--repeats 2] [--steps 40] [--skip overhead|recovery] [--health-check-ms 1000]
+    python bench/on_ray.py [--repeats 2] [--steps 40] [--skip overhead|recovery] [--standby both|on|off]
+                           [--health-check-ms 1000]
 
 1. Without failures: the same DPO job (ZeRO-3, the embedded tiny model, 4 processes, no checkpoints) under
    ``accelerate launch`` (``python recipes/dpo.py --num_processes 4``, the recipe launching itself) and as a Ray job
    (``ray job submit -- python recipes/dpo.py ...``: 4 workers, 2 on each node), alternated, ``--repeats`` each: from
    the command to the first training step, in parts; the median step; the whole job. Both run the recipe through
    bench/_ray_timing.py, which prints when each part happens.
-2. Recovery: the same job with ``--num_processes 2-4`` and a checkpoint every 10 steps; once checkpoint-20 is
-   committed, the second node is killed (its raylet, log monitor and workers, SIGKILL). The parts, from the kill to
+2. Recovery: the same job with ``--num_processes 2-4`` and a checkpoint every 10 steps; at the first checkpoint
+   after checkpoint-20 once every standby process has done its imports (``trl_ext.launching.ray.standby``; a loss
+   later in a run), the second node is killed (its raylet, log monitor and workers, SIGKILL). ``--standby both`` (the
+   default) runs it without standby processes (``TRL_EXT_RAY_STANDBY=0``), then with them, the node brought back
+   between the two. The parts, from the kill to
    the first step after the resume: Ray Train's controller reports the lost workers (its health check of them, then
    trl_ext's verdict); it decides on the workers left (the lost node reported dead by trl_ext once its raylet refuses
    connections, Ray's view of the cluster refreshed);
    it starts them (placement, actors, process group); each rank's recipe starts (trl_ext's worker imports the
    trainers: transformers, TRL); the trainer is built (the model); ``train()`` loads the checkpoint (DeepSpeed's
    universal checkpoint for the other number of processes); the first step. Then Ray Train's own account of that
-   group start, part by part (the debug lines its controller writes to the session's ``logs/train`` directory).
+   group start, part by part (the debug lines its controller writes to the session's ``logs/train`` directory). Per
+   run also: the first group's median step and the job's CPU seconds (what the spares' imports cost beside training),
+   the spares' import times and resident memory.
 
 ``--health-check-ms P``: the head started with Ray's node health check every P ms and 3 failures to mark a node dead
 (``--system-config`` ``health_check_period_ms``, ``health_check_failure_threshold``; Ray's defaults: 3000 ms, 5), a
@@ -37,6 +43,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -162,15 +170,57 @@ def _group_start_breakdown(cluster: RayCluster) -> list[str]:
     return lines
 
 
-def recovery(cluster: RayCluster, work: Path, steps: int) -> None:
-    name, out = "recovery", work / "recovery"
-    env = {**ENV, "TRL_EXT_BENCH_STEP_SECONDS": "0.5"}
+def _spares_ready(cluster: RayCluster, job: str, standby: bool, timeout: float = 300) -> str:
+    """Waits until every standby process of the job (trl_ext.launching.ray.standby) has done its imports: a lost
+    node costs a run on its first minutes what it costs later. Returns what they were."""
+    if not standby:
+        return "off (TRL_EXT_RAY_STANDBY=0)"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if "standby process(es) on this node" in cluster.logs(job):
+            files = list(Path(tempfile.gettempdir()).glob("trl_ext-ray-standby/*/*/spare-*"))
+            texts = [f.read_text() for f in files if f.exists()]
+            if files and all(len(t.split()) == 2 for t in texts):
+                rss = [psutil.Process(int(f.name[6:])).memory_info().rss / 2**30 for f in files]
+                return (f"{len(texts)} ready, their imports {', '.join(t.split()[0] for t in texts)} s, "
+                        f"{', '.join(f'{r:.2f}' for r in rss)} GiB resident each")
+        time.sleep(0.5)
+    return "not ready within the wait"
+
+
+def _wait_for_nodes(cluster: RayCluster, count: int, timeout: float = 120) -> None:
+    """Until Ray's GCS counts ``count`` nodes alive (a node's ``ray start`` returns before it does)."""
+    from ray._raylet import GcsClient
+
+    client, end = GcsClient(address=cluster.address), time.monotonic() + timeout
+    while sum(info.state == 0 for info in client.get_all_node_info().values()) < count:  # 0: ALIVE
+        assert time.monotonic() < end, f"fewer than {count} nodes alive after {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+def _next_checkpoint(out: Path) -> int:
+    """The step of the next checkpoint the run commits (its directory appears)."""
+    done = {int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()}
+    while True:
+        now = {int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()}
+        if now - done:
+            return max(now - done)
+        time.sleep(0.05)
+
+
+def recovery(cluster: RayCluster, work: Path, steps: int, standby: bool = True) -> None:
+    cpu = cluster.cpu_seconds()
+    name = f"recovery-{'standby' if standby else 'none'}"
+    out = work / name
+    env = {**ENV, "TRL_EXT_BENCH_STEP_SECONDS": "0.5", "TRL_EXT_RAY_STANDBY": "1" if standby else "0"}
     cluster.submit([*DPO, "--max_steps", str(steps), "--save_strategy", "steps", "--save_steps", "10",
                     "--num_processes", "2-4", "--output_dir", str(out)], name, env)
     log = _Log(cluster, name)
     log.wait("Started training worker group of size 4")
     while not (out / "checkpoint-20").is_dir():
         time.sleep(0.05)
+    spares = _spares_ready(cluster, name, standby)
+    at = _next_checkpoint(out)
     killed = cluster.kill_node()
     noticed = log.wait("Ray lost rank")
     marked, attempt = "Ray marked node(s)", "Attempting to start training worker group of size 2"
@@ -196,12 +246,17 @@ def recovery(cluster: RayCluster, work: Path, steps: int) -> None:
          events[("resumed", 1)][0] - events[("train", 1)][0]),
         ("-> the first step done", first - events[("resumed", 1)][0]),
     ]
-    print(f"\nrecovery: DPO, ZeRO-3, --num_processes 2-4, the second node killed at checkpoint-20 of {steps} steps")
+    print(f"\nrecovery: DPO, ZeRO-3, --num_processes 2-4, the second node killed at checkpoint-{at} of {steps} steps; "
+          f"standby processes: {spares}")
     for text, seconds in parts:
         print(f"  {text:<80} {seconds:7.1f} s")
     print(f"  {'between the parts (trainer built -> train())':<80} "
           f"{events[('train', 1)][0] - events[('trainer_built', 1)][0]:7.1f} s")
     print(f"from the kill to the first step after the resume: {first - killed:.1f} s")
+    print(f"the first group's median step (0.5 s of it a sleep): {_median_step(events):.2f} s; the job's CPU, both "
+          f"nodes: {cluster.cpu_seconds() - cpu:.0f} s")
+    used = re.findall(r"\[trl_ext\] (Ray: rank\(s\) .* started on standby processes.*)", cluster.logs(name))
+    print(f"the restarted group: {used[-1] if used else 'no rank started on a standby process'}")
     print("Ray Train's own account of starting the 2 workers (its controller's debug log):")
     for line in _group_start_breakdown(cluster):
         print("  " + line.replace("\n", "\n  "))
@@ -214,6 +269,8 @@ def main() -> None:
     parser.add_argument("--skip", choices=["overhead", "recovery"], default=None)
     parser.add_argument("--health-check-ms", type=int, default=None, help="the head's health_check_period_ms (3 "
                         "failures mark a node dead); Ray's defaults: 3000 ms, 5 failures")
+    parser.add_argument("--standby", choices=["both", "on", "off"], default="both",
+                        help="the recovery with standby processes (TRL_EXT_RAY_STANDBY), without, or both, in turn")
     args = parser.parse_args()
     checks = ({"health_check_period_ms": args.health_check_ms, "health_check_failure_threshold": 3}
               if args.health_check_ms else None)
@@ -226,7 +283,12 @@ def main() -> None:
         if args.skip != "overhead":
             overhead(cluster, work, args.repeats, args.steps)
         if args.skip != "recovery":
-            recovery(cluster, work, max(args.steps, 40))
+            for i, standby in enumerate({"both": (False, True), "on": (True,), "off": (False,)}[args.standby]):
+                if i:  # the lost node back for the next run, which must start on both nodes
+                    cluster.start_node()
+                    _wait_for_nodes(cluster, 2)
+                    time.sleep(25)  # Ray Train sizes a new group from a view of the nodes refreshed every 20 s
+                recovery(cluster, work, max(args.steps, 40), standby)
 
 
 if __name__ == "__main__":

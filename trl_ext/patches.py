@@ -422,6 +422,25 @@ PATCHES: dict[str, Patch] = {
                    _has("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator"
                         ".get_or_create_autoscaling_coordinator")),
     ),
+    "ray-standby-workers": Patch(
+        target="ray.core.generated.node_manager_pb2_grpc.NodeManagerServiceStub.PrestartWorkers over "
+               "ray._private.grpc_utils.init_grpc_channel, called on a node's first rank after a worker group's first "
+               "step; and Ray's setup-hook variable (ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR) set "
+               "to a module path in the group's runtime environment",
+        why="Ray Train ends every worker of a lost group and starts new processes, which import Ray, torch, "
+            "transformers and TRL before the first step: 24.6 s of a 29.7-s recovery here; Ray prestarts idle "
+            "workers for a job only through its raylet's RPC",
+        upstream="none filed: ray 2.60 has the raylet's PrestartWorkers RPC and the setup hook, but no Python call "
+                 "that prestarts workers for a runtime environment",
+        remove_when="Ray offers a public call that prestarts workers for a job's runtime environment, or Ray Train "
+                    "keeps spare workers itself",
+        guard=_all(_has("ray._private.grpc_utils.init_grpc_channel", "address"),
+                   _has("ray.core.generated.node_manager_pb2_grpc.NodeManagerServiceStub"),
+                   _has("ray.core.generated.node_manager_pb2.PrestartWorkersRequest"),
+                   _has("ray.core.generated.runtime_environment_pb2.RuntimeEnvInfo"),
+                   _has("ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR"),
+                   _has("ray._private.runtime_env.setup_hook.load_and_execute_setup_hook_module")),
+    ),
     "ray-unregister-lost-node": Patch(
         target="ray.core.generated.gcs_service_pb2_grpc.NodeInfoGcsServiceStub.UnregisterNode over "
                "ray._private.grpc_utils.init_grpc_channel, called on the Ray Train controller for a node whose workers "

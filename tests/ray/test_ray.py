@@ -2,8 +2,9 @@
 tests/ray/cluster.py), ``ray job submit -- python recipes/...``, and ``trl_ext.ray.fit`` from Python.
 
 - DPO under ZeRO-3 with ``--num_processes 2-4``: it starts on both nodes (4 workers); the second node is killed
-  (SIGKILL, its raylet and its workers) after a checkpoint; the group goes on with the head's 2 workers, resumes by
-  itself at the same global batch (two batches accumulated); the node comes back, and the group stops with a checkpoint
+  (SIGKILL, its raylet and its workers) after a checkpoint, once each node's standby processes are up; the group goes
+  on with the head's 2 workers, started on the head's standby processes, resumes by itself at the same global batch
+  (two batches accumulated); the node comes back, and the group stops with a checkpoint
   and grows to 4 again; the run completes on the trajectory of the same run under ``accelerate launch`` (within 1% of
   the way training moved the model), with its losses before the loss equal to that run's.
 - SFT under FSDP2 at a fixed 4 workers, with memory checkpoints: the second node is killed after a memory checkpoint
@@ -20,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,6 +105,30 @@ def _same_losses(got: Path, want: Path, steps=None) -> None:
 
 def _newest(out: Path) -> int:
     return max((int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")), default=0)
+
+
+def _wait_for_spares(count: int, since: float, job: str, cluster: RayCluster, timeout: float = 300) -> None:
+    """Until ``count`` standby processes of jobs submitted since ``since`` have started and claimed their slots
+    (trl_ext.launching.ray.standby: ``spare-<pid>`` in each node's directory)."""
+    root = Path(tempfile.gettempdir()) / "trl_ext-ray-standby"
+    end = time.monotonic() + timeout
+    while sum(spare.stat().st_mtime >= since for spare in root.glob("*/*/spare-*")) < count:
+        assert time.monotonic() < end, f"fewer than {count} standby processes after {timeout:.0f} s"
+        assert cluster.status(job) == "RUNNING", cluster.logs(job)[-4000:]
+        time.sleep(0.5)
+
+
+def _spares_end_with_the_job(since: float, timeout: float = 60) -> None:
+    """The standby processes still waiting when the job ended (``spare-<pid>`` files left) are ended with it by Ray."""
+    import psutil
+
+    root = Path(tempfile.gettempdir()) / "trl_ext-ray-standby"
+    pids = [int(spare.name[len("spare-"):]) for spare in root.glob("*/*/spare-*") if spare.stat().st_mtime >= since]
+    end = time.monotonic() + timeout
+    while [pid for pid in pids if psutil.pid_exists(pid)] and time.monotonic() < end:
+        time.sleep(0.5)
+    left = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert pids and not left, (pids, left)
 
 
 def _registered(out: Path) -> list[str]:
@@ -189,15 +215,17 @@ def test_dpo_with_a_range_loses_a_node_goes_on_with_the_head_grows_back_and_ends
     holds.mkdir()
     # Lost late, and the 2 workers held before their second step until the node is back and trl_ext saw the room:
     # few steps follow the ones on 2 processes, whose last bits grow step after step (see DPO)
-    env = {"TRL_EXT_TEST_RECIPE": "recipes/dpo.py", "TRL_EXT_TEST_RUNS": "1", "TRL_EXT_TEST_HOLD": "step-18",
+    # Step 17 held too, until the node is lost: each node's standby processes are up by then (a loss later in a run)
+    env = {"TRL_EXT_TEST_RECIPE": "recipes/dpo.py", "TRL_EXT_TEST_RUNS": "0,1", "TRL_EXT_TEST_HOLD": "step-17,step-18",
            "TRL_EXT_TEST_HOLD_DIR": str(holds)}
+    submitted = time.time()
     cluster.submit(["tests/slurm/slowed.py", *DPO[1:], "--num_processes", "2-4", "--output_dir", str(out)], job, env)
     at = cluster.wait_for_line(job, "Ray: rank 0 of 4", timeout=600)  # the range's maximum, on both nodes
-    while _newest(out) < 16:
-        assert cluster.status(job) == "RUNNING", cluster.logs(job)[-4000:]
-        time.sleep(0.2)
+    at = cluster.wait_for_line(job, "[test] holding step-17", timeout=600, after=at)
     lost_at = _newest(out)
+    _wait_for_spares(4, submitted, job, cluster)  # 2 on each node
     cluster.kill_node()
+    (holds / "release-step-17").touch()
     at = cluster.wait_for_line(job, f"restart 1: resuming from {out}/checkpoint-{lost_at}", timeout=600, after=at)
     at = cluster.wait_for_line(job, "[test] holding step-18", timeout=600, after=at)
     cluster.start_node()
@@ -210,6 +238,10 @@ def test_dpo_with_a_range_loses_a_node_goes_on_with_the_head_grows_back_and_ends
     # (unless they marked it before the controller's verdict ran, on a loaded machine: then no node is waited for)
     assert "Ray marked node(s)" not in log or "raylet refused: reported dead to Ray without waiting" in log, log[-6000:]
     assert "Ray: rank 0 of 2 on 1 machine(s), run ray-dpo-ranged, restart 1" in log, log[-6000:]
+    # the group restarted on the head's standby processes, their imports done (trl_ext.launching.ray.standby)
+    assert "Ray: 2 standby process(es) on this node (" in log, log[-6000:]
+    assert "Ray: rank(s) 0, 1 of 2 started on standby processes" in log, log[-6000:]
+    _spares_end_with_the_job(submitted)
     assert ("resuming a checkpoint saved on 4 processes on 2: gradient_accumulation_steps 1 -> 2, to keep the global "
             "batch size of 16") in log, log[-6000:]
     assert f"Ray: growing the worker group: saved {out}/checkpoint-18 (step 18) and stopped" in log, log[-6000:]

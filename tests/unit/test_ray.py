@@ -241,6 +241,14 @@ def test_what_ends_a_rank_keeps_its_kind_across_processes():
         assert (type(failure), failure.kind, str(failure)) == (failures.RankError, kind, line)
 
 
+def test_a_group_grows_only_to_a_size_that_keeps_the_global_batch():
+    from trl_ext.launching.ray.growth import keeps_global_batch
+
+    assert keeps_global_batch(2, 2, 4)  # after a loss from 4: two batches accumulated, halved again
+    assert not keeps_global_batch(2, 1, 4)  # started on 2: 8 samples cannot be 4 x 4
+    assert not keeps_global_batch(2, 2, 3) and keeps_global_batch(3, 2, 6)
+
+
 def test_a_planned_stop_is_a_sigterm_with_a_reason():
     stop = Preemption()
     stop.request_stop("Ray: room for 2 more worker(s)")
@@ -279,6 +287,139 @@ def test_trl_ext_never_imports_ray_unless_it_is_used():
             "import trl_ext.launching.launch as launch, trl_ext.placement.orchestrators as o\n"
             "o.current(); launch.start('recipes/dpo.py', ['--max_steps', '3'])\n"
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+# Standby processes (trl_ext.launching.ray.standby): the node's directory of slots and spares, without a cluster.
+
+@pytest.fixture
+def spares(monkeypatch, tmp_path):
+    """The standby directory at ``tmp_path``, on; the raylet's prestart recorded instead of asked."""
+    from trl_ext.launching.ray import standby
+
+    monkeypatch.setattr(standby, "_directory", lambda: tmp_path)
+    monkeypatch.setenv(standby.HOOK_ENV, standby.HOOK)  # the driver turned them on
+    asked = []
+    monkeypatch.setattr(standby, "_prestart", asked.append)
+    return standby, tmp_path, asked
+
+
+def _preload_in_child(standby, niceness_file) -> None:
+    """``preload`` in a forked child (its own process id, as each spare has), waited for; the child's niceness after
+    it (its main thread's, which runs the rank) written to ``niceness_file``."""
+    import multiprocessing
+
+    def spare():
+        standby.preload()
+        niceness_file.write_text(str(os.getpriority(os.PRIO_PROCESS, 0)))
+
+    child = multiprocessing.get_context("fork").Process(target=spare)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+
+
+def test_each_slot_makes_one_spare_that_imports_what_the_rank_had_and_other_processes_import_nothing(
+        spares, monkeypatch, tmp_path_factory):
+    standby, directory, asked = spares
+    said = []
+    assert standby.keep_ready(2, gpu=False, say=said.append) == 2
+    assert asked == [2] and "2 standby process(es) on this node" in said[0]
+    slots = sorted(directory.glob("slot-*"))
+    assert len(slots) == 2 and slots[0].read_text().split() == standby.imported()
+    # a module that says which process imported it, and one that fails, in place of the rank's list
+    code = tmp_path_factory.mktemp("modules")
+    (code / "standby_probe.py").write_text(  # the importing thread's niceness, in a file named by the process
+        f"import os, threading\nopen(os.path.join({str(code)!r}, str(os.getpid())), 'w').write("
+        "str(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))\n")
+    (code / "standby_broken.py").write_text("raise RuntimeError('no')\n")
+    monkeypatch.syspath_prepend(str(code))
+    for slot in slots:
+        slot.write_text("standby_probe\nstandby_broken\n")
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    for _ in range(3):  # the third process finds no slot: an ordinary worker, which imports nothing
+        _preload_in_child(standby, code / "after")
+        assert (code / "after").read_text() == str(mine)  # the rank it becomes runs at this process's priority
+    claimed = sorted(directory.glob("spare-*"))
+    assert not list(directory.glob("slot-*")) and len(claimed) == 2
+    imported = {p.name: p.read_text() for p in code.iterdir() if p.name.isdigit()}
+    assert sorted(imported) == sorted(p.name[6:] for p in claimed)
+    assert set(imported.values()) == {str(min(mine + standby.NICE, 19))}  # the imports yielded the CPU
+    for spare in claimed:
+        seconds, failed = spare.read_text().split()
+        assert float(seconds) >= 0 and failed == "1"
+
+
+def test_spares_still_waiting_are_counted_dead_ones_and_stale_slots_dropped_and_gpu_groups_preload_torch(spares):
+    standby, directory, asked = spares
+    (directory / f"spare-{os.getpid()}").write_text("4.0 0")  # waiting
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (directory / f"spare-{dead.pid}").write_text("4.0 0")
+    (directory / "slot-1-0").write_text("torch")  # asked for by a group that is gone, never claimed
+    assert standby.keep_ready(3, gpu=True, say=lambda line: None) == 2
+    assert asked == [2]
+    assert not (directory / f"spare-{dead.pid}").exists() and not (directory / "slot-1-0").exists()
+    slots = list(directory.glob("slot-*"))
+    assert len(slots) == 2 and {s.read_text() for s in slots} == {"torch"}
+    assert standby.keep_ready(1, gpu=True, say=lambda line: None) == 0  # the waiting one is enough
+
+
+def test_a_process_that_was_a_spare_says_so_once_and_preload_never_raises(spares, monkeypatch):
+    standby, directory, _ = spares
+    assert standby.taken() is None
+    (directory / f"spare-{os.getpid()}").write_text("6.5 1")
+    assert standby.taken() == 6.5
+    assert standby.taken() is None
+    monkeypatch.setattr(standby, "_directory", lambda: directory / "missing")
+    standby.preload()  # nothing to claim, nothing raised
+    monkeypatch.setattr(standby, "_claim", lambda: 1 / 0)
+    standby.preload()  # Ray would end a worker whose hook raised
+
+
+def test_a_worker_asks_for_no_spares_unless_the_driver_set_the_hook(spares, monkeypatch):
+    standby, directory, asked = spares
+    monkeypatch.delenv(standby.HOOK_ENV)
+    assert standby.keep_ready(2, False, print) == 0 and asked == [] and not list(directory.iterdir())
+    monkeypatch.setenv(standby.HOOK_ENV, "users_own.hook")
+    assert standby.keep_ready(2, False, print) == 0 and asked == []
+
+
+def test_a_failed_prestart_is_one_line_and_the_group_restarts_as_without_spares(spares, monkeypatch):
+    standby, _, _ = spares
+
+    def refuse(count):
+        raise ConnectionError("raylet gone")
+
+    monkeypatch.setattr(standby, "_prestart", refuse)
+    said = []
+    assert standby.keep_ready(2, gpu=False, say=said.append) == 0
+    assert said == ["Ray: could not ask this node's raylet for standby processes (ConnectionError: raylet gone)"]
+
+
+def test_standby_processes_are_off_when_asked_or_where_the_job_has_a_setup_hook_of_its_own(monkeypatch):
+    pytest.importorskip("ray")
+    from trl_ext.launching.ray import standby
+
+    monkeypatch.delenv(standby.HOOK_ENV, raising=False)
+    monkeypatch.delenv("TRL_EXT_RAY_STANDBY", raising=False)
+    assert standby.worker_env() == {standby.HOOK_ENV: "trl_ext.launching.ray.standby.preload"}
+    monkeypatch.setenv("TRL_EXT_RAY_STANDBY", "0")
+    assert standby.worker_env() == {}
+    monkeypatch.setenv("TRL_EXT_RAY_STANDBY", "yes")
+    with pytest.raises(UsageError, match="TRL_EXT_RAY_STANDBY='yes' is not a whole number from 0 to 1"):
+        standby.worker_env()
+    monkeypatch.setenv("TRL_EXT_RAY_STANDBY", "1")
+    monkeypatch.setenv(standby.HOOK_ENV, "users_own.hook")
+    assert standby.worker_env() == {}
+
+
+def test_the_hooks_module_imports_neither_torch_nor_transformers():
+    """Ray imports it in every new worker of the group: only a spare may import more."""
+    code = ("import sys, trl_ext.launching.ray.standby\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'trl', 'ray') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"

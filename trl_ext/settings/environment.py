@@ -79,6 +79,9 @@ RENDEZVOUS_TIMEOUT = Setting(
     "the seconds the machines of a job wait for each other before their ranks start")
 RAY_WAIT = Setting(
     "TRL_EXT_RAY_WAIT_S", 300.0, "the seconds a Ray run waits for the cluster to have room for its minimum; 0: none")
+RAY_STANDBY = Setting(
+    "TRL_EXT_RAY_STANDBY", 1,
+    "whether a Ray run keeps a standby process per rank on each node, its imports done, for a restarted group; 0: none")
 RUN_ID = Setting(
     "TRL_EXT_RUN_ID", None, "the run's identity, where the orchestrator's own is not the one to use")
 MASTER_PORT = Setting(
@@ -90,7 +93,7 @@ MEMORY_DIR = Setting(
     "TRL_EXT_MEMORY_DIR", "/dev/shm/trl_ext",
     "where a machine keeps its memory checkpoints (memory_checkpoint_steps): node-local shared memory by default")
 
-SETTINGS = (MAX_FAILURES, RENDEZVOUS_TIMEOUT, RAY_WAIT, RUN_ID, MASTER_PORT, CACHE, MEMORY_DIR)
+SETTINGS = (MAX_FAILURES, RENDEZVOUS_TIMEOUT, RAY_WAIT, RAY_STANDBY, RUN_ID, MASTER_PORT, CACHE, MEMORY_DIR)
 
 # name -> the module that writes it for the processes it starts, and reads it there
 HANDED_DOWN = {

@@ -9,7 +9,8 @@
      minimum, and after a loss goes on with fewer); CPU workers spread across the nodes, GPU workers packed;
    - ``RunConfig``: the run's output directory as Ray's storage for the run (``storage_path`` its parent, ``name``
      its name), so that each committed checkpoint is registered with Ray where it is (``reporting``); Ray keeps its
-     own small files there (``checkpoint_manager_snapshot.json``);
+     own small files there (``checkpoint_manager_snapshot.json``); the workers' runtime environment carries the
+     standby processes' setup hook (``standby``);
    - a lost worker or node costs a restart of the group, bounded by the run's own rule (``failure_limit``): after
      ``TRL_EXT_MAX_FAILURES`` (default 3; the former ``TRL_EXT_RAY_MAX_FAILURES`` is still read) lost groups in a
      row without a new committed checkpoint, the run gives up (``controller.Verdict``; Ray's own ``max_failures``,
@@ -152,8 +153,9 @@ def _fit(task: Task, group: cluster.Group, max_failures: int, wait: float, start
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
-    from trl_ext.launching.ray import controller, worker
+    from trl_ext.launching.ray import controller, standby, worker
 
+    hook = standby.worker_env()  # the spares' imports (``standby``): in the workers' runtime environment
     trainer = TorchTrainer(
         worker.train, train_loop_config={"task": task},
         scaling_config=ScalingConfig(num_workers=group.size(), resources_per_worker=dict(group.per_worker),
@@ -165,7 +167,8 @@ def _fit(task: Task, group: cluster.Group, max_failures: int, wait: float, start
             # decides instead, in the controller (``Verdict``), as under every orchestrator (``failure_limit``)
             failure_config=FailureConfig(max_failures=-1,
                                          controller_failure_limit=starts),
-            callbacks=[controller.Verdict(task.run, task.output_dir, max_failures)]))
+            callbacks=[controller.Verdict(task.run, task.output_dir, max_failures)],
+            worker_runtime_env={"env_vars": hook} if hook else None))
     try:
         return trainer.fit()
     except TrainingFailedError as exc:

@@ -7,6 +7,10 @@ checkpoint; trl_ext turns it off (``group``) and does this instead. Rank 0 looks
 at the next step boundary every rank agrees, the step's checkpoint is saved and committed, and the group ends with
 ``{GROW: step}``. The driver then starts the group again with what the cluster now has, and it resumes from that
 checkpoint.
+
+It grows only where the resumed group can keep the run's global batch (``resuming``: the per-device batch stays, the
+gradient accumulation divides): a run that started on 2 workers with no accumulation cannot continue on 4, and stays
+at 2, said once.
 """
 
 import threading
@@ -46,6 +50,7 @@ class Growth(TrainerCallback):
     def _watch(self) -> None:
         import ray
 
+        said = False
         while not self.done.wait(CHECK_SECONDS):
             try:
                 free = cluster.room([ray.available_resources()], self.per_worker)
@@ -55,9 +60,35 @@ class Growth(TrainerCallback):
                 notice(f"Ray: the watch for room to grow stopped ({type(exc).__name__}: {exc}); the worker group "
                        f"stays at {self.workers} worker(s)")
                 return
-            if free > 0:
-                more = min(free, self.most - self.workers)
-                notice(f"Ray: room for {more} more worker(s) (the range's maximum is {self.most}): the worker group "
-                       "stops at the next step with a checkpoint, and starts again larger")
-                self.trainer.preemption.request_stop("Ray: growing the worker group")
-                return
+            if free <= 0:
+                continue
+            more = min(free, self.most - self.workers)
+            accumulation = self.trainer.args.gradient_accumulation_steps
+            if not keeps_global_batch(self.workers, accumulation, self.workers + more):
+                if not said:
+                    said = True
+                    batch = self.trainer.args.per_device_train_batch_size
+                    notice(f"Ray: room for {more} more worker(s), but the run's global batch ({self.workers} "
+                           f"worker(s) x {accumulation} accumulated batch(es) of {batch}) cannot be kept on "
+                           f"{self.workers + more}: the worker group stays at {self.workers}. A run that starts at the "
+                           "range's maximum can shrink and grow back")
+                continue
+            notice(f"Ray: room for {more} more worker(s) (the range's maximum is {self.most}): the worker group "
+                   "stops at the next step with a checkpoint, and starts again larger")
+            self.trainer.preemption.request_stop("Ray: growing the worker group")
+            return
+
+
+def keeps_global_batch(workers: int, accumulation: int, grown: int) -> bool:
+    """Whether a group of ``workers`` accumulating ``accumulation`` batches can resume on ``grown`` workers with the
+    same global batch and per-device batch (``resuming.world_size``).
+
+    Args:
+        workers: the group's size now.
+        accumulation: its gradient accumulation steps.
+        grown: the size it would restart at.
+
+    Returns:
+        True when ``grown`` divides ``workers * accumulation``.
+    """
+    return (workers * accumulation) % grown == 0

@@ -10,8 +10,9 @@ created the process group. Here the worker then:
 3. hands the rank its job (``placement.orchestrators``, through ``TRL_EXT_NODE``): orchestrator "Ray", the run's
    identity, the restart, so that the rank trains as a torchrun rank would, with the accelerate config applied in
    this process, and a restarted group resumes from the run's newest committed checkpoint by itself;
-4. gives every trainer it builds what Ray sees of the run (``reporting``) and, in an elastic group short of its
-   maximum, a watch for nodes that join (``growth``);
+4. gives every trainer it builds what Ray sees of the run (``reporting``), in an elastic group short of its maximum
+   a watch for nodes that join (``growth``), and on each node's first rank the node's standby processes, asked for
+   after the first step (``standby``: a restarted group starts on them; rank 0 says which ranks did);
 5. runs the recipe (as ``python recipe.py ...`` would, ``__main__``), ``trl-ext <command>``, or the function given to
    ``trl_ext.ray.fit``;
 6. ends: with the function's value; after a planned stop for growth, with ``{GROW: step}``; or by raising what ended
@@ -24,9 +25,10 @@ import sys
 import traceback
 from dataclasses import dataclass, field, replace
 
+from trl_ext.launching.ray import standby
 from trl_ext.launching.ray.failures import RankError, first_line
 from trl_ext.placement import orchestrators, outcome, ownership
-from trl_ext.process.collectives import max_over_ranks
+from trl_ext.process.collectives import from_every_rank, max_over_ranks
 from trl_ext.process.hosted import HOSTED
 
 GROW = "trl_ext_grow"  # in rank 0's return value: the group stopped at this step to restart on more workers
@@ -80,13 +82,20 @@ def train(config: dict):
     Raises:
         RankError: what ended this rank, with its kind.
     """
+    import ray
     import ray.train
 
     task: Task = config["task"]
     context = ray.train.get_context()
     rank = context.get_world_rank()
+    spare = standby.taken()
     _enter(task)
     job = _job(task, context)
+    # each rank's Ray node (Ray Train's local ranks count a machine's, and nodes can share one) and whether it started
+    # on a standby process
+    views = from_every_rank((ray.get_runtime_context().get_node_id(), spare))
+    _say_spares([seconds for _, seconds in views], rank)
+    here = [r for r, (node, _) in enumerate(views) if node == views[rank][0]]
     from trl_ext.launching.ray import growth, reporting
     from trl_ext.trainers.components import joining
 
@@ -99,9 +108,13 @@ def train(config: dict):
     def grow(trainer) -> None:
         trainer.join(growth.Growth(trainer, context.get_world_size(), task.most, task.per_worker))
 
+    def spares(trainer) -> None:  # the node's first rank keeps a spare ready for each of its ranks (``standby``)
+        trainer.join(standby.after_first_step(len(here), bool(task.per_worker.get("GPU")), _say))
+
     grows = task.most > context.get_world_size() and rank == 0
+    own = [*([grow] if grows else []), *([spares] if here[0] == rank else [])]
     try:
-        with joining(report, *([grow] if grows else [])):  # every trainer the run builds (step 4 above)
+        with joining(report, *own):  # every trainer the run builds (step 4 above)
             value = _run(task, job)
     except BaseException as exc:  # noqa: BLE001 - every ending is told to Ray, as a value or as a RankError
         stopped = [t.state.global_step for t in built if t.preemption is not None and t.preemption.stopping]
@@ -114,6 +127,19 @@ def train(config: dict):
             raise _failure(exc, rank) from None
     reporting.flush()
     return value
+
+
+def _say_spares(seconds: list, rank: int) -> None:
+    """Rank 0 says which ranks started on standby processes (``standby``), if any did."""
+    ranks = [str(r) for r, s in enumerate(seconds) if s is not None]
+    if rank == 0 and ranks:
+        done = max(s for s in seconds if s is not None)
+        _say(f"Ray: rank(s) {', '.join(ranks)} of {len(seconds)} started on standby processes, their imports done "
+             f"before (at most {done:.1f} s each)")
+
+
+def _say(line: str) -> None:
+    print(f"[trl_ext] {line}", flush=True)
 
 
 def _enter(task: Task) -> None:
