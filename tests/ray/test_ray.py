@@ -137,12 +137,14 @@ def _registered(out: Path) -> list[str]:
     return [result["checkpoint_dir_name"] for result in snapshot["checkpoint_results"]]
 
 
-def test_fit_runs_a_function_and_returns_rank_0s_value_and_its_checkpoint_registered_where_it_is(cluster, tmp_path):
+def test_fit_runs_a_function_and_returns_rank_0s_value_and_its_checkpoint_registered_where_it_is(
+        cluster, tmp_path, monkeypatch):
     import ray
 
     from tests.ray.functions import train_sft
     from trl_ext.ray import fit
 
+    monkeypatch.setenv("TRL_EXT_RAY_STANDBY", "0")  # 2 steps never restarted: standby processes would only cost CPU
     out = tmp_path / "fit"
     result = fit(train_sft, str(out), 2, num_workers=2, address=cluster.address)
     assert result.return_value == 2

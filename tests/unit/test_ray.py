@@ -346,7 +346,7 @@ def test_each_slot_makes_one_spare_that_imports_what_the_rank_had_and_other_proc
     assert not list(directory.glob("slot-*")) and len(claimed) == 2
     imported = {p.name: p.read_text() for p in code.iterdir() if p.name.isdigit()}
     assert sorted(imported) == sorted(p.name[6:] for p in claimed)
-    assert set(imported.values()) == {str(min(mine + standby.NICE, 19))}  # the imports yielded the CPU
+    assert set(imported.values()) == {str(mine)}  # at a worker's priority: a restart never waits on a slower import
     for spare in claimed:
         seconds, failed = spare.read_text().split()
         assert float(seconds) >= 0 and failed == "1"

@@ -6,8 +6,8 @@ transformers and TRL before its first step: 24.6 s of a 29.7-s recovery on this 
 So once a group has taken its first step, each node asks its raylet for as many spare workers for the run as the group
 has ranks there (Ray's own pool of idle workers, bound to the job and to the workers' runtime environment: patch
 ``ray-standby-workers``). Each spare imports, in order, the modules a rank of the group had imported (Ray's setup
-hook, ``preload``), on a thread ``NICE`` steps nicer so that training beside it keeps its CPU, then waits. Ray gives
-the next group's workers these processes first: a recovery took 9.4 s with them, 21.8 s without (bench/RESULTS.md).
+hook, ``preload``), then waits. Ray gives the next group's workers these processes first: a recovery took 9.4 s with
+them, 21.8 s without (bench/RESULTS.md).
 
 - Only spares import in the hook: each claims one of the slots that the request writes in a node-local directory.
   A group's own start is not held by imports, which would count in Ray Train's start timeout.
@@ -20,7 +20,6 @@ the next group's workers these processes first: a recovery took 9.4 s with them,
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -33,7 +32,6 @@ HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"  # Ray's variable for a set
 KEEP_ALIVE_S = 30 * 24 * 3600  # the raylet keeps a spare this long; the job's end ends it first
 SLOT, SPARE = "slot-", "spare-"  # a spare to be started; a started spare, by its process id
 GPU_PRELOAD = ("torch",)
-NICE = 10  # the spares' imports yield the CPU to training beside them
 
 
 def enabled() -> bool:
@@ -62,13 +60,11 @@ def preload() -> None:
         slot = _claim()
         if slot is None:
             return
-        started, failed = time.monotonic(), []
-        # On a thread of its own at a lower priority, waited for: training beside it keeps its CPU, and this process
-        # (nothing else runs in it yet) keeps its own priority when it becomes a rank
-        importer = threading.Thread(target=lambda: failed.append(_import(slot.read_text().split(), NICE)))
-        importer.start()
-        importer.join()
-        slot.write_text(f"{time.monotonic() - started:.1f} {failed[0] if failed else -1}")
+        # At the priority of any worker: a group restarted while a spare still imports waits for it no longer than
+        # for a new process (at a lower one, seen in CI at load 10, it waited minutes)
+        started = time.monotonic()
+        failed = _import(slot.read_text().split())
+        slot.write_text(f"{time.monotonic() - started:.1f} {failed}")
     except Exception:  # noqa: BLE001 - a spare that failed to preload is still a worker
         pass
 
@@ -170,17 +166,10 @@ def imported() -> list[str]:
     return names
 
 
-def _import(names: list[str], nice: int = 0) -> int:
-    """Imports each of ``names`` in order, on this thread ``nice`` steps nicer (Linux: a thread's own); returns
-    how many failed (the rank imports each again if it needs it)."""
+def _import(names: list[str]) -> int:
+    """Imports each of ``names`` in order; returns how many failed (the rank imports each again if it needs it)."""
     import importlib
 
-    if nice:
-        try:
-            thread = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
-        except (OSError, AttributeError):
-            pass
     failed = 0
     for name in names:
         if name in sys.modules:
