@@ -53,7 +53,7 @@ NOT_SHOWN = {
                               "size and waited out a 60 s start timeout first",
     "ray-standby-workers": "a missing API: Ray 2.60 prestarts a job's workers only through its raylet's RPC; "
                            "tests/ray/test_ray.py's elastic run restarts on standby processes through it (without "
-                           "them a restart took 27.1 s here, with them 8.3 s: bench/RESULTS.md)",
+                           "them a recovery took 27.3 s here, with them 9.6 s: bench/RESULTS.md)",
     "ray-unregister-lost-node": "needs a Ray cluster that loses a node: tests/ray/test_ray.py's elastic run reports "
                                 "it dead through it; without it Ray's health checks marked it 10.8 s later "
                                 "(bench/RESULTS.md)",

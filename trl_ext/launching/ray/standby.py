@@ -6,8 +6,8 @@ transformers and TRL before its first step: 24.6 s of a 29.7-s recovery on this 
 So once a group has taken its first step, each node asks its raylet for as many spare workers for the run as the group
 has ranks there (Ray's own pool of idle workers, bound to the job and to the workers' runtime environment: patch
 ``ray-standby-workers``). Each spare imports, in order, the modules a rank of the group had imported (Ray's setup
-hook, ``preload``), then waits. Ray gives the next group's workers these processes first: a recovery took 9.4 s with
-them, 21.8 s without (bench/RESULTS.md).
+hook, ``preload``), then waits. Ray gives the next group's workers these processes first: a recovery took 9.6 s with
+them, 27.3 s without (bench/RESULTS.md).
 
 - Only spares import in the hook: each claims one of the slots that the request writes in a node-local directory.
   A group's own start is not held by imports, which would count in Ray Train's start timeout.
