@@ -198,11 +198,15 @@ def _wait_for_nodes(cluster: RayCluster, count: int, timeout: float = 120) -> No
         time.sleep(0.5)
 
 
+def _steps(out: Path) -> set[int]:
+    return {int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()}
+
+
 def _next_checkpoint(out: Path) -> int:
     """The step of the next checkpoint the run commits (its directory appears)."""
-    done = {int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()}
+    done = _steps(out)
     while True:
-        now = {int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit()}
+        now = _steps(out)
         if now - done:
             return max(now - done)
         time.sleep(0.05)
