@@ -422,6 +422,23 @@ PATCHES: dict[str, Patch] = {
                    _has("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator"
                         ".get_or_create_autoscaling_coordinator")),
     ),
+    "elastic-first-round": Patch(
+        target="torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler.next_rendezvous, "
+               "with the settings its handler, op executor and state holder keep (_settings), in an elastic pod's "
+               "torchrun process",
+        why="torchrun's c10d rendezvous has one last_call_timeout for every round: 30 s by default, most of a lost "
+            "machine's recovery, while 2 s lets a first round start before pods that come seconds later, fixing a "
+            "global batch that the grown world may not divide",
+        upstream="none filed: torch 2.13 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py reads "
+                 "settings.timeout.last_call for every round",
+        remove_when="torchrun's rendezvous takes a separate wait for its first round",
+        guard=_all(_has("torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler"
+                        ".next_rendezvous"),
+                   _has("torch.distributed.elastic.rendezvous.dynamic_rendezvous.RendezvousTimeout",
+                        "join", "last_call", "close", "heartbeat"),
+                   _source_has("torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler"
+                               ".__init__", "self._op_executor = _DistributedRendezvousOpExecutor")),
+    ),
     "ray-standby-workers": Patch(
         target="ray.core.generated.node_manager_pb2_grpc.NodeManagerServiceStub.PrestartWorkers over "
                "ray._private.grpc_utils.init_grpc_channel, called on a node's first rank after a worker group's first "

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -29,10 +30,16 @@ ALL = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GR
        "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE", "SKYPILOT_TASK_ID", "SLURM_JOB_ID", "SLURM_JOBID",
        "SLURM_RESTART_COUNT", "SLURM_NODEID", orchestrators.NODE_ENV, orchestrators.RUN_ID_ENV,
        orchestrators.PORT_ENV, decision.LAUNCH_ENV, "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", ownership.RUN_ENV,
-       "HOSTNAME")
+       "HOSTNAME", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND", "PET_RDZV_ID", "PET_RDZV_CONF", "PET_MAX_RESTARTS",
+       "PET_N_PROC_PER_NODE", "TRL_EXT_RENDEZVOUS_TIMEOUT", "TRL_EXT_MAX_FAILURES")
 
 KUBEFLOW = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "auto", "PET_MASTER_PORT": "29500",
             "PET_MASTER_ADDR": "dpo-run-node-0-0.dpo-run"}
+# A PyTorchJob's elastic policy (training-operator's pkg/controller.v1/pytorch/elastic.go): no node rank, no first pod's
+# address; the pods meet at the rendezvous endpoint, and torchrun numbers them
+ELASTIC = {"PET_NNODES": "1:4", "PET_RDZV_ENDPOINT": "dpo-worker-0:23456", "PET_RDZV_BACKEND": "c10d",
+           "PET_MAX_RESTARTS": "5", "PET_N_PROC_PER_NODE": "2", "PET_RDZV_CONF": "last_call_timeout=10",
+           "HOSTNAME": "dpo-worker-2"}
 SKYPILOT = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2", "SKYPILOT_NUM_NODES": "2",
             "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_TASK_ID": "sky-managed-2026_dpo_3-0"}
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
@@ -151,6 +158,8 @@ def test_the_node_launchers_view_reaches_its_ranks(env):
     ({**{k: v for k, v in KUBEFLOW.items() if k != "PET_MASTER_ADDR"}}, "PET_MASTER_ADDR is not set"),
     ({**KUBEFLOW, "PET_MASTER_PORT": "70000"}, "PET_MASTER_PORT=70000 is not a TCP port"),
     ({**KUBEFLOW, "PET_NPROC_PER_NODE": "eight"}, "PET_NPROC_PER_NODE='eight'"),
+    ({**ELASTIC, "PET_NNODES": "3:2"}, "PET_NNODES='3:2': the fewest machines is above the most"),
+    ({"PET_NNODES": "1:2"}, "neither PET_RDZV_ENDPOINT nor PET_MASTER_ADDR says where its pods meet"),
     ({**SKYPILOT, "SKYPILOT_NUM_NODES": "3"}, "SKYPILOT_NODE_IPS lists 2 address(es) but SKYPILOT_NUM_NODES=3"),
     ({**SKYPILOT, "SKYPILOT_NODE_RANK": "5"}, "SKYPILOT_NODE_RANK=5 is beyond SKYPILOT_NUM_NODES=2"),
     ({"LWS_LEADER_ADDRESS": "a", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "2"}, "LWS_WORKER_INDEX=2 is beyond"),
@@ -356,3 +365,56 @@ def test_gpus_are_counted_from_what_the_container_sees(monkeypatch, tmp_path):
     monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES")
     assert job.visible_gpus(str(tmp_path / "missing")) == 0
     assert "torch" not in job.visible_gpus.__code__.co_names  # the launcher counts without importing torch
+
+
+def test_an_elastic_pytorchjob_pod(env):
+    env(**ELASTIC)
+    job = orchestrators.current()
+    assert job.elastic and not job.per_rank and (job.min_nodes, job.nodes, job.address, job.port) == (
+        1, 4, "dpo-worker-0", 23456)
+    assert (job.per_node, job.max_restarts, job.rendezvous_conf, job.host) == (2, 5, "last_call_timeout=10",
+                                                                             "dpo-worker-2")
+    assert job.run == "k8s-dpo-worker-0"  # the first pod's name: the same when the job's pods are recreated
+    env(PET_RDZV_ID="dpo-7", PET_RDZV_ENDPOINT="10.0.0.1")  # as torchrun's ranks name the run; c10d's port
+    job = orchestrators.current()
+    assert (job.run, job.address, job.port) == ("torchrun-dpo-7", "10.0.0.1", 29400)
+    # a manifest's own range with the first pod's address, and a rank of its own
+    env().delenv("PET_RDZV_ENDPOINT")
+    env(PET_MASTER_ADDR="dpo-node-0-0.dpo", PET_MASTER_PORT="29500", PET_NODE_RANK="1")
+    job = orchestrators.current()
+    assert job.elastic and (job.address, job.port) == ("dpo-node-0-0.dpo", 29500)
+
+
+def test_an_elastic_pod_starts_its_ranks_under_torchrun_with_fast_rendezvous_settings(env, execs):
+    """The node launcher's child runs torchrun itself (accelerate's launch takes no range of machines); its ranks are
+    torchrun's, deciding as ranks and applying the accelerate config in their own process."""
+    env(**ELASTIC)
+    argv, environment = _exec_of(lambda: launch.start("recipes/dpo.py", ["--config", ZERO3, "--max_steps", "3"]))
+    assert argv[1:3] == ["-m", "trl_ext.launching.node"]
+    handed = orchestrators.current()  # what the node launcher hands its child
+    env(**{orchestrators.NODE_ENV: handed.to_env(), decision.LAUNCH_ENV: environment[decision.LAUNCH_ENV]})
+    argv, environment = _exec_of(lambda: launch.start("recipes/dpo.py", ["--config", ZERO3, "--max_steps", "3"]))
+    assert argv[1:3] == ["-m", "trl_ext.launching.elastic"] and "--first-round-last-call" not in argv  # the job's own
+    options = dict(zip(argv, argv[1:]))
+    assert (options["--nnodes"], options["--nproc-per-node"], options["--rdzv-backend"], options["--rdzv-endpoint"],
+            options["--rdzv-id"], options["--max-restarts"]) == ("1:4", "2", "c10d", "dpo-worker-0:23456",
+                                                                 "k8s-dpo-worker-0", "5")
+    # trl_ext's settings, the job's own last_call_timeout in place of trl_ext's
+    assert options["--rdzv-conf"] == "join_timeout=600,last_call_timeout=10,keep_alive_interval=1"
+    assert argv[-5:] == ["recipes/dpo.py", "--config", ZERO3, "--max_steps", "3"]
+    assert environment["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and decision.LAUNCH_ENV not in environment
+    assert not any(name.startswith("PET_") and name != "PET_SIGNALS_TO_HANDLE" for name in environment)
+    # without settings of the job's own: trl_ext's, and TRL_EXT_MAX_FAILURES bounds the restarts
+    env(**{orchestrators.NODE_ENV: replace(handed, rendezvous_conf="", max_restarts=None).to_env()})
+    argv, _ = _exec_of(lambda: launch.start("recipes/dpo.py", ["--config", ZERO3]))
+    options = dict(zip(argv, argv[1:]))
+    assert (options["--rdzv-conf"], options["--max-restarts"]) == (
+        "join_timeout=600,last_call_timeout=2,keep_alive_interval=1", "3")
+    assert argv[1:5] == ["-m", "trl_ext.launching.elastic", "--first-round-last-call", "30"]  # torchrun's default
+    # a rank torchrun starts there decides as a rank, with the config applied in its process
+    env(**{**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "0"})
+    env().delenv(decision.LAUNCH_ENV)
+    assert launch.start("recipes/dpo.py", ["--config", ZERO3, "--max_steps", "3"]) == ["--max_steps", "3"]
+    assert os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    job = orchestrators.current()
+    assert job.per_rank and job.orchestrator == "Kubeflow" and job.run == "k8s-dpo-worker-0"

@@ -5,6 +5,9 @@ A rank that refuses its input says so in one line and exits with 1; a rank that 
 torchrun then raises ``ChildFailedError`` in the launching process, whose traceback and summary add a screenful that
 says nothing more. Here that exception ends the process quietly with the failed rank's exit code, and a rank killed by
 a signal (the OOM killer's SIGKILL) is said in one line, since that rank could not say it itself.
+
+``run_torchrun`` runs torchrun itself the same way: an elastic job's machine (``launching.elastic``), whose range of
+machines accelerate's launch cannot take.
 """
 
 import signal
@@ -21,15 +24,34 @@ def run(args) -> int:
         0, or the first failed rank's exit code (128 + the signal for a rank killed by one).
     """
     from accelerate.commands.launch import launch_command
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if getattr(args, "max_restarts", 0) and int(args.num_machines or 1) <= 1:
         # One machine that restarts its ranks: a rendezvous of its own each round (torchrun's --standalone). The
         # static one reuses the round before's store, and a restarted rank then waited for the lost rank's address
         # (measured: the first restart failed, timed out connecting).
         args.standalone = True
+    return _ranks_exit_code(launch_command, args)
+
+
+def run_torchrun(argv: list[str]) -> int:
+    """Run torchrun in this process, as ``run`` runs ``accelerate launch``.
+
+    Args:
+        argv: torchrun's arguments.
+
+    Returns:
+        0, or the first failed rank's exit code (128 + the signal for a rank killed by one).
+    """
+    from torch.distributed import run as torchrun
+
+    return _ranks_exit_code(torchrun.run, torchrun.parse_args(argv))
+
+
+def _ranks_exit_code(launch, args) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
-        launch_command(args)
+        launch(args)
     except ChildFailedError as exc:
         rank, failure = _cause(exc.failures) if exc.failures else (0, None)
         code = failure.exitcode if failure is not None else 1

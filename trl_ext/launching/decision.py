@@ -6,7 +6,8 @@ it runs under accelerate's launch, before torch or TRL is imported:
   with torchrun's ``PET_*`` variables, LeaderWorkerSet), not yet under the node launcher: ``python -m
   trl_ext.launching.node``, which meets the other machines and runs the same command as its child;
 - ``MACHINE``: the node launcher's child: ``accelerate launch`` with the orchestrator's machines, this machine's rank,
-  the first machine's address and port;
+  the first machine's address and port; for an elastic job, torchrun in a c10d rendezvous (``launching.elastic``),
+  whose ranks decide as ranks;
 - ``ACCELERATE``: a plain process under an accelerate config: ``accelerate launch`` on this machine;
 - ``RANK``: train in this process: a rank that torchrun, ``accelerate launch`` or Ray Train started, or one process.
 

@@ -10,7 +10,7 @@ depends on who started this process (``placement.orchestrators``), decided once 
 - one process per machine (Slurm through ``recipes/slurm.sbatch``, SkyPilot, Kubernetes pods with torchrun's ``PET_*``
   variables, LeaderWorkerSet): the node launcher (``launching.node``) starts this machine's ranks with
   ``accelerate launch --num_machines N --machine_rank R ...``, the orchestrator's machines, address and port in place
-  of the config's;
+  of the config's; for an elastic job (``PET_NNODES=MIN:MAX``), torchrun in a c10d rendezvous (``launching.elastic``);
 - a Ray job's driver (``ray job submit -- python recipe.py ...``): it replaces itself by ``python -m trl_ext.ray
   recipe.py ...``, which runs the ranks as a Ray Train worker group on the cluster's nodes, each one of the ranks above;
   ``--num_processes`` takes a range ``MIN-MAX`` there;
@@ -33,7 +33,8 @@ import yaml
 
 from trl_ext import process
 from trl_ext.errors import UsageError
-from trl_ext.launching.decision import Become, Decision, decide, decided_here, handed_down
+from trl_ext.launching import elastic
+from trl_ext.launching.decision import LAUNCH_ENV, Become, Decision, decide, decided_here, handed_down
 from trl_ext.placement import failure_limit, orchestrators
 from trl_ext.placement.orchestrators import torchrun
 from trl_ext.process import notice
@@ -181,8 +182,9 @@ def machine_args(job: orchestrators.Job, num_processes: int | None = None) -> tu
 
 def _exec(cmd: list[str], set_env: dict[str, str], strip_launcher: bool = True) -> None:
     env = dict(os.environ)
-    if strip_launcher:
-        env = {k: v for k, v in env.items() if not k.startswith(ACCELERATE_ENV_PREFIX) and not torchrun.is_launchers(k)}
+    if strip_launcher:  # a launch from a clean slate: what it starts follows set_env's decision, or decides anew
+        env = {k: v for k, v in env.items() if not k.startswith(ACCELERATE_ENV_PREFIX) and not torchrun.is_launchers(k)
+               and k != LAUNCH_ENV}
     env.update(set_env)
     env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets anyway, announcing it in a 4-line banner
     env.setdefault(*torchrun.AGENT_LOG_LEVEL)  # the ranks say how they ended; torchrun's agents' log says it again
@@ -225,6 +227,10 @@ def start(script: str, argv: list[str]) -> list[str]:
         config = accelerate_config or str(DATA_PARALLEL)
         if accelerate_config is None:
             notice(f"no accelerate config on {job.orchestrator}: {os.path.relpath(config)} (data parallel)")
+        if job.elastic:  # torchrun's ranks, each deciding as a rank and applying the config in its own process
+            cmd, line = elastic.command(job, sys.executable, script, ["--config", config, *rest], asked)
+            notice(line)
+            _exec(cmd, dict([torchrun.SIGNALS_OPTION, torchrun.UNSHARED_STORE]))
         machines, line = machine_args(job, asked)
         notice(line)
         cmd = [sys.executable, "-m", ACCELERATE_RUN, "--config_file", config, *machines, script, *rest]

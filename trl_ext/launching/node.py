@@ -4,7 +4,9 @@
 re-launches itself under it (``launching.launch``). It first meets the other machines within a stated time
 (``rendezvous``; Slurm starts a job's nodes together), then runs the recipe, which launches this machine's ranks with
 what the orchestrator decided (``launching.launch.machine_args``: the number of machines, this machine's rank, the
-first machine's address and port, the processes) in place of its accelerate config's own.
+first machine's address and port, the processes) in place of its accelerate config's own. An elastic job's machines
+(``PET_NNODES=MIN:MAX``) meet in torchrun's c10d rendezvous instead, which numbers them and restarts the ranks of
+those left when one is lost (``launching.elastic``).
 
 Schedulers deliver their signals (``scancel``, ``scontrol requeue``, preemption, the time limit, a pod's deletion) to
 the job's processes; under Slurm the batch script passes the time-limit warning on as SIGURG, which this launcher turns
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                          "srun, see recipes/slurm.sbatch; or as a recipe re-launches itself under SkyPilot or a "
                          "Kubernetes pod)")
     job = machine()
-    if job.nodes > 1 and job.orchestrator != "Slurm":  # Slurm starts a job's nodes together; pods and VMs come apart
+    # Slurm starts a job's nodes together; pods and VMs come apart; an elastic job's meet in torchrun's rendezvous
+    if job.nodes > 1 and job.orchestrator != "Slurm" and not job.elastic:
         try:
             rendezvous.gather(job, say=lambda line: print(f"[trl_ext] {job.label}: {line}", file=sys.stderr,
                                                           flush=True))
@@ -107,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, signal.SIG_IGN)
     code, line = ending(run, code)
     if line:
-        print(f"[trl_ext] {job.label}, node {job.node_rank}{f' ({job.host})' if job.host else ''}: {line}",
-              file=sys.stderr, flush=True)
+        where = f"machine {job.host or '(elastic)'}" if job.elastic else (  # numbered by torchrun's rendezvous
+            f"node {job.node_rank}{f' ({job.host})' if job.host else ''}")
+        print(f"[trl_ext] {job.label}, {where}: {line}", file=sys.stderr, flush=True)
     if job.node_rank != 0 or job.orchestrator != "Slurm":  # the first Slurm node's is the batch script's to read
         shutil.rmtree(run, ignore_errors=True)
     return code

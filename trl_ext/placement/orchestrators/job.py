@@ -14,6 +14,7 @@ RUN_ID_ENV = environment.RUN_ID.name  # the run's identity, when the orchestrato
 PORT_ENV = environment.MASTER_PORT.name  # the meeting port where the orchestrator names none (Slurm, SkyPilot, LWS)
 NODE_ENV = "TRL_EXT_NODE"  # set by the node launcher (``launching.node``) for what it starts: its ``Job``, as JSON
 TORCHRUN_PORT = 29500  # torchrun's and accelerate's default
+C10D_PORT = 29400  # torchrun's default port of a c10d rendezvous endpoint
 PORT_BASE, PORT_SPAN = 20000, 10000  # a port derived from a run id: the same on every node, another per run
 CPU_PROCESSES_PER_NODE = 2  # the recipes' default without a GPU
 
@@ -46,6 +47,11 @@ class Job:
         host: this machine's name as the orchestrator calls it (Slurm's node name), else None.
         node_launched: this process was started under trl_ext's node launcher (``launching.node``) or a Ray
             worker, which passed this job down in ``TRL_EXT_NODE``.
+        min_nodes: an elastic job's fewest machines (``nodes`` is then its most), whose machines meet in torchrun's
+            c10d rendezvous at ``address``:``port``, numbered by it; None for a job of ``nodes`` machines.
+        max_restarts: the restarts of its ranks the orchestrator allows an elastic job (torchrun's
+            ``--max-restarts``), or None where it sets none.
+        rendezvous_conf: the orchestrator's own settings for that rendezvous (torchrun's ``--rdzv-conf``), or "".
     """
 
     orchestrator: str
@@ -64,6 +70,14 @@ class Job:
     hosts: str = ""
     host: str | None = None
     node_launched: bool = False
+    min_nodes: int | None = None
+    max_restarts: int | None = None
+    rendezvous_conf: str = ""
+
+    @property
+    def elastic(self) -> bool:
+        """Whether its machines may come and go (``min_nodes``): torchrun's c10d rendezvous numbers them."""
+        return self.min_nodes is not None
 
     @property
     def label(self) -> str:
@@ -76,6 +90,8 @@ class Job:
         """The one line that says which launcher and which world this process found."""
         if self.per_rank:
             world = f"rank {self.rank} of {self.world_size} on {self.nodes} machine(s)"
+        elif self.elastic:
+            world = f"{self.min_nodes} to {self.nodes} machines (elastic)"
         else:
             world = f"machine {self.node_rank} of {self.nodes}"
         where = f", rendezvous {self.address}:{self.port}" if self.address and self.nodes > 1 else ""

@@ -7,6 +7,7 @@ import socket
 
 from trl_ext.errors import UsageError
 from trl_ext.placement.orchestrators.job import (
+    C10D_PORT,
     TORCHRUN_PORT,
     Job,
     integer,
@@ -45,14 +46,16 @@ def _run(address: str | None) -> str | None:
 
 def kubeflow() -> Job | None:
     """torchrun's own variables in a pod whose command is not torchrun (Kubeflow Trainer and PyTorchJob set them; a
-    JobSet or plain Job manifest can too). The node rank falls back to an indexed Job's ``JOB_COMPLETION_INDEX``."""
-    if not (value("PET_NNODES") and (value("PET_NODE_RANK") or value("JOB_COMPLETION_INDEX"))):
-        return None
+    JobSet or plain Job manifest can too). The node rank falls back to an indexed Job's ``JOB_COMPLETION_INDEX``. A
+    range ``PET_NNODES=MIN:MAX``, or a PyTorchJob's elastic policy (``PET_RDZV_ENDPOINT`` without a node rank), is an
+    elastic job (``_elastic``)."""
     nodes_text = value("PET_NNODES")
-    if ":" in nodes_text:  # an elastic range: this launch starts the most it allows, as one static round
-        nodes_text = nodes_text.split(":")[1]
-    nodes = integer("PET_NNODES", nodes_text, minimum=1)
     rank_name = "PET_NODE_RANK" if value("PET_NODE_RANK") else "JOB_COMPLETION_INDEX"
+    if not nodes_text or not (value(rank_name) or value("PET_RDZV_ENDPOINT") or ":" in nodes_text):
+        return None
+    if ":" in nodes_text or not value(rank_name):
+        return _elastic(nodes_text)
+    nodes = integer("PET_NNODES", nodes_text, minimum=1)
     rank = node_rank(rank_name, value(rank_name), nodes, "PET_NNODES")
     if rank_name == "JOB_COMPLETION_INDEX" and nodes > 1:
         _refuse_jobset_replicas(rank, value("PET_MASTER_ADDR") or value("MASTER_ADDR"))
@@ -63,8 +66,44 @@ def kubeflow() -> Job | None:
     port_text = value("PET_MASTER_PORT") or value("MASTER_PORT")
     return Job("Kubeflow", per_rank=False, nodes=nodes, node_rank=rank, address=address,
                port=port("PET_MASTER_PORT", port_text) if port_text else TORCHRUN_PORT,
-               per_node=per_node("PET_NPROC_PER_NODE", value("PET_NPROC_PER_NODE")), run=_run(address),
-               source="PET_NNODES, " + rank_name)
+               per_node=_per_node(), run=_run(address), source="PET_NNODES, " + rank_name)
+
+
+def _per_node() -> int | None:
+    # a PyTorchJob's elastic policy names it PET_N_PROC_PER_NODE, which torchrun itself does not read
+    name = "PET_NPROC_PER_NODE" if value("PET_NPROC_PER_NODE") else "PET_N_PROC_PER_NODE"
+    return per_node(name, value(name))
+
+
+def _elastic(nodes_text: str) -> Job:
+    """An elastic job: its pods meet in torchrun's c10d rendezvous at ``PET_RDZV_ENDPOINT`` (``host[:port]``, port
+    29400 by default, as torchrun's), else at the first pod's ``PET_MASTER_ADDR``, and it numbers them. Its run is
+    ``PET_RDZV_ID`` where the job names one (as torchrun's ranks call it), else the first pod's name."""
+    low, _, high = nodes_text.partition(":")
+    most = integer("PET_NNODES", high or low, minimum=1)
+    fewest = integer("PET_NNODES", low, minimum=1)
+    if fewest > most:
+        raise UsageError(f"PET_NNODES={nodes_text!r}: the fewest machines is above the most; give MIN:MAX.",
+                         every_rank=True)
+    endpoint = value("PET_RDZV_ENDPOINT")
+    if endpoint:
+        address, _, port_text = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+        name, port_text = "PET_RDZV_ENDPOINT", port_text or str(C10D_PORT)
+    else:
+        address = value("PET_MASTER_ADDR") or value("MASTER_ADDR")
+        name, port_text = "PET_MASTER_PORT", value("PET_MASTER_PORT") or value("MASTER_PORT") or str(C10D_PORT)
+    if not address:
+        raise UsageError(f"PET_NNODES={nodes_text} is an elastic job, and neither PET_RDZV_ENDPOINT nor "
+                         "PET_MASTER_ADDR says where its pods meet; set one to the first pod's address.",
+                         every_rank=True)
+    rdzv_id = value("PET_RDZV_ID")
+    restarts = value("PET_MAX_RESTARTS")
+    return Job("Kubeflow", per_rank=False, nodes=most, min_nodes=fewest, address=address,
+               port=port(name, port_text), per_node=_per_node(),
+               run=f"torchrun-{rdzv_id}" if rdzv_id and rdzv_id != "none" else _run(address),
+               max_restarts=integer("PET_MAX_RESTARTS", restarts) if restarts else None,
+               rendezvous_conf=value("PET_RDZV_CONF") or "", host=value("HOSTNAME"),  # the pod's name
+               source="PET_NNODES (elastic), " + name)
 
 
 def _refuse_jobset_replicas(completion_index: int, address: str | None) -> None:

@@ -1,0 +1,57 @@
+"""An elastic pod's torchrun (``launching.elastic``): the rendezvous settings, the processes per machine, and a
+machine's first round waiting longer for more machines than its later rounds (patch ``elastic-first-round``), with
+torchrun's real c10d rendezvous in this process. The launches are in tests/distributed/test_memory_tier.py."""
+
+import time
+
+import pytest
+
+from tests.machines import free_ports
+from trl_ext.errors import UsageError
+from trl_ext.launching import elastic
+from trl_ext.placement.orchestrators import Job
+
+JOB = Job("Kubeflow", per_rank=False, nodes=4, min_nodes=1, address="dpo-worker-0", port=23456)
+
+
+def test_trl_exts_settings_unless_the_job_sets_its_own(monkeypatch):
+    monkeypatch.setenv("TRL_EXT_RENDEZVOUS_TIMEOUT", "90")
+    assert elastic.rendezvous_conf(JOB) == "join_timeout=90,last_call_timeout=2,keep_alive_interval=1"
+    own = Job(**{**JOB.__dict__, "rendezvous_conf": "keep_alive_interval=5, read_timeout=120"})
+    assert elastic.rendezvous_conf(own) == "join_timeout=90,last_call_timeout=2,keep_alive_interval=5,read_timeout=120"
+
+
+def test_processes_per_machine():
+    assert elastic.per_machine(Job(**{**JOB.__dict__, "per_node": 8}), None) == 8
+    assert elastic.per_machine(JOB, 16) == 4  # the total at the most machines
+    with pytest.raises(UsageError, match="--num_processes 6 does not divide among the elastic job's 4 machines"):
+        elastic.per_machine(JOB, 6)
+
+
+def _handler(port: int, last_call: float):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "first-round", 1, 2, last_call_timeout=last_call,
+                                  is_host=True, join_timeout=30)
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)
+
+
+@pytest.mark.slow  # 5 s of waiting
+def test_a_machines_first_round_waits_longer_than_its_later_ones(monkeypatch):
+    """One machine of 1 to 2: each round waits its last call for a second one; the first waits the longer time."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    assert elastic.patches.applies("elastic-first-round")
+    monkeypatch.setattr(DynamicRendezvousHandler, "next_rendezvous", elastic.first_round_waits(4.0))
+    handler = _handler(free_ports(), last_call=1)
+    took = []
+    for _ in range(2):
+        start = time.monotonic()
+        handler.next_rendezvous()
+        took.append(time.monotonic() - start)
+    assert took[0] >= 4.0 and took[1] < 3.5, took
+    assert handler._settings.timeout.last_call.total_seconds() == 1  # its own settings, kept for later rounds
+    handler.shutdown()
