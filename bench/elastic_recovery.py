@@ -1,7 +1,7 @@
 """Recovery time under elastic torchrun: from a machine's death to the first training step after the run resumes by
 itself, in parts, beside Slurm's requeue (bench/slurm_recovery.py).
 
-    python bench/elastic_recovery.py [--last-call 2] [--keep-alive 5] [--processes 2] [--memory]
+    python bench/elastic_recovery.py [--last-call 2] [--keep-alive 5] [--processes 2] [--memory] [--pods]
 
 Two machines simulated on this one (tests/machines.py), each ``torchrun --nnodes 1:2 --nproc-per-node 2
 --max-restarts 3 --rdzv-backend c10d --rdzv-id ...`` running the DPO recipe (ZeRO-3, the embedded tiny model), as the
@@ -17,6 +17,11 @@ parts:
 - model load: the trainer built;
 - checkpoint load: ``train()`` -> the checkpoint loaded (DeepSpeed's universal checkpoint for the other number of
   processes) -> the first step done.
+
+With ``--pods``, the machines are pods whose command is the recipe, with a PyTorchJob's elastic variables
+(``PET_NNODES=1:2``, ``PET_RDZV_ENDPOINT``) and nothing else: trl_ext starts torchrun with its own rendezvous settings
+(``launching.elastic``; ``--last-call`` and ``--keep-alive`` are not used). Its agents' log is kept at ERROR (trl_ext
+keeps it at CRITICAL), where they report their ranks failed.
 
 With ``--memory``, two runs: the same with memory checkpoints every 2 steps (each machine its own
 ``TRL_EXT_MEMORY_DIR``), the second machine killed once memory checkpoint-26 is replicated, the first resuming from
@@ -47,17 +52,25 @@ DISK_STEP, MEMORY_STEP, MEMORY_EVERY = 20, 26, 2
 
 
 def _run(label: str, work: Path, args, memory: bool, kill_after: float | None) -> dict:
+    from trl_ext.launching import elastic
     from trl_ext.launching.launch import free_port
 
     out, port = work / label, free_port()
-    conf = f"last_call_timeout={args.last_call},keep_alive_interval={args.keep_alive}"
-    cmd = [*TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", str(args.processes), "--max-restarts", "3",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-elastic-{label}",
-           "--rdzv-conf", conf, *DPO, "--output_dir", str(out),
-           *(["--memory_checkpoint_steps", str(MEMORY_EVERY)] if memory else [])]
+    recipe = [*DPO, "--output_dir", str(out), *(["--memory_checkpoint_steps", str(MEMORY_EVERY)] if memory else [])]
+    if args.pods:  # trl_ext's settings, as its node launcher passes them
+        conf = ",".join(f"{key}={value}" for key, value in elastic.RENDEZVOUS.items())
+        cmd = [sys.executable, *recipe]
+    else:
+        conf = f"last_call_timeout={args.last_call},keep_alive_interval={args.keep_alive}"
+        cmd = [*TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", str(args.processes), "--max-restarts", "3",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-elastic-{label}",
+               "--rdzv-conf", conf, *recipe]
     machines = []
     for rank in (0, 1):
-        env = {**ELASTIC_ENV, "TRL_EXT_BENCH_RECIPE": "recipes/dpo.py", "TRL_EXT_BENCH_STEP_SECONDS": "0.5",
+        started = ({"PET_NNODES": "1:2", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}", "PET_RDZV_ID": f"bench-{label}",
+                    "PET_NPROC_PER_NODE": str(args.processes), "HOSTNAME": f"bench-worker-{rank}", "LOGLEVEL": "ERROR"}
+                   if args.pods else ELASTIC_ENV)
+        env = {**started, "TRL_EXT_BENCH_RECIPE": "recipes/dpo.py", "TRL_EXT_BENCH_STEP_SECONDS": "0.5",
                "TRL_EXT_MEMORY_DIR": str(work / f"{label}-shm-{rank}")}
         machines.append(Machine(f"{label}-{rank}", cmd, env, work / f"{label}-{rank}.log"))
         if rank == 0:
@@ -101,13 +114,15 @@ def main() -> None:
     parser.add_argument("--keep-alive", type=int, default=5, help="torchrun's keep_alive_interval, s (its default: 5)")
     parser.add_argument("--processes", type=int, default=2, help="processes per machine")
     parser.add_argument("--memory", action="store_true", help="a run with memory checkpoints, then the disk-only one")
+    parser.add_argument("--pods", action="store_true", help="pods whose command is the recipe: trl_ext's settings")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="trl-ext-elastic-"))
     runs = {}
     if args.memory:
         runs["memory"] = _run("memory", work, args, True, None)
     runs["disk"] = _run("disk", work, args, False, runs["memory"]["since_disk"] if args.memory else 0.0)
-    print(f"elastic torchrun, 2 machines x {args.processes} processes -> 1 machine; work directory {work}")
+    started = "pods with the recipe as their command" if args.pods else "torchrun commands"
+    print(f"elastic torchrun ({started}), 2 machines x {args.processes} processes -> 1 machine; work directory {work}")
     for label, run in runs.items():
         print(f"{label}: killed after step {run['last_step']}, resumed from step {run['resumed_step']} "
               f"({run['last_step'] - run['resumed_step']} step(s) lost)")

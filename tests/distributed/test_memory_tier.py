@@ -154,18 +154,27 @@ def test_a_lost_pod_recreated_on_a_new_node_resumes_from_its_peers_replica(confi
     assert audit(str(out), base=None).ok
 
 
-def test_elastic_torchrun_left_with_one_machine_resumes_from_memory_alone(tmp_path):
-    """Elastic torchrun as docs/launchers.md starts it (``--nnodes 1:2``): the second machine is lost once memory
-    checkpoint-12 is replicated; the first resumes by itself from step 12 in its memory (its own part and its replica
-    of the lost machine's) at world size 1, and completes."""
+@pytest.mark.parametrize("started", ["torchrun", "pods"])
+def test_elastic_torchrun_left_with_one_machine_resumes_from_memory_alone(started, tmp_path):
+    """Elastic torchrun (``--nnodes 1:2``), started as docs/launchers.md shows (``torchrun``) or by trl_ext in pods
+    whose command is the recipe, with a PyTorchJob's elastic variables and no rendezvous setting of their own
+    (``pods``): the second machine is lost once memory checkpoint-12 is replicated; the first resumes by itself from
+    step 12 in its memory (its own part and its replica of the lost machine's) at world size 1, and completes."""
     out, port = tmp_path / "dpo", free_ports()
-    cmd = [*TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-memory", "--rdzv-conf",
-           "last_call_timeout=2", "tests/slurm/slowed.py", "--config", "accelerate_configs/zero3.yaml",
-           "--config", "recipes/configs/dpo.yaml", "--output_dir", str(out), *TRAINING_ON_PODS]
+    args = ["--config", "accelerate_configs/zero3.yaml", "--config", "recipes/configs/dpo.yaml", "--output_dir",
+            str(out), *TRAINING_ON_PODS]
+    if started == "torchrun":
+        cmd = [*TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-memory", "--rdzv-conf",
+               "last_call_timeout=2", "tests/slurm/slowed.py", *args]
+    else:  # training-operator's elastic policy's variables (the endpoint a pod's name there; the run named here)
+        cmd = [sys.executable, "tests/slurm/slowed.py", *args]
+        pod = {"PET_NNODES": "1:2", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
+               "PET_RDZV_ID": "elastic-memory", "PET_NPROC_PER_NODE": "1"}
     machines = []
     for rank in (0, 1):  # the first attempt is held at step 14; the restarted one is not (TRL_EXT_TEST_RUNS: 0)
-        env = {**ELASTIC_ENV, "HF_HOME": str(tmp_path / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp_path / f"shm-{rank}"),
+        own = ELASTIC_ENV if started == "torchrun" else {**pod, "HOSTNAME": f"dpo-worker-{rank}"}  # trl_ext sets it
+        env = {**own, "HF_HOME": str(tmp_path / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp_path / f"shm-{rank}"),
                **_held(tmp_path)}
         machines.append(Machine(f"machine-{rank}", cmd, env, tmp_path / f"machine-{rank}.log"))
         if rank == 0:
@@ -176,7 +185,13 @@ def test_elastic_torchrun_left_with_one_machine_resumes_from_memory_alone(tmp_pa
     code = machines[0].wait(600)
     log = machines[0].output
     assert code == 0, log[-6000:]
-    assert "torchrun: rank 0 of 1 on 1 machine(s)" in log, log[-6000:]  # alone, after the loss
+    orchestrator = "torchrun" if started == "torchrun" else "Kubeflow"
+    if started == "pods":  # trl_ext's rendezvous settings, said; the first round waited for the second pod
+        assert ("elastic, 1 to 2 machines of 1 processes, meeting in torchrun's rendezvous at 127.0.0.1:"
+                f"{port} (join_timeout=600,last_call_timeout=2,keep_alive_interval=1)") in log, log[-6000:]
+        worlds = [line for line in log.splitlines() if line.startswith("[trl_ext] Kubeflow: rank 0 of ")]
+        assert worlds[0].startswith("[trl_ext] Kubeflow: rank 0 of 2 on 2 machine(s)"), worlds
+    assert f"{orchestrator}: rank 0 of 1 on 1 machine(s)" in log, log[-6000:]  # alone, after the loss
     resumed = [line for line in log.splitlines() if "resuming from step" in line]
     assert len(resumed) == 1 and "restart 1: resuming from step 12 in memory (" in resumed[0], resumed or log[-6000:]
     assert f"saved and verified: {out}" in log
