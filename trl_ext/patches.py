@@ -424,7 +424,8 @@ PATCHES: dict[str, Patch] = {
     ),
     "elastic-first-round": Patch(
         target="torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler.next_rendezvous, "
-               "with the settings its handler, op executor and state holder keep (_settings), in an elastic pod's "
+               "with the settings its handler, op executor and state holder keep (_settings), the first round told "
+               "by the shared state (_state_holder.state: round 0, not complete), in an elastic pod's "
                "torchrun process",
         why="torchrun's c10d rendezvous has one last_call_timeout for every round: 30 s by default, most of a lost "
             "machine's recovery, while 2 s lets a first round start before pods that come seconds later, fixing a "
@@ -437,7 +438,10 @@ PATCHES: dict[str, Patch] = {
                    _has("torch.distributed.elastic.rendezvous.dynamic_rendezvous.RendezvousTimeout",
                         "join", "last_call", "close", "heartbeat"),
                    _source_has("torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler"
-                               ".__init__", "self._op_executor = _DistributedRendezvousOpExecutor")),
+                               ".__init__", "self._op_executor = _DistributedRendezvousOpExecutor"),
+                   _has("torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder.sync"),
+                   _source_has("torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState.__init__",
+                               "self.round = 0")),
     ),
     "ray-standby-workers": Patch(
         target="ray.core.generated.node_manager_pb2_grpc.NodeManagerServiceStub.PrestartWorkers over "

@@ -1,7 +1,8 @@
-"""An elastic pod's torchrun (``launching.elastic``): the rendezvous settings, the processes per machine, and a
-machine's first round waiting longer for more machines than its later rounds (patch ``elastic-first-round``), with
+"""An elastic pod's torchrun (``launching.elastic``): the rendezvous settings, the processes per machine, and the
+job's first round waiting longer for more machines than its later rounds (patch ``elastic-first-round``), with
 torchrun's real c10d rendezvous in this process. The launches are in tests/distributed/test_memory_tier.py."""
 
+import threading
 
 import pytest
 
@@ -9,6 +10,7 @@ from tests.machines import free_ports
 from trl_ext.errors import UsageError
 from trl_ext.launching import elastic
 from trl_ext.placement.orchestrators import Job
+from trl_ext.placement.orchestrators.torchrun import UNSHARED_STORE
 
 JOB = Job("Kubeflow", per_rank=False, nodes=4, min_nodes=1, address="dpo-worker-0", port=23456)
 
@@ -27,23 +29,22 @@ def test_processes_per_machine():
         elastic.per_machine(JOB, 6)
 
 
-def _handler(port: int, last_call: float):
+def _handler(port: int, last_call: float, host: bool = True, most: int = 2):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "first-round", 1, 2, last_call_timeout=last_call,
-                                  is_host=True, join_timeout=300)  # a loaded machine: rounds took 10-20 s
+    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "first-round", 1, most, last_call_timeout=last_call,
+                                  is_host=host, join_timeout=300)  # a loaded machine: rounds took 10-20 s
     backend, store = create_backend(params)
     return create_handler(store, backend, params)
 
 
-@pytest.mark.slow  # 3 s of waiting
-def test_a_machines_first_round_waits_longer_than_its_later_ones(monkeypatch):
-    """One machine of 1 to 2, two rounds, torchrun's real c10d rendezvous: the join of the first round reads the first
-    round's last call, the next round's the handler's own. What each join reads, not how long it took: on a loaded
-    machine a round's syncs take seconds more than its last call (22 s and 11 s for 4 s and 1 s, measured under CI's
-    load)."""
+@pytest.fixture
+def joins(monkeypatch):
+    """The ``last_call_timeout`` each rendezvous join reads, by handler, with the patch applied: what each join
+    reads, not how long it took (on a loaded machine a round's syncs take seconds more than its last call: 22 s and
+    11 s for 4 s and 1 s, measured under CI's load)."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         DynamicRendezvousHandler,
         _DistributedRendezvousOpExecutor,
@@ -52,18 +53,50 @@ def test_a_machines_first_round_waits_longer_than_its_later_ones(monkeypatch):
 
     assert elastic.patches.applies("elastic-first-round")
     monkeypatch.setattr(DynamicRendezvousHandler, "next_rendezvous", elastic.first_round_waits(2.0))
-    joins, run = [], _DistributedRendezvousOpExecutor.run
+    read, run = [], _DistributedRendezvousOpExecutor.run
 
     def recorded(executor, op, *args, **kwargs):
         if isinstance(op, _RendezvousJoinOp):
-            joins.append(executor._settings.timeout.last_call.total_seconds())
+            read.append((executor._node.local_id, executor._settings.timeout.last_call.total_seconds()))
         return run(executor, op, *args, **kwargs)
 
     monkeypatch.setattr(_DistributedRendezvousOpExecutor, "run", recorded)
+    return read
+
+
+@pytest.mark.slow  # 3 s of waiting
+def test_a_jobs_first_round_waits_longer_than_its_later_ones(joins):
+    """One machine of 1 to 2, two rounds: the join of the first round reads the first round's last call, the next
+    round's the handler's own, which the handler keeps."""
     handler = _handler(free_ports(), last_call=1)
     for _ in range(2):
         handler.next_rendezvous()
-    assert joins == [2.0, 1.0]
+    assert [seconds for _, seconds in joins] == [2.0, 1.0]
     assert handler._settings.timeout.last_call.total_seconds() == 1  # its own settings, kept for later rounds
     assert handler._state_holder._settings is handler._settings is handler._op_executor._settings
     handler.shutdown()
+
+
+@pytest.mark.slow  # 3 s of waiting
+def test_a_machine_joining_a_running_job_waits_the_later_rounds_time(joins, monkeypatch):
+    """A pod recreated after a loss joins a job of 1 to 3 machines whose first round runs: its join, and the new
+    round it starts with the machine already there, read the later rounds' last call, so that it never holds the
+    survivors for the first round's wait."""
+    monkeypatch.setenv(*UNSHARED_STORE)  # as trl_ext starts an elastic pod's torchrun (pytorch#135712)
+    port = free_ports()
+    running = _handler(port, last_call=1, most=3)
+    assert running.next_rendezvous().world_size == 1
+    joining = _handler(port, last_call=1, host=False, most=3)
+    grown = []
+    thread = threading.Thread(target=lambda: grown.append(joining.next_rendezvous().world_size), daemon=True)
+    thread.start()
+    while not running.num_nodes_waiting():  # as torchrun's agent notices a machine waiting, and restarts its ranks
+        thread.join(0.1)
+    assert running.next_rendezvous().world_size == 2
+    thread.join(60)
+    assert grown == [2]
+    first, later = (running._this_node.local_id, 2.0), (running._this_node.local_id, 1.0)
+    assert joins[0] == first and later in joins[1:]
+    assert {seconds for node, seconds in joins[1:] if node == joining._this_node.local_id} == {1.0}
+    joining.shutdown()
+    running.shutdown()

@@ -52,8 +52,9 @@ NOT_SHOWN = {
                               "the nodes left through it; without it (tried by hand) the group restarted at the old "
                               "size and waited out a 60 s start timeout first",
     "elastic-first-round": "a missing setting: torchrun's c10d rendezvous has one last_call_timeout for every round; "
-                           "tests/unit/test_elastic.py shows a machine's first round reading a longer one with the "
-                           "patch (4.2 s of waiting against 1.5 s for the next round, on an idle machine)",
+                           "tests/unit/test_elastic.py shows the job's first round reading a longer one with the "
+                           "patch, and a machine joining a running job reading the later rounds' (4.2 s of waiting "
+                           "against 1.5 s for the next round, on an idle machine)",
     "ray-standby-workers": "a missing API: Ray 2.60 prestarts a job's workers only through its raylet's RPC; "
                            "tests/ray/test_ray.py's elastic run restarts on standby processes through it (without "
                            "them a recovery took 27.3 s here, with them 9.6 s: bench/RESULTS.md)",

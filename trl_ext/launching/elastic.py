@@ -8,10 +8,11 @@ the accelerate config in its own process (``launching.in_process``), as under a 
 The rendezvous settings are trl_ext's where the job sets none of its own (``PET_RDZV_CONF``, a key at a time):
 
 - ``last_call_timeout=2``: once the fewest machines are there, torchrun waits this long for more before a round
-  starts; its default, 30 s, was most of a recovery's 50 s (docs/launchers.md, "Recovery time"). A machine's first
+  starts; its default, 30 s, was most of a recovery's 50 s (docs/launchers.md, "Recovery time"). The job's first
   round waits torchrun's 30 s still (patch ``elastic-first-round``): pods come up seconds apart, and a run whose
   first round started with fewer machines keeps that round's global batch, which the machines that join later may
-  not divide (measured: a run started alone at 2 processes x 2 per device, joined 8 s later, could not resume on 4);
+  not divide (measured: a run started alone at 2 processes x 2 per device, joined 8 s later, could not resume on 4).
+  A pod that joins a running job, recreated after a loss, waits 2 s like the rest;
 - ``keep_alive_interval=1``: a lost machine counts as gone after 3 missed heartbeats, 5 s apart by default; the new
   round waits for that;
 - ``join_timeout``: how long a machine waits for the fewest to arrive: ``TRL_EXT_RENDEZVOUS_TIMEOUT`` (600 s, torchrun's
@@ -31,7 +32,7 @@ from trl_ext.launching import accelerate_run, rendezvous
 from trl_ext.placement import failure_limit, orchestrators
 
 RENDEZVOUS = {"last_call_timeout": "2", "keep_alive_interval": "1"}  # trl_ext's, where the job sets none
-FIRST_ROUND_LAST_CALL = 30  # seconds: torchrun's own default, for a machine's first round
+FIRST_ROUND_LAST_CALL = 30  # seconds: torchrun's own default, for the job's first round
 FIRST_ROUND = "--first-round-last-call"  # this module's own option, before torchrun's
 
 
@@ -92,8 +93,10 @@ def command(job: orchestrators.Job, python: str, script: str, args: list[str], a
 
 
 def first_round_waits(seconds: float):
-    """torchrun's c10d rendezvous handler's ``next_rendezvous``, its first round with ``last_call_timeout`` at
-    ``seconds`` and the later ones with the handler's own (patch ``elastic-first-round``).
+    """torchrun's c10d rendezvous handler's ``next_rendezvous``, the job's first round with ``last_call_timeout`` at
+    ``seconds`` and every later one with the handler's own (patch ``elastic-first-round``). The first round is the one
+    still forming in round 0: a machine that joins a running job (a pod recreated after a loss) or rejoins after one
+    waits the later rounds' time, so that it never holds the survivors' next round for the first round's wait.
 
     Args:
         seconds: the first round's ``last_call_timeout``.
@@ -106,28 +109,29 @@ def first_round_waits(seconds: float):
     original = DynamicRendezvousHandler.next_rendezvous
 
     def next_rendezvous(handler):
-        if getattr(handler, "_trl_ext_joined", False):
+        holder = handler._state_holder
+        holder.sync()  # the job's state in the store, as the join reads it
+        if holder.state.round or holder.state.complete:
             return original(handler)
         later = handler._settings
         timeout = later.timeout
         first = replace(later, timeout=RendezvousTimeout(join=timeout.join, last_call=timedelta(seconds=seconds),
                                                          close=timeout.close, heartbeat=timeout.heartbeat))
-        holders = (handler, handler._op_executor, handler._state_holder)  # each holds the settings it reads
-        for holder in holders:
-            holder._settings = first
+        holders = (handler, handler._op_executor, holder)  # each holds the settings it reads
+        for each in holders:
+            each._settings = first
         try:
             return original(handler)
         finally:
-            for holder in holders:
-                holder._settings = later
-            handler._trl_ext_joined = True
+            for each in holders:
+                each._settings = later
 
     return next_rendezvous
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m trl_ext.launching.elastic [--first-round-last-call S] <torchrun arguments>``: torchrun in this
-    process (``accelerate_run.run_torchrun``), a machine's first round waiting ``S`` seconds for more machines.
+    process (``accelerate_run.run_torchrun``), the job's first round waiting ``S`` seconds for more machines.
 
     Args:
         argv: the arguments (default: the command line).
