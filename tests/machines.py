@@ -37,7 +37,7 @@ class Machine:
     """
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path):
-        self.name, self.log = name, Path(log)
+        self.name, self.log, self.cmd, self.env = name, Path(log), cmd, env
         self.lines: list[tuple[float, str]] = []
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -12,7 +12,9 @@
   pods. The run resumes from step 12 in memory at world size 2: the new machine receives its part from the first
   machine's replica.
 - Elastic torchrun (``--nnodes 1:2``): the second machine is lost; the first resumes alone from step 12 in its memory,
-  which holds its replica of the lost machine's part, at world size 1.
+  which holds its replica of the lost machine's part, at world size 1. Started by trl_ext in pods, the lost pod is
+  then recreated on a new node and joins the running job: the survivor's ranks are restarted, and the world of 2
+  resumes from memory checkpoint-14, which the survivor took alone, given whole to the new machine.
 
 The one-process cases are in tests/unit/test_memory_tier.py."""
 
@@ -154,12 +156,26 @@ def test_a_lost_pod_recreated_on_a_new_node_resumes_from_its_peers_replica(confi
     assert audit(str(out), base=None).ok
 
 
+def _rejoin(machines: list[Machine], tmp: Path, lost: float) -> None:
+    """The lost pod, recreated on a new node (an empty memory tier), joins while the survivor's restarted ranks are
+    held at step 15: torchrun restarts them (held, they outlast its 30 s after SIGTERM and are killed, so no
+    preemption checkpoint is saved), and the grown world of 2 resumes from memory checkpoint-14, which the survivor
+    took alone. The new pod's ranks (its restart 0) are held at step 15 too, until both are there."""
+    machines[0].when(r"\[test\] holding step-15", 600, after=lost)
+    cmd, env = machines[1].cmd, {**machines[1].env, "TRL_EXT_MEMORY_DIR": str(tmp / "shm-1-new")}
+    machines[1] = Machine("machine-1-new", cmd, env, tmp / "machine-1-new.log")
+    machines[0].when(r"resuming from step 14 in memory", 600, after=lost)
+    (tmp / "hold" / "release-step-15").touch()
+    assert machines[1].wait(600) == 0, machines[1].output[-6000:]
+
+
 @pytest.mark.parametrize("started", ["torchrun", "pods"])
 def test_elastic_torchrun_left_with_one_machine_resumes_from_memory_alone(started, tmp_path):
     """Elastic torchrun (``--nnodes 1:2``), started as docs/launchers.md shows (``torchrun``) or by trl_ext in pods
     whose command is the recipe, with a PyTorchJob's elastic variables and no rendezvous setting of their own
     (``pods``): the second machine is lost once memory checkpoint-12 is replicated; the first resumes by itself from
-    step 12 in its memory (its own part and its replica of the lost machine's) at world size 1, and completes."""
+    step 12 in its memory (its own part and its replica of the lost machine's) at world size 1, and completes. In
+    pods, the lost pod comes back first (``_rejoin``), and the run ends on 2 machines."""
     out, port = tmp_path / "dpo", free_ports()
     args = ["--config", "accelerate_configs/zero3.yaml", "--config", "recipes/configs/dpo.yaml", "--output_dir",
             str(out), *TRAINING_ON_PODS]
@@ -176,12 +192,16 @@ def test_elastic_torchrun_left_with_one_machine_resumes_from_memory_alone(starte
         own = ELASTIC_ENV if started == "torchrun" else {**pod, "HOSTNAME": f"dpo-worker-{rank}"}  # trl_ext sets it
         env = {**own, "HF_HOME": str(tmp_path / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp_path / f"shm-{rank}"),
                **_held(tmp_path)}
+        if started == "pods":  # the survivor's restarted ranks held at step 15 too, until the lost pod is back
+            env.update(TRL_EXT_TEST_HOLD="step-14,step-15", TRL_EXT_TEST_RUNS="0,1")
         machines.append(Machine(f"machine-{rank}", cmd, env, tmp_path / f"machine-{rank}.log"))
         if rank == 0:
             wait_for_port(port, 300, machines[0])  # the first machine hosts the rendezvous and survives
     _wait_until_replicated(tmp_path, 12, machines)
-    machines[1].die()
+    lost = machines[1].die()
     _release(tmp_path)
+    if started == "pods":  # the lost pod recreated on a new node joins the running job (below)
+        _rejoin(machines, tmp_path, lost)
     code = machines[0].wait(600)
     log = machines[0].output
     assert code == 0, log[-6000:]
@@ -193,6 +213,15 @@ def test_elastic_torchrun_left_with_one_machine_resumes_from_memory_alone(starte
         assert worlds[0].startswith("[trl_ext] Kubeflow: rank 0 of 2 on 2 machine(s)"), worlds
     assert f"{orchestrator}: rank 0 of 1 on 1 machine(s)" in log, log[-6000:]  # alone, after the loss
     resumed = [line for line in log.splitlines() if "resuming from step" in line]
-    assert len(resumed) == 1 and "restart 1: resuming from step 12 in memory (" in resumed[0], resumed or log[-6000:]
+    assert "restart 1: resuming from step 12 in memory (" in resumed[0], resumed or log[-6000:]
+    if started == "pods":  # grown again to 2 machines: the step the survivor took alone, given to the new machine
+        assert len(resumed) == 2 and "resuming from step 14 in memory (" in resumed[1], resumed
+        assert ("memory checkpoint-14 (taken on 1 machine, resumed on 2): machine 1 received machine 0's part from "
+                "machine 0") in log, log[-6000:]
+        # the grow's restart killed the held ranks, a failure; the attempt before had made progress, in memory
+        assert "attempt 3: the attempt before it did not finish (1 failed attempt(s) in a row" in log, log[-6000:]
+        assert worlds[-1].startswith("[trl_ext] Kubeflow: rank 0 of 2 on 2 machine(s)") and len(worlds) == 3, worlds
+    else:
+        assert len(resumed) == 1, resumed
     assert f"saved and verified: {out}" in log
     assert audit(str(out), base=None).ok

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -126,6 +127,32 @@ def test_a_run_that_commits_a_checkpoint_between_failures_goes_on(as_process, tm
     as_process({})
     failure_limit.begin(out, limit=1)
     assert ownership.record(out)["failures"] == 0 and ownership.record(out)["attempts"] == 7
+
+
+def test_a_run_that_commits_a_memory_checkpoint_between_failures_goes_on(as_process, tmp_path, monkeypatch):
+    """Lost machines every few memory checkpoints, no new disk checkpoint between them: each attempt resumed from
+    memory and took newer ones, which count as progress (the trainer passes the memory tier's newest step on)."""
+    from trl_ext.mirror import run_record
+    from trl_ext.saving.memory_tier import MemoryTier
+
+    out = tmp_path / "out"
+    monkeypatch.setenv("TRL_EXT_MEMORY_DIR", str(tmp_path / "shm"))
+    as_process(ORCHESTRATORS["Kubeflow"])
+    ownership.claim(out)
+    tier = MemoryTier.of(SimpleNamespace(output_dir=str(out), memory_checkpoint_steps=2))
+    tier.share_token(SimpleNamespace(output_dir=str(out)), create=True)
+    tier.begin(None)
+    for step in (2, 4, 6, 8):  # four failures, each after a newer memory checkpoint
+        checkpoint = tier.root / f"checkpoint-{step}"
+        checkpoint.mkdir()
+        tier.committed(checkpoint, step)
+        as_process({})
+        run_record.begin_attempt(None, out, tier.newest_step())
+        assert ownership.record(out)["failures"] == 1 and tier.newest_step() == step
+    (tier.root / "checkpoint-10").mkdir()  # its manifest never written: not committed, so no progress
+    as_process({})
+    run_record.begin_attempt(None, out, tier.newest_step())
+    assert ownership.record(out)["failures"] == 2
 
 
 def test_slurm_and_ray_count_where_they_restart_and_a_new_torchrun_launch_starts_from_0(as_process, tmp_path):

@@ -21,7 +21,7 @@ import trl_ext
 from trl_ext.files import manifest
 from trl_ext.saving import memory_tier
 from trl_ext.saving.cost import MEMORY_PREFIX
-from trl_ext.saving.memory_replicas import Plan, plan, said, write_holds
+from trl_ext.saving.memory_replicas import HOLDS, Plan, files_under, plan, read_holds, said, write_holds
 from trl_ext.saving.memory_tier import MemoryTier
 
 ROWS = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
@@ -56,7 +56,7 @@ def _files(directory: Path) -> dict[str, str]:
     """Every file's digest, but training_args.bin (it records the options themselves) and the trainer state's
     save_steps (the runs compared save at different steps)."""
     files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())
-             if p.is_file() and p.name not in ("training_args.bin", "trainer_state.json")}
+             if p.is_file() and p.name not in ("training_args.bin", "trainer_state.json", HOLDS)}
     state = json.loads((directory / "trainer_state.json").read_text())
     state.pop("save_steps")
     return {**files, "trainer_state.json": state}
@@ -88,13 +88,15 @@ def stopped(tmp_path_factory, tiny_model_path):
 
 def test_a_memory_checkpoint_is_the_disk_checkpoint_of_its_step_kept_in_memory(stopped, uninterrupted):
     """Memory checkpoint-2 holds every file the uninterrupted run's checkpoint-2 holds, byte for byte (the trainer
-    state included: it is taken at the same point of the step), beside its manifest; the output directory holds no
-    checkpoint."""
+    state included: it is taken at the same point of the step), beside its manifest, and a note that it is this one
+    machine's whole part (for a run that grows to several machines); the output directory holds no checkpoint."""
     out, memory_dir, root, _ = stopped
     assert root.parent == memory_dir
     assert sorted(p.name for p in root.iterdir()) == [".checkpoint-2.manifest.json", "checkpoint-2",
                                                      memory_tier.NOTE]
     assert _files(root / "checkpoint-2") == _files(uninterrupted / "checkpoint-2")
+    assert read_holds(root / "checkpoint-2") == {"machines": 1, "world": 1,
+                                                 "parts": {0: files_under(root / "checkpoint-2")}}
     written = manifest.Manifest.from_json(memory_tier.manifest_path(root / "checkpoint-2").read_text())
     assert written.step == 2 and set(written.files) == {p.name for p in (root / "checkpoint-2").iterdir()}
     assert not [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
@@ -223,6 +225,10 @@ def test_the_machines_resume_the_newest_step_they_hold_together_and_move_what_ea
     assert plan(alone, 0, 1) == Plan(8, 1, 1, ())
     assert plan([{12: _note(3, 3, 0, 2)}, {12: _note(2, 2, 1, 0)}], 0, 2).step is None  # notes that disagree
     assert "machine 1 received the parts of machines 0 and 1 from machine 0" == said(plan(new_node, 10, 2))
+    # an elastic job grown from one machine to two: the new one receives the first's whole checkpoint
+    grown = [{14: _note(1, 1, 0), 12: _note(2, 2, 0, 1)}, {}]
+    assert plan(grown, 0, 2) == Plan(14, 1, 1, ((0, 1, 0),))
+    assert said(plan(grown, 0, 2)) == "machine 1 received machine 0's part from machine 0"
 
 
 def test_one_machine_never_resumes_a_memory_checkpoint_whose_other_parts_are_elsewhere(tmp_path):

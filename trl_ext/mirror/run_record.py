@@ -49,13 +49,15 @@ def newest_complete(store: Store) -> int:
     return next(iter(store.complete()), 0)
 
 
-def begin_attempt(store: Store | None, output_dir: str | Path) -> None:
+def begin_attempt(store: Store | None, output_dir: str | Path, newest: int = 0) -> None:
     """``failure_limit.begin`` with the run's mirror, if it has one: its record restored first where the disk lacks it,
     its newest complete checkpoint counted as progress, and the record copied back whatever the verdict.
 
     Args:
         store: the run's mirror (None without one); call this on global rank 0.
         output_dir: the run's output directory.
+        newest: the step of the run's newest checkpoint kept elsewhere (its memory tier's on this machine), counted as
+            progress too (0: none).
 
     A store that fails here (after its client's own retries) costs the copy, not the run: one line says the count is
     kept on this disk only, and training starts.
@@ -64,16 +66,16 @@ def begin_attempt(store: Store | None, output_dir: str | Path) -> None:
         failure_limit.GaveUp: the run failed too often in a row without a new checkpoint.
     """
     if store is None:
-        failure_limit.begin(output_dir)
+        failure_limit.begin(output_dir, newest=newest)
         return
 
     def read() -> int:
         restore(store, output_dir)
         return newest_complete(store)
 
-    newest = _or_said(read, 0, "read")
+    mirrored = _or_said(read, 0, "read")
     try:
-        failure_limit.begin(output_dir, newest=newest)
+        failure_limit.begin(output_dir, newest=max(newest, mirrored))
     finally:
         _or_said(lambda: save(store, output_dir), None, "write")
 

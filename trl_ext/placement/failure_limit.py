@@ -6,7 +6,8 @@ Why our own count: the orchestrators' limits count the wrong thing or nothing. J
 TrainJob's, through its JobSet) counts every restart, even one after new checkpoints, so a long run on flaky machines
 is stopped while it makes progress; SkyPilot's ``recover_on_exit_codes`` and a LeaderWorkerSet's group recreation
 have no bound, so a run that keeps failing holds its machines for ever. A failure that came after a new checkpoint
-starts the count again: a run that makes progress goes on.
+starts the count again: a run that makes progress goes on. A memory checkpoint (``memory_checkpoint_steps``) is
+progress too: a run that resumes from memory after each lost machine goes on between its disk checkpoints.
 
 The count lives in the run's record (``ownership``: ``.trl_ext-run`` in its output directory) and, where the run
 mirrors its checkpoints, beside them (``mirror.run_record``), so that a recovery onto an empty disk keeps it. Each
@@ -75,8 +76,8 @@ def begin(output_dir: str | os.PathLike, limit: int | None = None, newest: int =
     Args:
         output_dir: the run's own output directory.
         limit: failed attempts in a row that the run survives (default: ``max_failures()``).
-        newest: the newest checkpoint's step where the run keeps them elsewhere too (its mirror's), if newer than the
-            output directory's.
+        newest: the newest checkpoint's step where the run keeps them elsewhere too (its mirror's, its memory tier's on
+            this machine), if newer than the output directory's.
 
     Raises:
         GaveUp: the run failed ``limit + 1`` times in a row without a new checkpoint (exit code ``GAVE_UP``).

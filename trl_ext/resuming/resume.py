@@ -13,6 +13,7 @@
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate.utils import is_peft_model
@@ -112,13 +113,14 @@ def _read_reshard(trainer, checkpoint: str) -> world_size.Reshard | None:
     return decided_on_rank0(read)
 
 
-def _convert_for_deepspeed(trainer, checkpoint: str, reshard: world_size.Reshard) -> None:
+def _convert_for_deepspeed(trainer, checkpoint: str, reshard: world_size.Reshard, per_machine: bool) -> None:
     """DeepSpeed on another number of processes: the universal checkpoint, written once per copy of the checkpoint
-    (each node's local main with ``save_on_each_node``, else the main process); a failure is raised on every rank."""
+    (each node's local main with ``save_on_each_node`` or for a memory checkpoint, which each machine resumes from its
+    own memory; else the main process); a failure is raised on every rank."""
     from trl_ext import errors
 
     args = trainer.args
-    writer = args.local_process_index == 0 if args.save_on_each_node else args.process_index == 0
+    writer = args.local_process_index == 0 if args.save_on_each_node or per_machine else args.process_index == 0
     error = None
     if writer:
         try:
@@ -179,7 +181,8 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
         message = world_size.keep_global_batch(reshard, trainer.args) if reshard.changed else None
     else:
         if reshard.changed:
-            _convert_for_deepspeed(trainer, checkpoint, reshard)
+            in_memory = memory is not None and Path(checkpoint).is_relative_to(memory.root)
+            _convert_for_deepspeed(trainer, checkpoint, reshard, per_machine=in_memory)
         message = universal.apply(reshard, trainer.args, trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
     if message:
         notice(message)

@@ -53,7 +53,7 @@ from trl_ext.process.notices import notice
 from trl_ext.saving import deferred
 from trl_ext.saving.cost import MEMORY_PREFIX, PREFIX, Cost, max_over_ranks
 from trl_ext.saving.executor import BackgroundCheckpoint, Executor, as_failure
-from trl_ext.saving.memory_replicas import replicate
+from trl_ext.saving.memory_replicas import note_alone, replicate
 from trl_ext.saving.memory_tier import MemoryTier
 from trl_ext.saving.mode import Mode, OptimizerHooks, Where, say_cpu_cost
 from trl_ext.saving.reserve import reserve_copies
@@ -150,8 +150,10 @@ class Checkpoints:
                 replicate(self.memory.machines, trainer.args.world_size, partial.final, checkpoint.group())
                 if partial.is_writer:
                     self.memory.committed(partial.final, partial.step)
-            elif memory:
-                checkpoint.cost.bytes = commit_checkpoint(trainer, partial, [self.memory.committed], rotate=False)
+            elif memory:  # one machine's, noted as its whole part for a run that grows to several
+                alone = functools.partial(note_alone, trainer.args.world_size)
+                checkpoint.cost.bytes = commit_checkpoint(trainer, partial, [alone, self.memory.committed],
+                                                          rotate=False)
             else:
                 checkpoint.cost.bytes = commit_checkpoint(trainer, partial, self.after_commit)
 

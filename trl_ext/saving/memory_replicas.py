@@ -4,8 +4,9 @@ run resumes, each machine given what it lacks of the newest checkpoint the machi
 - **Replication** (``replicate``): once every machine has its part of memory ``checkpoint-N`` in place (the files its
   own ranks wrote), each machine's first process sends its part to the next machine's and receives the previous
   machine's, file by file over the executor's gloo group. A checkpoint holds its machines' parts in a note inside it
-  (``HOLDS``). Only once every machine has its replica do they write their manifests, which is what makes a memory
-  checkpoint resumable: a half-replicated one is never resumed. Each machine holds its own part plus one peer's.
+  (``HOLDS``; taken on one machine, that machine's whole part: ``note_alone``). Only once every machine has its
+  replica do they write their manifests, which is what makes a memory checkpoint resumable: a half-replicated one is
+  never resumed. Each machine holds its own part plus one peer's.
 - **Resume** (``settle``): the machines say which memory checkpoints they hold whole, and whose parts; the newest step
   whose parts together cover every machine that took it, and newer than the disk's, is chosen; each machine that lacks
   parts of it receives them from one that holds them (a recreated machine: all of them), and the memory tier then
@@ -94,6 +95,19 @@ def write_holds(checkpoint: Path, machines: int, world: int, parts: dict[int, li
     tmp.write_text(json.dumps({"machines": machines, "world": world,
                                "parts": {str(k): v for k, v in sorted(parts.items())}}))
     os.replace(tmp, checkpoint / HOLDS)
+
+
+def note_alone(world: int, checkpoint: Path, step: int) -> None:
+    """A memory checkpoint taken on one machine noted as that machine's whole part (``HOLDS``, before its manifest):
+    when the run grows to several machines (an elastic job that a machine joins), ``settle`` finds it and gives it to
+    the machines that joined.
+
+    Args:
+        world: the run's number of processes.
+        checkpoint: the committed memory ``checkpoint-N``.
+        step: its step (unused: a commit hook's signature).
+    """
+    write_holds(checkpoint, 1, world, {0: files_under(checkpoint)})
 
 
 # Transfers between two machines' first processes
@@ -341,7 +355,8 @@ def settle(tier, args, group) -> None:
         return
     tier.agreed.step = moves.step
     if moves.moves:
-        notice(f"memory {name} (taken on {moves.machines} machines, resumed on {machines.count}): {said(moves)}")
+        taken = f"{moves.machines} machine{'s' if moves.machines > 1 else ''}"
+        notice(f"memory {name} (taken on {taken}, resumed on {machines.count}): {said(moves)}")
 
 
 def said(moves: Plan) -> str:

@@ -165,6 +165,15 @@ class MemoryTier:
             skipped = skipped or f"memory checkpoint {path} is not resumed: {why}"
         return None, skipped
 
+    def newest_step(self) -> int:
+        """The step of this machine's newest committed memory checkpoint of this output directory (0: none), as the
+        count of failed attempts reads progress (``placement.failure_limit``): before anything loads, on the process
+        that decides."""
+        if not self.root.is_dir() or not self.belongs_here():
+            return 0
+        return max((step for step, path in checkpoint_dirs.committed(self.root).items()
+                    if manifest_path(path).is_file()), default=0)
+
     def here(self, path: str | None) -> str | None:
         """``path`` as this machine holds it: the agreed memory checkpoint that rank 0 named is this machine's own
         copy of it (each machine resumes from its own memory); any other path as it is."""

@@ -33,6 +33,7 @@ from trl_ext.process.clean_exit import destroy_gloo_group_at_exit
 from trl_ext.process.collectives import decided_on_rank0
 from trl_ext.resuming.choose import last_committed
 from trl_ext.saving.checkpoints import Checkpoints
+from trl_ext.saving.memory_tier import MemoryTier
 from trl_ext.settings.trainer_options import SaveOptions
 from trl_ext.trainers import compat, components, configs, preemption
 
@@ -100,7 +101,8 @@ class TrlExtMixin:
 
     def _refuse_before_loading(self, training_args) -> None:
         """What is refused before the model loads: a launch that cannot run, an error of the run's own that a restart
-        would repeat, a mirror that cannot be used, a run that failed too often in a row without a new checkpoint."""
+        would repeat, a mirror that cannot be used, a run that failed too often in a row without a new checkpoint (on
+        disk, in the mirror, or in this machine's memory tier)."""
         runtime.check_distributed_setup(training_args)
         runtime.check_offloading_has_an_accelerator(training_args)
         outcome.watch(training_args.output_dir)  # restarted by its orchestrator, an error of its own is not repeated
@@ -110,9 +112,11 @@ class TrlExtMixin:
         # the attempts (their count kept on the mirror too), decided on rank 0's view of the directory for every rank
         # (a node-local disk may hold no record on the others)
         store = self._mirror.store if self._mirror is not None else None
+        memory = MemoryTier.of(training_args)  # its newest checkpoint counts as progress too
         try:
             if ownership.current_run() is not None:  # the same on every rank; a run without one has no attempts
-                decided_on_rank0(lambda: run_record.begin_attempt(store, training_args.output_dir))
+                decided_on_rank0(lambda: run_record.begin_attempt(store, training_args.output_dir,
+                                                                  memory.newest_step() if memory else 0))
         except GaveUp as gave_up:
             outcome.record(gave_up)  # for this machine's node launcher, whose exit code it becomes (202)
             raise
