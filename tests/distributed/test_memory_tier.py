@@ -188,18 +188,21 @@ def test_elastic_torchrun_left_with_one_machine_resumes_from_memory_alone(starte
         pod = {"PET_NNODES": "1:2", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}",
                "PET_RDZV_ID": "elastic-memory", "PET_NPROC_PER_NODE": "1"}
     machines = []
-    for rank in (0, 1):  # the first attempt is held at step 14; the restarted one is not (TRL_EXT_TEST_RUNS: 0)
+    for rank in (0, 1):  # the first attempt held at step 14, the restarted one at its load (and in pods, step 15)
         own = ELASTIC_ENV if started == "torchrun" else {**pod, "HOSTNAME": f"dpo-worker-{rank}"}  # trl_ext sets it
         env = {**own, "HF_HOME": str(tmp_path / "hf"), "TRL_EXT_MEMORY_DIR": str(tmp_path / f"shm-{rank}"),
-               **_held(tmp_path)}
-        if started == "pods":  # the survivor's restarted ranks held at step 15 too, until the lost pod is back
-            env.update(TRL_EXT_TEST_HOLD="step-14,step-15", TRL_EXT_TEST_RUNS="0,1")
+               **_held(tmp_path), "TRL_EXT_TEST_RUNS": "0,1"}
+        env["TRL_EXT_TEST_HOLD"] = "step-14,load" + (",step-15" if started == "pods" else "")
         machines.append(Machine(f"machine-{rank}", cmd, env, tmp_path / f"machine-{rank}.log"))
         if rank == 0:
             wait_for_port(port, 300, machines[0])  # the first machine hosts the rendezvous and survives
     _wait_until_replicated(tmp_path, 12, machines)
     lost = machines[1].die()
     _release(tmp_path)
+    machines[0].when(r"\[test\] holding load", 600, after=lost)  # resharded for one machine, before DeepSpeed loads it
+    converted = next((tmp_path / "shm-0").glob("*/checkpoint-12"))
+    assert list(converted.glob("*_universal")) and memory_tier.MemoryTier._damage(converted) is None  # still whole
+    (tmp_path / "hold" / "release-load").touch()
     if started == "pods":  # the lost pod recreated on a new node joins the running job (below)
         _rejoin(machines, tmp_path, lost)
     code = machines[0].wait(600)

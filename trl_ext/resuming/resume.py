@@ -21,7 +21,7 @@ from transformers import set_seed
 
 from trl_ext.engines import fsdp
 from trl_ext.errors import ResumeError
-from trl_ext.files import hub_names
+from trl_ext.files import checkpoint_dirs, hub_names
 from trl_ext.placement import ownership
 from trl_ext.process.collectives import decided_on_rank0
 from trl_ext.process.notices import notice
@@ -113,18 +113,21 @@ def _read_reshard(trainer, checkpoint: str) -> world_size.Reshard | None:
     return decided_on_rank0(read)
 
 
-def _convert_for_deepspeed(trainer, checkpoint: str, reshard: world_size.Reshard, per_machine: bool) -> None:
+def _convert_for_deepspeed(trainer, checkpoint: str, reshard: world_size.Reshard, memory=None) -> None:
     """DeepSpeed on another number of processes: the universal checkpoint, written once per copy of the checkpoint
-    (each node's local main with ``save_on_each_node`` or for a memory checkpoint, which each machine resumes from its
-    own memory; else the main process); a failure is raised on every rank."""
+    (each node's local main with ``save_on_each_node`` or for a checkpoint of the memory tier ``memory``, which each
+    machine resumes from its own memory, given a new manifest with the files added so that it stays resumable; else
+    the main process); a failure is raised on every rank."""
     from trl_ext import errors
 
     args = trainer.args
-    writer = args.local_process_index == 0 if args.save_on_each_node or per_machine else args.process_index == 0
+    writer = args.local_process_index == 0 if args.save_on_each_node or memory else args.process_index == 0
     error = None
     if writer:
         try:
             universal.convert_to_universal(checkpoint, reshard.tag)
+            if memory is not None:
+                memory.committed(Path(checkpoint), checkpoint_dirs.step_of(checkpoint))
         except Exception as exc:  # noqa: BLE001 - raised on every rank below, so that none waits for a failed writer
             error = ResumeError(f"converting {checkpoint} to DeepSpeed's universal checkpoint failed: {exc}")
     if args.world_size > 1:
@@ -182,7 +185,7 @@ def prepare(trainer, resume_from_checkpoint) -> Resume:
     else:
         if reshard.changed:
             in_memory = memory is not None and Path(checkpoint).is_relative_to(memory.root)
-            _convert_for_deepspeed(trainer, checkpoint, reshard, per_machine=in_memory)
+            _convert_for_deepspeed(trainer, checkpoint, reshard, memory if in_memory else None)
         message = universal.apply(reshard, trainer.args, trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
     if message:
         notice(message)
