@@ -3,6 +3,7 @@ job's first round waiting longer for more machines than its later rounds (patch 
 torchrun's real c10d rendezvous in this process. The launches are in tests/distributed/test_memory_tier.py."""
 
 import threading
+import time
 
 import pytest
 
@@ -79,24 +80,30 @@ def test_a_jobs_first_round_waits_longer_than_its_later_ones(joins):
 
 @pytest.mark.slow  # 3 s of waiting
 def test_a_machine_joining_a_running_job_waits_the_later_rounds_time(joins, monkeypatch):
-    """A pod recreated after a loss joins a job of 1 to 3 machines whose first round runs: its join, and the new
-    round it starts with the machine already there, read the later rounds' last call, so that it never holds the
-    survivors for the first round's wait."""
+    """A pod recreated after a loss joins a running job (1 to 2 machines, its first round done with one): its join,
+    and the new round it starts with the machine already there, read the later rounds' last call, so that it never
+    holds the survivors for the first round's wait.
+
+    The later rounds' last call is 60 s, which the grown round never waits (it completes once both machines are in):
+    with 1 s, a loaded machine let the joining machine's round close alone before the other rejoined it, which
+    torchrun's agent would answer with another round, but this test has no agent."""
     monkeypatch.setenv(*UNSHARED_STORE)  # as trl_ext starts an elastic pod's torchrun (pytorch#135712)
     port = free_ports()
-    running = _handler(port, last_call=1, most=3)
+    running = _handler(port, last_call=60)
     assert running.next_rendezvous().world_size == 1
-    joining = _handler(port, last_call=1, host=False, most=3)
+    joining = _handler(port, last_call=60, host=False)
     grown = []
     thread = threading.Thread(target=lambda: grown.append(joining.next_rendezvous().world_size), daemon=True)
     thread.start()
+    waited = time.monotonic() + 120
     while not running.num_nodes_waiting():  # as torchrun's agent notices a machine waiting, and restarts its ranks
+        assert thread.is_alive() and time.monotonic() < waited, "the joining machine never waited for a round"
         thread.join(0.1)
     assert running.next_rendezvous().world_size == 2
-    thread.join(60)
+    thread.join(120)
     assert grown == [2]
-    first, later = (running._this_node.local_id, 2.0), (running._this_node.local_id, 1.0)
+    first, later = (running._this_node.local_id, 2.0), (running._this_node.local_id, 60.0)
     assert joins[0] == first and later in joins[1:]
-    assert {seconds for node, seconds in joins[1:] if node == joining._this_node.local_id} == {1.0}
+    assert {seconds for node, seconds in joins[1:] if node == joining._this_node.local_id} == {60.0}
     joining.shutdown()
     running.shutdown()
