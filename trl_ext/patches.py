@@ -196,7 +196,8 @@ PATCHES: dict[str, Patch] = {
     "no-input-require-grads": Patch(
         target="transformers.modeling_utils.PreTrainedModel.enable_input_require_grads",
         why="transformers registers the input-require-grads hook whenever checkpointing is enabled on a PEFT model "
-            "and TRL's DPO re-enables it every step; non-reentrant checkpointing does not need it (memory only)",
+            "and TRL's DPO re-enables it every step (one more hook each step); non-reentrant checkpointing does not "
+            "need it",
         upstream="none filed: transformers 5.23 gradient_checkpointing_enable",
         remove_when="transformers registers the hook for reentrant checkpointing only",
         guard=_has("transformers.modeling_utils.PreTrainedModel.disable_input_require_grads"),

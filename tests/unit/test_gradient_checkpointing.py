@@ -58,3 +58,24 @@ def test_overridden_setting_is_caught():
     model = type("M", (), {"modules": lambda self: iter([]), "named_modules": lambda self: iter([("x", layer())])})()
     with pytest.raises(RuntimeError, match="no layer checkpoints"):
         policy.on_train_begin(args, None, None, model=model)
+
+
+def test_dpo_adds_no_input_hook_at_any_step(tmp_path):
+    """TRL's DPO re-enables checkpointing around every reference forward, and under PEFT each re-enable registers one
+    more input-require-grads hook on the input embeddings (TRL 1.16, transformers 5.24: 7 after 5 steps, all run on
+    every forward); trl_ext's DPO holds none, step after step."""
+    from transformers import TrainerCallback
+
+    counts = []
+
+    class CountHooks(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            counts.append(len(model.get_base_model().get_input_embeddings()._forward_hooks))
+
+    args = trl_ext.DPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, report_to="none",
+                             save_strategy="no", gradient_checkpointing=True)
+    data = load_default_dataset("preference")["train"].select(range(6))
+    trainer = trl_ext.DPOTrainer(model=default_model_path(), args=args, train_dataset=data,
+                                 peft_config=LoraConfig(r=4, target_modules=["q_proj"]), callbacks=[CountHooks()])
+    trainer.train()
+    assert counts == [0, 0, 0]
