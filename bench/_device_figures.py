@@ -17,6 +17,11 @@ Figures of one run (a dict, JSON-safe):
 - ``gradient_checkpointing``: "off", or the mode the layers' checkpoint functions call (reentrant / non-reentrant),
   how many layers checkpoint, and whether activations are offloaded.
 - ``attn_implementation``: ``model.config._attn_implementation``.
+- ``optimizer``: the optimizer's class and its ``fused`` / ``foreach`` settings (a fused AdamW on one side alone would
+  change a full fine-tune's step time).
+- ``input_grad_hooks``: the forward hooks on the input embeddings. TRL registers transformers' input-require-grads
+  hook for PEFT with checkpointing (and its DPO re-enables checkpointing around every reference forward); trl_ext
+  removes it, which non-reentrant checkpointing does not need.
 """
 
 import functools
@@ -28,7 +33,8 @@ GIB = 2**30
 # (figure key, label in the table). The table and tests/test_device_check.py use these labels.
 COMPARED = [("trainable_params", "trainable params"), ("optimizer_state_bytes", "optimizer state after step 1"),
             ("param_dtypes", "parameter dtypes"), ("gradient_checkpointing", "gradient checkpointing"),
-            ("attn_implementation", "attention"), ("weights_bytes", "weights (+ reference model)")]
+            ("attn_implementation", "attention"), ("weights_bytes", "weights (+ reference model)"),
+            ("optimizer", "optimizer"), ("input_grad_hooks", "input-embedding forward hooks")]
 FLOOR_LABEL = "peak memory floor"
 PEAK_LABEL = "peak memory vs floor"
 
@@ -36,6 +42,8 @@ PEAK_LABEL = "peak memory vs floor"
 EXPECTED_DIFFERENCES = {
     "gradient_checkpointing": (lambda ours: str(ours).startswith("non-reentrant"), "trl_ext's purpose: "
                                "non-reentrant checkpointing everywhere, trl_ext/engines/gradient_checkpointing.py"),
+    "input_grad_hooks": (lambda ours: ours == 0, "trl_ext removes TRL's input-require-grads hook, which non-reentrant "
+                         "checkpointing does not need: patch no-input-require-grads"),
 }
 
 
@@ -209,6 +217,9 @@ def collect(model, optimizer, ref_model=None) -> dict:
         "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
         "gradient_checkpointing": checkpointing_mode(model),
         "attn_implementation": base.config._attn_implementation,
+        "optimizer": f"{type(inner).__name__} (fused={inner.defaults.get('fused')}, "
+                     f"foreach={inner.defaults.get('foreach')})",
+        "input_grad_hooks": len(base.get_input_embeddings()._forward_hooks),
     }
 
 

@@ -177,6 +177,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--flop_check", action="store_true", help="check the FLOPs formula with torch's counter")
     parser.add_argument("--reentrant", action="store_true",
                         help="gradient_checkpointing_kwargs={'use_reentrant': True} (bench/_device_steps.diagnose)")
+    parser.add_argument("--keep_input_grads_hook", action="store_true",
+                        help="trl_ext's trainer with TRL's input-require-grads hook kept (the one autograd difference "
+                             "trl_ext makes under PEFT + checkpointing; bench/_device_diagnose.py)")
     parser.add_argument("--profile_steps", type=int, default=0,
                         help="profile the last N steps with torch's profiler (bench/_device_profile.py)")
     parser.add_argument("--results", help="also append each result to this file, one JSON line each")
@@ -187,6 +190,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not cli.plan and None in (cli.impl, cli.trainer, cli.tuning, cli.gc):
         parser.error("give --impl, --trainer, --tuning and --gc, or --plan")
     return cli
+
+
+@contextlib.contextmanager
+def kept_input_grads_hook(keep: bool):
+    """With ``keep``: trl_ext leaves TRL's input-require-grads hook in place (its removal, a no-op inside the block),
+    so that the diagnose step can time trl_ext without the one change it makes to the autograd graph."""
+    if not keep:
+        yield
+        return
+    from trl_ext.engines import gradient_checkpointing
+
+    removal = gradient_checkpointing.remove_input_require_grads_hooks
+    gradient_checkpointing.remove_input_require_grads_hooks = lambda model: None
+    try:
+        yield
+    finally:
+        gradient_checkpointing.remove_input_require_grads_hooks = removal
 
 
 def run(cli: argparse.Namespace) -> dict:
@@ -237,8 +257,9 @@ def run(cli: argparse.Namespace) -> dict:
         profile = ProfileSteps(max(1, cli.steps - cli.profile_steps + 1), min(cli.profile_steps, cli.steps), on_gpu)
         callbacks.append(profile)
     dataset = data(cli.trainer, cli.seq_len, rows=cli.steps * per_device)  # one epoch: no row is tokenized for nothing
-    trainer = trainer_cls(model=model, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config, **extra)
+    with kept_input_grads_hook(cli.keep_input_grads_hook):
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config, **extra)
     figures.trainer = trainer
 
     training_step = trainer.training_step  # the same wrapper on both sides: it only reads the batch
@@ -253,7 +274,8 @@ def run(cli: argparse.Namespace) -> dict:
 
     flop_check = flop_counter_check(trainer, meter, frozen, trained, config, d_attn) if cli.flop_check else None
     built = time.perf_counter()
-    trainer.train()
+    with kept_input_grads_hook(cli.keep_input_grads_hook):  # trl_ext removes it again at train start
+        trainer.train()
 
     steady = slice(cli.warmup, None) if len(meter.times) > cli.warmup else slice(None)
     times, tokens, lengths = meter.times[steady], meter.tokens[steady], meter.lengths[steady]
@@ -268,6 +290,7 @@ def run(cli: argparse.Namespace) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "peak_mem_bytes": torch.cuda.max_memory_allocated() if on_gpu else None, "held_before_bytes": held_before,
         "flop_check": flop_check, "figures": figures.found, "reentrant": cli.reentrant,
+        "keep_input_grads_hook": cli.keep_input_grads_hook,
         "profile": profile.summary if profile else None, "control": cli.control, "repeat": cli.repeat,
         "trainer_class": f"{type(trainer).__module__}.{type(trainer).__name__}",  # the A/A's: TRL's on both sides
         "build_s": built - began,

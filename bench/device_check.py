@@ -23,8 +23,9 @@ The steps, in this order, so that a short stretch of GPU time still yields the f
    audit and reload in plain transformers/peft.
 5. ``qlora``: 4-bit QLoRA (bitsandbytes): trains, saves, ``trl-ext merge``, and reloads on the 4-bit base, on the
    full-precision base and merged.
-6. ``diagnose``: where step 1 found trl_ext's step above 1.02x TRL's (a miss, not within noise), trl_ext's run again
-   with reentrant gradient checkpointing and a short torch-profiler record of both sides
+6. ``diagnose``: where step 1 found trl_ext's step above 1.02x TRL's (a miss, not within noise), and on a GPU, in
+   the time left, where it is above 1.00 (a suspect): both sides again, trl_ext's run with reentrant gradient
+   checkpointing and (LoRA) with TRL's input-require-grads hook kept, and a short torch-profiler record of both sides
    (bench/_device_diagnose.py). On the CPU only a ratio made up with ``--made_up_ratio "DPO lora=1.10"`` counts as a
    miss, whatever the A/A control says (a test forces one).
 
@@ -69,7 +70,8 @@ STEPS = [
     ("fsdp2", "FSDP2 (one process on a GPU): saves verify and reload", 80),
     ("qlora", "QLoRA, bitsandbytes 4-bit: trains, saves, merges, reloads", 60),
     # last: it only runs where a throughput ratio missed, in the time the others left
-    ("diagnose", "Where a step ratio misses 1.02x: trl_ext with reentrant checkpointing, both sides profiled", 90),
+    ("diagnose", "Where a step ratio misses 1.02x (or, on a GPU, is above 1.00): both sides again, trl_ext with "
+     "reentrant checkpointing and with TRL's input hook, both sides profiled", 150),
 ]
 SMOKE_LANES = [["throughput", "qlora", "diagnose"], ["checkpoint", "zero3", "fsdp2"]]  # on the CPU, two at a time
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed", "bitsandbytes",

@@ -66,8 +66,8 @@ def test_self_checks_for_every_workload(smoke):
     checks = smoke["results"]["steps"]["throughput"]["checks"]
     for workload in ("SFT lora", "SFT full", "DPO lora", "DPO full"):
         for figure in ("trainable params", "optimizer state after step 1", "parameter dtypes",
-                       "gradient checkpointing", "attention", "weights (+ reference model)", "peak memory floor",
-                       "peak memory vs floor"):
+                       "gradient checkpointing", "attention", "weights (+ reference model)", "optimizer",
+                       "input-embedding forward hooks", "peak memory floor", "peak memory vs floor"):
             assert f"| {workload} | {figure} |" in table, (workload, figure)
         assert checks[f"{workload}: self-checks, TRL and trl_ext train the same"]["ok"], checks
         assert f"{workload} trl: peak memory >= its floor" not in checks  # no peak on the CPU: printed, not judged
@@ -127,8 +127,9 @@ def test_ratios_come_with_their_noise(smoke):
 
 def test_a_missed_ratio_is_explained(smoke):
     """A made-up miss (DPO LoRA at 1.10x TRL's step): the throughput step reports it as a missed goal, marked made up,
-    and the diagnose step records both sides' profiles (op names, calls and times per step) and trl_ext's rerun with
-    reentrant checkpointing (its step time, the mode its layers ran); the other workloads are left alone."""
+    and the diagnose step records both sides again, trl_ext's reruns with reentrant checkpointing and with TRL's
+    input-require-grads hook kept (step times against TRL's beside them, the mode the layers ran, the hooks), and
+    both sides' profiles (op names, calls and times per step); the other workloads are left alone."""
     steps = smoke["results"]["steps"]
     throughput = steps["throughput"]
     goal = throughput["goals"]["DPO lora: step <= 1.02x TRL's"]
@@ -139,11 +140,22 @@ def test_a_missed_ratio_is_explained(smoke):
     assert ratios["DPO lora"]["made_up"] and ratios["DPO lora"]["ratio"] == MADE_UP
     assert not any(r["made_up"] for name, r in ratios.items() if name != "DPO lora")
     found = steps["diagnose"]
-    assert list(found["diagnosed"]) == ["DPO lora"]  # on the CPU only the made-up miss counts
+    assert list(found["diagnosed"]) == ["DPO lora"]  # on the CPU only the made-up miss counts, and no suspect
     diagnosed = found["diagnosed"]["DPO lora"]
-    rerun = diagnosed["reentrant"]
-    assert rerun["gradient_checkpointing"] == "reentrant (2/2 layers)" and 0 < rerun["step_s"] < 60
-    assert rerun["vs_trl"] == pytest.approx(rerun["step_s"] / ratios["DPO lora"]["trl_step_s"])
+    assert not diagnosed["suspect"]
+    reruns = diagnosed["reruns"]
+    assert list(reruns) == ["TRL, again", "trl_ext, again", "trl_ext, use_reentrant=True",
+                            "trl_ext, input-require-grads hook kept"]
+    assert diagnosed["trl_step_s"] == reruns["TRL, again"]["step_s"]  # the reruns' anchor: TRL's run beside them
+    for label, rerun in reruns.items():
+        assert 0 < rerun["step_s"] < 60 and rerun["vs_trl"] == pytest.approx(rerun["step_s"] / diagnosed["trl_step_s"])
+    assert reruns["trl_ext, use_reentrant=True"]["gradient_checkpointing"] == "reentrant (2/2 layers)"
+    assert reruns["trl_ext, again"]["gradient_checkpointing"] == "non-reentrant (2/2 layers)"
+    # TRL keeps transformers' input-require-grads hook under PEFT + checkpointing, trl_ext removes it; the variant
+    # keeps it, so that its removal's cost can be read on a GPU
+    assert reruns["trl_ext, again"]["input_grad_hooks"] == 0
+    assert reruns["trl_ext, input-require-grads hook kept"]["input_grad_hooks"] >= 1
+    assert reruns["TRL, again"]["input_grad_hooks"] >= 1
     for side in ("trl", "trl_ext"):
         profile = diagnosed["profiles"][side]
         assert profile["steps"] == 2 and 0 < profile["step_s"] < 60
@@ -157,10 +169,21 @@ def test_a_missed_ratio_is_explained(smoke):
     for d in diagnosed["count_differences"]:
         assert d["difference"] == d["trl_ext"] - d["trl"] != 0
         assert d["trl"] == diagnosed["profiles"]["trl"]["aten_ops"].get(d["op"], 0)
-    assert diagnosed["verdict"].startswith(f"DPO lora: trl_ext at {MADE_UP:.3f}x TRL's step (made up); with "
-                                           f"use_reentrant=True {rerun['vs_trl']:.3f}x")
+    vs = {label: f"{r['vs_trl']:.3f}x" for label, r in reruns.items()}
+    assert diagnosed["verdict"].startswith(
+        f"DPO lora: trl_ext at {MADE_UP:.3f}x TRL's step (made up); again {vs['trl_ext, again']}; with "
+        f"use_reentrant=True {vs['trl_ext, use_reentrant=True']}: reentrant "), diagnosed["verdict"]
+    assert f"; with TRL's input-require-grads hook kept {vs['trl_ext, input-require-grads hook kept']}: keeping it " \
+        in diagnosed["verdict"]
+    checks = found["checks"]
+    for name in ("the runs finished", "DPO lora: TRL and trl_ext again", "DPO lora: trl_ext rerun with reentrant "
+                 "checkpointing", "DPO lora: trl_ext rerun with the input-require-grads hook kept",
+                 "DPO lora: both sides profiled"):
+        assert checks[name]["ok"], (name, checks[name])
     table = (smoke["out"] / "table.txt").read_text()
-    assert "| DPO lora | trl_ext, use_reentrant=True |" in table and "| DPO lora | trl_ext, profiled |" in table
+    for run in ("TRL, again", "trl_ext, again", "trl_ext, use_reentrant=True", "trl_ext, input-require-grads hook kept",
+                "trl_ext, profiled"):
+        assert f"| DPO lora | {run} |" in table, run
     assert f"{MADE_UP:.3f} (made up; measured " in table and diagnosed["verdict"] in table
 
 

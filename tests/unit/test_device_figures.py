@@ -13,7 +13,8 @@ GIB = 2**30
 PARAMS = 494_005_120
 FULL = {"trainable_params": PARAMS, "weights_bytes": 2 * PARAMS, "ref_weights_bytes": 0, "gradient_bytes": 2 * PARAMS,
         "optimizer_state_bytes": 4 * PARAMS, "param_dtypes": ["bfloat16"],
-        "gradient_checkpointing": "non-reentrant (24/24 layers)", "attn_implementation": "sdpa"}
+        "gradient_checkpointing": "non-reentrant (24/24 layers)", "attn_implementation": "sdpa",
+        "optimizer": "AdamW (fused=None, foreach=None)", "input_grad_hooks": 0}
 FLOOR = 8 * PARAMS
 
 
@@ -30,7 +31,9 @@ def test_floor_and_comparison():
                   [FLOOR - 1, FULL], [FLOOR, FULL], [5.1 * GIB, FULL], [None, FULL],
                   [2.35 * GIB, lora]],  # LoRA: the frozen weights and a small adapter fit under 2.35 GiB
         "compare": [[FULL, FULL], [reentrant, FULL], [FULL, reentrant], [FULL, lora],
-                    [FULL, {**FULL, "attn_implementation": "eager", "param_dtypes": ["bfloat16", "float32"]}]],
+                    [FULL, {**FULL, "attn_implementation": "eager", "param_dtypes": ["bfloat16", "float32"]}],
+                    [{**FULL, "input_grad_hooks": 1}, FULL], [FULL, {**FULL, "input_grad_hooks": 1}],
+                    [FULL, {**FULL, "optimizer": "AdamW (fused=True, foreach=None)"}]],
     })
     below, just_below, at, above, cpu, lora_ok = answer["floor"]
     assert below["ok"] is False and below["floor_bytes"] == FLOOR
@@ -41,11 +44,11 @@ def test_floor_and_comparison():
     assert at["ok"] is True and above["ok"] is True and lora_ok["ok"] is True
     assert cpu["ok"] is None and cpu["floor_bytes"] == FLOOR and "not checked" in cpu["reason"]
 
-    same, ours_non_reentrant, ours_reentrant, lora_vs_full, other = answer["compare"]
+    same, ours_non_reentrant, ours_reentrant, lora_vs_full, other, hook_removed, hook_added, fused = answer["compare"]
     assert all(row["equal"] and row["verdict"] == "equal" for row in same["rows"]) and same["unexplained"] == []
     labels = [row["figure"] for row in same["rows"]]
     for label in ("trainable params", "optimizer state after step 1", "parameter dtypes", "gradient checkpointing",
-                  "attention"):
+                  "attention", "optimizer", "input-embedding forward hooks"):
         assert label in labels
     # trl_ext's non-reentrant checkpointing is its purpose: named, not unexplained
     (row,) = [r for r in ours_non_reentrant["rows"] if not r["equal"]]
@@ -63,3 +66,12 @@ def test_floor_and_comparison():
         "purpose)"]
     assert [v.split(" (")[0] for v in other["unexplained"]] == [
         "parameter dtypes: TRL bfloat16, trl_ext bfloat16, float32", "attention: TRL sdpa, trl_ext eager"]
+    # TRL's input-require-grads hook, removed by trl_ext on purpose: named; a hook trl_ext adds, or another optimizer,
+    # is not a difference trl_ext makes
+    (row,) = [r for r in hook_removed["rows"] if not r["equal"]]
+    assert row["verdict"].startswith("input-embedding forward hooks: TRL 1, trl_ext 0 (trl_ext removes TRL's "
+                                     "input-require-grads hook"), row["verdict"]
+    assert hook_removed["unexplained"] == []
+    assert [v.split(" (")[0] for v in hook_added["unexplained"]] == ["input-embedding forward hooks: TRL 0, trl_ext 1"]
+    assert [v.split(" (U")[0] for v in fused["unexplained"]] == [
+        "optimizer: TRL AdamW (fused=None, foreach=None), trl_ext AdamW (fused=True, foreach=None)"]
