@@ -26,6 +26,7 @@ import time
 
 import torch
 import trl
+from _pairing import Baton  # bench/, on the path when this file runs
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, TrainerCallback
@@ -34,29 +35,6 @@ import trl_ext
 from trl_ext.assets import default_model_path
 
 TRAINERS = {"sft": "SFT", "reward": "Reward", "dpo": "DPO"}
-
-
-class Baton:
-    """Strict turns between named threads; a finished thread drops out of the rotation."""
-
-    def __init__(self, names: list[str]):
-        self.names, self.turn, self.finished = names, names[0], set()
-        self.cond = threading.Condition()
-
-    def pass_and_wait(self, me: str) -> None:
-        with self.cond:
-            self._advance(me)
-            self.cond.wait_for(lambda: self.turn == me)
-
-    def finish(self, me: str) -> None:
-        with self.cond:
-            self.finished.add(me)
-            self._advance(me)
-
-    def _advance(self, me: str) -> None:
-        waiting = [n for n in self.names if n != me and n not in self.finished]
-        self.turn = waiting[0] if waiting else me
-        self.cond.notify_all()
 
 
 class StepTimer(TrainerCallback):

@@ -7,16 +7,42 @@ bench/overhead.py (paired steps, whole runs) and by bench/gpu.py, hence the devi
   ratios are what the pairing produces from no difference at all;
 - **a ratio read beside its control**: the goal missed by no more than the control strayed from 1.00 is "within
   noise", not a miss.
+- **paired steps** (``Baton``): two trainers in one process take turns, one step each, so that every step of one
+  side has a step of the other beside it (bench/overhead.py's one-process runs, the device check's diagnose step).
 
-Pure arithmetic, no torch: tests/unit/test_pairing.py runs this file, which answers JSON requests on stdin (``main``),
+Pure Python, no torch: tests/unit/test_pairing.py runs this file, which answers JSON requests on stdin (``main``),
 since the tests do not import bench/ (tests/unit/test_layout.py).
 """
 
 import json
 import statistics
 import sys
+import threading
 
 SIDES = ("trl", "trl_ext")
+
+
+class Baton:
+    """Strict turns between named threads; a finished thread drops out of the rotation."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.turn, self.finished = names, names[0], set()
+        self.cond = threading.Condition()
+
+    def pass_and_wait(self, me: str) -> None:
+        with self.cond:
+            self._advance(me)
+            self.cond.wait_for(lambda: self.turn == me)
+
+    def finish(self, me: str) -> None:
+        with self.cond:
+            self.finished.add(me)
+            self._advance(me)
+
+    def _advance(self, me: str) -> None:
+        waiting = [n for n in self.names if n != me and n not in self.finished]
+        self.turn = waiting[0] if waiting else me
+        self.cond.notify_all()
 
 
 def order(repeat: int) -> tuple[str, str]:
