@@ -36,9 +36,10 @@ PROFILED_STEPS = 2
 # beside an A/A control: bench/RESULTS.md, 2026-12-02); the profiled runs take their sizes from it
 GPU_RUN = ["--steps", "8", "--warmup", "3"]
 SMOKE_RUN = ["--smoke", "--seq_len", "64", "--batch", "4", "--steps", "3", "--warmup", "1"]
-# A pair, TRL beside the other side step by step: 12 steps each, 8 pairs timed after 4 (on the CPU: 4, 3 after 1)
-PAIRED = {"steps": 12, "warmup": 4}
-PAIRED_SMOKE = {"steps": 4, "warmup": 1}
+# A pair, TRL beside the other side step by step: 12 steps each, 8 pairs timed after 3 of warm-up and before the last
+# (on the CPU: 5 steps, 3 pairs timed)
+PAIRED = {"steps": 12, "warmup": 3}
+PAIRED_SMOKE = {"steps": 5, "warmup": 1}
 # The pairs of one workload, as (label, the worker's flags for the side beside TRL's)
 PAIRS = [("trl_ext beside TRL", {}), ("trl_ext, use_reentrant=True, beside TRL", {"reentrant": True}),
          ("trl_ext, input-require-grads hook kept, beside TRL", {"keep_input_grads_hook": True}),

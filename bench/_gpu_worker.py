@@ -30,7 +30,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
 
@@ -38,7 +37,7 @@ import torch
 import trl
 from _device_figures import collect as collect_figures
 from _device_profile import ProfileSteps
-from _pairing import Baton
+from _pairing import Baton, train_in_turns
 from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 from peft import LoraConfig
@@ -346,8 +345,9 @@ class Turns(TrainerCallback):
 
 def run_paired(cli: argparse.Namespace) -> dict:
     """TRL's trainer and this side (``cli.impl``, its variant flags; ``control``: TRL's trainer too) built in one
-    process and trained in two threads that take turns step by step; the ratio is the median over the timed steps of
-    this side's step over TRL's step beside it. Peak memory is not measured (both models are held at once)."""
+    process and trained in two threads that take turns step by step; the ratio is the median over the timed steps (after
+    ``--warmup``, the last one left out) of this side's step over TRL's step beside it. Peak memory is not measured
+    (both models are held at once)."""
     began = time.perf_counter()
     on_gpu = torch.cuda.is_available() and not cli.smoke
     gc.collect()
@@ -362,25 +362,11 @@ def run_paired(cli: argparse.Namespace) -> dict:
                             variant and cli.keep_input_grads_hook)
         figures[name].trainer = sides[name]["trainer"]
     built = time.perf_counter()
-    errors = []
-
-    def train(name: str) -> None:
-        try:
-            sides[name]["trainer"].train()
-        except BaseException as exc:  # noqa: BLE001 - raised by the main thread
-            errors.append(exc)
-        finally:
-            baton.finish(name)
-
     with kept_input_grads_hook(cli.keep_input_grads_hook):  # trl_ext removes it again at train start
-        threads = [threading.Thread(target=train, args=(name,)) for name in sides]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    if errors:
-        raise errors[0]
-    times = {name: side["meter"].times[cli.warmup:] or side["meter"].times for name, side in sides.items()}
+        train_in_turns({name: side["trainer"] for name, side in sides.items()}, baton)
+    # Timed: after the warm-up, and not the last step, beside which the side that finished first tears down ungated
+    # (its first steps likewise ran beside the other's set-up)
+    times = {name: side["meter"].times[cli.warmup:-1] or side["meter"].times for name, side in sides.items()}
     ratios = [b / a for a, b in zip(times["trl"], times["other"])]
     trainer = sides["other"]["trainer"]
     result = {
@@ -394,7 +380,7 @@ def run_paired(cli: argparse.Namespace) -> dict:
         "build_s": built - began,
     }
     output_dirs = [side["output_dir"] for side in sides.values()]
-    del trainer, threads
+    del trainer
     sides.clear()  # the models and trainers: freed before the teardown gives the memory back
     figures.clear()
     tear_down(*output_dirs)

@@ -45,6 +45,36 @@ class Baton:
         self.cond.notify_all()
 
 
+def train_in_turns(trainers: dict, baton: Baton) -> None:
+    """Each trainer's ``train()`` in a thread of its own, in turns through ``baton`` (their callbacks pass it at each
+    step's start); a trainer that stops drops out of the rotation, so that the other is never left waiting.
+
+    Args:
+        trainers: ``{name: trainer}``, the names ``baton`` rotates.
+        baton: the turns.
+
+    Raises:
+        BaseException: the first error a trainer raised, once both threads are done.
+    """
+    errors = []
+
+    def train(name: str) -> None:
+        try:
+            trainers[name].train()
+        except BaseException as exc:  # noqa: BLE001 - raised by the calling thread
+            errors.append(exc)
+        finally:
+            baton.finish(name)
+
+    threads = [threading.Thread(target=train, args=(name,)) for name in trainers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def order(repeat: int) -> tuple[str, str]:
     """The sides in the order repeat ``repeat`` runs them.
 
