@@ -130,15 +130,16 @@ def diagnose(check, deadline: float) -> dict:
     code, tail = check.run("diagnose", cmd, deadline - time.monotonic())
     results = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
-    def complete(name: str) -> bool:  # every rerun and both profiles recorded
+    def complete(name: str) -> bool:  # every pair and both profiles recorded
         runs = [r for r in results if (r["trainer"], r["tuning"]) == (ratios[name]["trainer"], ratios[name]["tuning"])]
         return len(runs) >= len(pairs(ratios[name]["tuning"])) + 2
 
     cut = [n for n in suspected if not complete(n)]
     # the plan holds the misses first; a suspect the time cut short is named, not failed
     finished = code == 0 or (code is None and all(complete(n) for n in missed))
-    found = {"rows": [], "checks": {"the runs finished": ok(finished, "" if code == 0 else
-                                                            f"exit code {code}: {tail[-300:]}")},
+    detail = ("" if code == 0 else f"the step's time ran out after the misses' runs: {', '.join(cut)} cut short"
+              if finished else f"exit code {code}: {tail[-300:]}")
+    found = {"rows": [], "checks": {"the runs finished": ok(finished, detail)},
              "goals": {}, "notes": [], "tables": [], "diagnosed": {}}
     for name in missed + [n for n in suspected if n not in cut]:
         workload(found, name, ratios[name], results, suspect=name in suspected)
