@@ -13,9 +13,10 @@ a miss within noise is none), it runs, in one process (bench/_gpu_worker.py ``--
 so that a run that misses ends with a cause, not only a ratio. On a GPU, in the time left after the misses, the
 workloads whose median is above 1.00 without missing are diagnosed too, highest first ("suspects"): 2 repeats beside
 an A/A control that strayed 0.25 (2026-12-04) hid a steady 5% (DPO LoRA's, seen in a longer run), and the records
-cost about 35 s a workload. A suspect the time did not reach is named, not failed. On the CPU (``--smoke``) the
-throughput ratios of a 3-step tiny model mean nothing, so only a ratio made up with ``--made_up_ratio`` counts as a
-miss there, and there are no suspects: it shows that the records are made and read (tests/test_device_check.py).
+cost about 35 s a workload (estimated, not measured). A suspect the time did not reach is named, not failed. On the
+CPU (``--smoke``) the throughput ratios of a 3-step tiny model mean nothing, so only a ratio made up with
+``--made_up_ratio`` counts as a miss there, and there are no suspects: it shows that the records are made and read
+(tests/test_device_check.py).
 """
 
 import json
@@ -128,8 +129,9 @@ def diagnose(check, deadline: float) -> dict:
     cut = [n for n in suspected if not complete(n)]
     # the plan holds the misses first; a suspect the time cut short is named, not failed
     finished = code == 0 or (code is None and all(complete(n) for n in missed))
-    found = {"rows": [], "checks": {"the runs finished": ok(finished, "" if code == 0 else
-                                                            f"exit code {code}: {tail[-300:]}")},
+    detail = ("" if code == 0 else f"the step's time ran out after the misses' runs: {', '.join(cut)} cut short"
+              if finished else f"exit code {code}: {tail[-300:]}")
+    found = {"rows": [], "checks": {"the runs finished": ok(finished, detail)},
              "goals": {}, "notes": [], "tables": [], "diagnosed": {}}
     for name in missed + [n for n in suspected if n not in cut]:
         workload(found, name, ratios[name], results, suspect=name in suspected)
@@ -213,15 +215,15 @@ def verdict(name: str, ratio: dict, trl_step: float, found_runs: dict, profiles:
     again = found_runs.get("trl_ext, again")
     if again:
         parts.append(f"again {again['step_s'] / trl_step:.3f}x")
-    for label, text, cause in (("trl_ext, use_reentrant=True", "with use_reentrant=True",
-                                "reentrant closes the gap, the cost is non-reentrant checkpointing's"),
-                               ("trl_ext, input-require-grads hook kept", "with TRL's input-require-grads hook kept",
-                                "keeping it closes the gap, the cost is its removal")):
+    for label, text, change, cost in (
+            ("trl_ext, use_reentrant=True", "with use_reentrant=True", "reentrant", "non-reentrant checkpointing's"),
+            ("trl_ext, input-require-grads hook kept", "with TRL's input-require-grads hook kept", "keeping it",
+             "its removal")):
         run = found_runs.get(label)
         if run:
             x = run["step_s"] / trl_step
-            parts.append(f"{text} {x:.3f}x: " + (cause if x <= GOAL_RATIO else
-                                                  f"{cause.split(' closes')[0]} does not close the gap"))
+            parts.append(f"{text} {x:.3f}x: {change} " + (f"closes the gap, the cost is {cost}" if x <= GOAL_RATIO
+                                                           else "does not close the gap"))
     if profiles:
         trl, ours = profiles["trl"], profiles["trl_ext"]
         if ours["kernel_launches_per_step"] is not None:
