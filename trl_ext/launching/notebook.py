@@ -107,6 +107,10 @@ def _run_and_report(function, result_dir: str):
                                 "such as a list of losses or a path") from exc
             (Path(result_dir) / _RESULT_FILE).write_bytes(payload)
         if torch.distributed.is_initialized():
+            # Every rank waits for the others before any closes its connections: a rank that returned without a
+            # collective (nothing to train) would otherwise close them while another still finishes connecting,
+            # and that one fails ("Gloo connectFullMesh failed ... Connection closed by peer").
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()  # a clean exit: gloo/NCCL warn about a live group otherwise
 
     return run
