@@ -2,18 +2,21 @@
 trl_ext's step time above 1.02x TRL's (the median over its repeats, by more than the A/A control strayed from 1.00:
 a miss within noise is none), it runs, in one process (bench/_gpu_worker.py ``--plan``), worst miss first:
 
-1. TRL's run and trl_ext's again, side by side: the ratio measured once more, and the anchor for the runs below;
-2. trl_ext's run with reentrant gradient checkpointing (``gradient_checkpointing_kwargs={"use_reentrant": True}``):
-   whether non-reentrant checkpointing's hooks are the cost;
-3. under LoRA, trl_ext's run with TRL's input-require-grads hook kept (the one change trl_ext makes to the autograd
-   graph there): whether its removal is the cost;
-4. a short torch-profiler record of TRL's run and of trl_ext's (bench/_device_profile.py): the top CPU and CUDA ops,
+1. trl_ext beside TRL step by step: both trainers in one process, taking turns one step each (``--paired``), so
+   that each trl_ext step has a TRL step next to it under the same conditions; the ratio is the median over the
+   steps, far less noisy than whole runs side by side (the throughput step's A/A strayed 0.25 on 2026-12-04);
+2. the same with trl_ext's reentrant gradient checkpointing (``gradient_checkpointing_kwargs={"use_reentrant":
+   True}``): whether non-reentrant checkpointing's hooks are the cost;
+3. under LoRA, the same with TRL's input-require-grads hook kept on trl_ext's side (the one change trl_ext makes to
+   the autograd graph there): whether its removal is the cost;
+4. an A/A pair, TRL beside TRL step by step: the pairing's own noise;
+5. a short torch-profiler record of TRL's run and of trl_ext's (bench/_device_profile.py): the top CPU and CUDA ops,
    the kernels launched and the ``aten::`` ops per step, and the ops whose calls per step differ,
 
 so that a run that misses ends with a cause, not only a ratio. On a GPU, in the time left after the misses, the
 workloads whose median is above 1.00 without missing are diagnosed too, highest first ("suspects"): 2 repeats beside
 an A/A control that strayed 0.25 (2026-12-04) hid a steady 5% (DPO LoRA's, seen in a longer run), and the records
-cost about 35 s a workload (estimated, not measured). A suspect the time did not reach is named, not failed. On the
+cost about 50 s a workload (estimated, not measured). A suspect the time did not reach is named, not failed. On the
 CPU (``--smoke``) the throughput ratios of a 3-step tiny model mean nothing, so only a ratio made up with
 ``--made_up_ratio`` counts as a miss there, and there are no suspects: it shows that the records are made and read
 (tests/test_device_check.py).
@@ -29,14 +32,18 @@ from _device_profile import count_differences, ops
 BENCH = Path(__file__).resolve().parent
 GOAL_RATIO = 1.02  # as the throughput step's goal
 PROFILED_STEPS = 2
-# A throughput run on the GPU, and the reruns compared with it: 8 steps, 5 timed after 3 of warm-up (16 and 12 before
-# each workload ran in 2 repeats beside an A/A control: bench/RESULTS.md, 2026-12-02)
+# A throughput run on the GPU: 8 steps, 5 timed after 3 of warm-up (16 and 12 before each workload ran in 2 repeats
+# beside an A/A control: bench/RESULTS.md, 2026-12-02); the profiled runs take their sizes from it
 GPU_RUN = ["--steps", "8", "--warmup", "3"]
 SMOKE_RUN = ["--smoke", "--seq_len", "64", "--batch", "4", "--steps", "3", "--warmup", "1"]
-# The reruns of one workload, as (label, the worker's flags): TRL and trl_ext again, then trl_ext's variants
-RERUNS = [("TRL, again", "trl", {}), ("trl_ext, again", "trl_ext", {}),
-          ("trl_ext, use_reentrant=True", "trl_ext", {"reentrant": True}),
-          ("trl_ext, input-require-grads hook kept", "trl_ext", {"keep_input_grads_hook": True})]
+# A pair, TRL beside the other side step by step: 12 steps each, 8 pairs timed after 3 of warm-up and before the last
+# (on the CPU: 5 steps, 3 pairs timed)
+PAIRED = {"steps": 12, "warmup": 3}
+PAIRED_SMOKE = {"steps": 5, "warmup": 1}
+# The pairs of one workload, as (label, the worker's flags for the side beside TRL's)
+PAIRS = [("trl_ext beside TRL", {}), ("trl_ext, use_reentrant=True, beside TRL", {"reentrant": True}),
+         ("trl_ext, input-require-grads hook kept, beside TRL", {"keep_input_grads_hook": True}),
+         ("A/A: TRL beside TRL", {"control": True})]
 LORA_ONLY = {"keep_input_grads_hook"}  # the hook exists under PEFT only
 
 
@@ -83,19 +90,20 @@ def needed(check) -> bool:
     return ratios is None or bool(misses(ratios, check.smoke) + suspects(ratios, check.smoke))
 
 
-def reruns(tuning: str) -> list[tuple[str, str, dict]]:
-    """The reruns (``RERUNS``) that apply to a workload of this tuning."""
-    return [(label, impl, flags) for label, impl, flags in RERUNS if tuning == "lora" or not set(flags) & LORA_ONLY]
+def pairs(tuning: str) -> list[tuple[str, dict]]:
+    """The pairs (``PAIRS``) that apply to a workload of this tuning."""
+    return [(label, flags) for label, flags in PAIRS if tuning == "lora" or not set(flags) & LORA_ONLY]
 
 
 def plan(ratios: dict, workloads: list[str], smoke: bool) -> list[dict]:
-    """The worker's runs, workload after workload: the reruns (TRL and trl_ext again, trl_ext's variants), then each
-    side profiled."""
+    """The worker's runs, workload after workload: the pairs, then each side profiled."""
     steps = 3 if smoke else 6  # profiled: the last PROFILED_STEPS, after the first ones built caches and pools
+    sizes = PAIRED_SMOKE if smoke else PAIRED
     runs = []
     for name in workloads:
         workload = {"trainer": ratios[name]["trainer"], "tuning": ratios[name]["tuning"], "gc": "on"}
-        runs += [{**workload, "impl": impl, **flags} for _, impl, flags in reruns(workload["tuning"])]
+        runs += [{**workload, "impl": "trl_ext", "paired": True, **sizes, **flags}
+                 for _, flags in pairs(workload["tuning"])]
         runs += [{**workload, "impl": impl, "profile_steps": PROFILED_STEPS, "steps": steps, "warmup": 1}
                  for impl in ("trl", "trl_ext")]
     return runs
@@ -122,9 +130,9 @@ def diagnose(check, deadline: float) -> dict:
     code, tail = check.run("diagnose", cmd, deadline - time.monotonic())
     results = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
-    def complete(name: str) -> bool:  # every rerun and both profiles recorded
+    def complete(name: str) -> bool:  # every pair and both profiles recorded
         runs = [r for r in results if (r["trainer"], r["tuning"]) == (ratios[name]["trainer"], ratios[name]["tuning"])]
-        return len(runs) >= len(reruns(ratios[name]["tuning"])) + 2
+        return len(runs) >= len(pairs(ratios[name]["tuning"])) + 2
 
     cut = [n for n in suspected if not complete(n)]
     # the plan holds the misses first; a suspect the time cut short is named, not failed
@@ -144,26 +152,23 @@ def diagnose(check, deadline: float) -> dict:
 def workload(found: dict, name: str, ratio: dict, results: list[dict], suspect: bool = False) -> None:
     """One workload's rows, checks, count differences and verdict, added to ``found`` (``suspect``: above 1.00, not
     a miss)."""
-    def result(impl: str, **flags):
-        wanted = {"reentrant": False, "keep_input_grads_hook": False, "profile": False, **flags}
+    def result(impl: str = "trl_ext", **flags):
+        wanted = {"paired": False, "reentrant": False, "keep_input_grads_hook": False, "control": False,
+                  "profile": False, **flags}
         return next((r for r in results if (r["trainer"], r["tuning"], r["impl"]) == (ratio["trainer"],
                      ratio["tuning"], impl) and all(bool(r.get(k)) == v for k, v in wanted.items())), None)
 
-    found_runs = {label: result(impl, **flags) for label, impl, flags in reruns(ratio["tuning"])}
-    trl_again = found_runs.get("TRL, again")
-    profiles = {impl: (result(impl, profile=True) or {}).get("profile") for impl in ("trl", "trl_ext")}
-    # the reruns are compared with TRL's run in this same step (the throughput step's, if that one is missing)
-    trl_step = trl_again["step_s"] if trl_again else ratio["trl_step_s"]
+    found_pairs = {label: result(paired=True, **flags) for label, flags in pairs(ratio["tuning"])}
+    profiles = {impl: (result(impl=impl, profile=True) or {}).get("profile") for impl in ("trl", "trl_ext")}
     kind = "a suspect: above 1.00, not a miss" if suspect else f"ratio {'made up' if ratio['made_up'] else 'measured'}"
-    rows = [{"workload": name, "run": "TRL (throughput step)", "step s": ratio["trl_step_s"], "vs TRL's step": 1.0,
-             "gradient checkpointing": ratio["trl_gc"]},
-            {"workload": name, "run": f"trl_ext (throughput step; {kind})", "step s": ratio["trl_ext_step_s"],
-             "vs TRL's step": ratio["ratio"]}]
-    for label, run in found_runs.items():
+    rows = [{"workload": name, "run": f"throughput step ({kind})", "TRL step s": ratio["trl_step_s"],
+             "step s": ratio["trl_ext_step_s"], "vs TRL": ratio["ratio"], "gradient checkpointing": ratio["trl_gc"]}]
+    for label, run in found_pairs.items():
         if run:
             figures = run.get("figures") or {}
-            rows.append({"workload": name, "run": label, "step s": run["step_s"],
-                         "vs TRL's step": run["step_s"] / trl_step,
+            rows.append({"workload": name, "run": label, "TRL step s": run["trl_step_s"], "step s": run["step_s"],
+                         "vs TRL": run["paired_ratio"], "steps paired": run["steps_timed"],
+                         "range": f"{min(run['ratios']):.3f}-{max(run['ratios']):.3f}",
                          "gradient checkpointing": figures.get("gradient_checkpointing"),
                          "input-embedding hooks": figures.get("input_grad_hooks")})
     for impl, p in profiles.items():
@@ -174,21 +179,24 @@ def workload(found: dict, name: str, ratio: dict, results: list[dict], suspect: 
                          "top CUDA ops / step": ops(p["top_cuda"])})
     found["rows"] += rows
     checks = found["checks"]
-    ours_again = found_runs.get("trl_ext, again")
-    checks[f"{name}: TRL and trl_ext again"] = ok(
-        trl_again is not None and ours_again is not None,
-        f"{ours_again['step_s'] / trl_step:.3f}x" if trl_again and ours_again else "no result")
-    rerun = found_runs.get("trl_ext, use_reentrant=True")
-    gc = ((rerun or {}).get("figures") or {}).get("gradient_checkpointing")
-    checks[f"{name}: trl_ext rerun with reentrant checkpointing"] = ok(
-        rerun is not None and str(gc).startswith("reentrant"),
-        f"{rerun['step_s']:.4g} s a step, {gc}" if rerun else "no result")
-    if "trl_ext, input-require-grads hook kept" in found_runs:
-        kept = found_runs["trl_ext, input-require-grads hook kept"]
-        hooks = ((kept or {}).get("figures") or {}).get("input_grad_hooks")
-        checks[f"{name}: trl_ext rerun with the input-require-grads hook kept"] = ok(
-            kept is not None and bool(hooks),
-            f"{kept['step_s']:.4g} s a step, {hooks} hook(s) on the input embeddings" if kept else "no result")
+
+    def pair_check(label: str, condition, detail) -> None:
+        run = found_pairs.get(label)
+        checks[f"{name}: {label}"] = ok(run is not None and condition(run), detail(run) if run else "no result")
+
+    figures_of = lambda run: run.get("figures") or {}  # noqa: E731
+    pair_check("trl_ext beside TRL", lambda run: run["trainer_class"].startswith("trl_ext."),
+               lambda run: f"{run['paired_ratio']:.3f}x over {run['steps_timed']} paired steps")
+    pair_check("trl_ext, use_reentrant=True, beside TRL",
+               lambda run: str(figures_of(run).get("gradient_checkpointing")).startswith("reentrant"),
+               lambda run: f"{run['paired_ratio']:.3f}x, {figures_of(run).get('gradient_checkpointing')}")
+    if ratio["tuning"] == "lora":
+        pair_check("trl_ext, input-require-grads hook kept, beside TRL",
+                   lambda run: bool(figures_of(run).get("input_grad_hooks")),
+                   lambda run: f"{run['paired_ratio']:.3f}x, {figures_of(run).get('input_grad_hooks')} hook(s) on "
+                               "the input embeddings")
+    pair_check("A/A: TRL beside TRL", lambda run: run["trainer_class"].startswith("trl."),
+               lambda run: f"{run['paired_ratio']:.3f}x: the pairing's own noise")
     both = all(p and p["aten_ops_per_step"] > 0 and p["top_cpu"] for p in profiles.values())
     checks[f"{name}: both sides profiled"] = ok(both, "" if both else f"records: {list(profiles)}")
     differences = count_differences(profiles["trl"], profiles["trl_ext"]) if both else []
@@ -196,32 +204,37 @@ def workload(found: dict, name: str, ratio: dict, results: list[dict], suspect: 
         found["tables"].append((f"{name}: aten ops whose calls per step differ, TRL vs trl_ext",
                                 [{"op": d["op"], "TRL": d["trl"], "trl_ext": d["trl_ext"],
                                   "trl_ext - TRL": d["difference"]} for d in differences]))
-    text = verdict(name, ratio, trl_step, found_runs, profiles if both else None, differences, suspect)
+    text = verdict(name, ratio, found_pairs, profiles if both else None, differences, suspect)
     found["notes"].append(text)
     found["diagnosed"][name] = {
-        "ratio": ratio, "suspect": suspect, "trl_step_s": trl_step,
-        "reruns": {label: run and {"step_s": run["step_s"], "vs_trl": run["step_s"] / trl_step,
-                                   "gradient_checkpointing": (run.get("figures") or {}).get("gradient_checkpointing"),
-                                   "input_grad_hooks": (run.get("figures") or {}).get("input_grad_hooks")}
-                   for label, run in found_runs.items()},
+        "ratio": ratio, "suspect": suspect,
+        "pairs": {label: run and {"paired_ratio": run["paired_ratio"], "ratios": run["ratios"],
+                                  "trl_step_s": run["trl_step_s"], "step_s": run["step_s"],
+                                  "steps_timed": run["steps_timed"], "trainer_class": run["trainer_class"],
+                                  "gradient_checkpointing": figures_of(run).get("gradient_checkpointing"),
+                                  "input_grad_hooks": figures_of(run).get("input_grad_hooks"),
+                                  "trl_input_grad_hooks": (run.get("trl_figures") or {}).get("input_grad_hooks")}
+                  for label, run in found_pairs.items()},
         "profiles": profiles, "count_differences": differences, "verdict": text}
 
 
-def verdict(name: str, ratio: dict, trl_step: float, found_runs: dict, profiles: dict | None,
-            differences: list[dict], suspect: bool = False) -> str:
-    """One line: what the reruns and the profiles say about the miss (or the suspect)."""
+def verdict(name: str, ratio: dict, found_pairs: dict, profiles: dict | None, differences: list[dict],
+            suspect: bool = False) -> str:
+    """One line: what the pairs and the profiles say about the miss (or the suspect)."""
     parts = [f"{name}: trl_ext at {ratio['ratio']:.3f}x TRL's step" + (" (made up)" if ratio["made_up"] else "")
              + (" (a suspect, not a miss)" if suspect else "")]
-    again = found_runs.get("trl_ext, again")
-    if again:
-        parts.append(f"again {again['step_s'] / trl_step:.3f}x")
+    plain, control = found_pairs.get("trl_ext beside TRL"), found_pairs.get("A/A: TRL beside TRL")
+    if plain:
+        parts.append(f"step by step beside TRL {plain['paired_ratio']:.3f}x"
+                     + (f" (A/A {control['paired_ratio']:.3f}x)" if control else ""))
     for label, text, change, cost in (
-            ("trl_ext, use_reentrant=True", "with use_reentrant=True", "reentrant", "non-reentrant checkpointing's"),
-            ("trl_ext, input-require-grads hook kept", "with TRL's input-require-grads hook kept", "keeping it",
-             "its removal")):
-        run = found_runs.get(label)
+            ("trl_ext, use_reentrant=True, beside TRL", "with use_reentrant=True", "reentrant",
+             "non-reentrant checkpointing's"),
+            ("trl_ext, input-require-grads hook kept, beside TRL", "with TRL's input-require-grads hook kept",
+             "keeping it", "its removal")):
+        run = found_pairs.get(label)
         if run:
-            x = run["step_s"] / trl_step
+            x = run["paired_ratio"]
             parts.append(f"{text} {x:.3f}x: {change} " + (f"closes the gap, the cost is {cost}" if x <= GOAL_RATIO
                                                            else "does not close the gap"))
     if profiles:

@@ -37,6 +37,7 @@ import torch
 import trl
 from _device_figures import collect as collect_figures
 from _device_profile import ProfileSteps
+from _pairing import Baton, train_in_turns
 from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 from peft import LoraConfig
@@ -177,6 +178,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--flop_check", action="store_true", help="check the FLOPs formula with torch's counter")
     parser.add_argument("--reentrant", action="store_true",
                         help="gradient_checkpointing_kwargs={'use_reentrant': True} (bench/_device_steps.diagnose)")
+    parser.add_argument("--paired", action="store_true",
+                        help="TRL's trainer and this side in one process, taking turns step by step (run_paired)")
     parser.add_argument("--keep_input_grads_hook", action="store_true",
                         help="trl_ext's trainer with TRL's input-require-grads hook kept (the one autograd difference "
                              "trl_ext makes under PEFT + checkpointing; bench/_device_diagnose.py)")
@@ -209,20 +212,11 @@ def kept_input_grads_hook(keep: bool):
         gradient_checkpointing.remove_input_require_grads_hooks = removal
 
 
-def run(cli: argparse.Namespace) -> dict:
-    """One workload (``cli.impl``, ``cli.trainer``, ``cli.tuning``, ``cli.gc``); returns what ``main`` prints."""
-    began = time.perf_counter()  # the run's whole time, its build and teardown included: what a repeat costs
-    on_gpu = torch.cuda.is_available() and not cli.smoke
-    # The peak is torch.cuda.max_memory_allocated() itself, from a peak reset here, after what an earlier run of this
-    # process left was freed. Subtracting what the process held at the start (as the 2026-11-28 --one_process run did)
-    # is only right while that memory stays held: leftovers freed during the run make room for the run's own tensors
-    # and the difference undercounts (the likely cause of that run's peaks below the weights, gradients and optimizer
-    # states alone: bench/RESULTS.md). Whatever is still held now can only raise the peak: held_before_bytes says it.
-    gc.collect()
-    if on_gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    held_before = torch.cuda.memory_allocated() if on_gpu else 0
+def build(cli: argparse.Namespace, on_gpu: bool, callbacks: list, ours: bool, reentrant: bool,
+          keep_hook: bool) -> dict:
+    """One side's model, config and trainer for the workload in ``cli`` (``ours``: trl_ext's trainer, else TRL's;
+    ``reentrant``, ``keep_hook``: the diagnose step's variants). Returns ``{"trainer", "model", "config", "params",
+    "meter", "output_dir"}``; the trainer's ``training_step`` counts each batch's tokens into ``meter``."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     shape = SHAPE_SMOKE if cli.smoke else SHAPE_0P5B
     config = LlamaConfig(max_position_embeddings=2 * cli.seq_len, pad_token_id=tokenizer.pad_token_id,
@@ -235,7 +229,6 @@ def run(cli: argparse.Namespace) -> dict:
     params = sum(p.numel() for p in model.parameters())
 
     name = {"sft": "SFT", "dpo": "DPO"}[cli.trainer]
-    ours = cli.impl == "trl_ext" and not cli.control  # the A/A control: TRL's trainer on both sides
     trainer_cls = getattr(trl_ext if ours else trl, f"{name}Trainer")
     per_device = cli.batch if cli.trainer == "sft" else max(1, cli.batch // 2)  # DPO: each row is a pair
     args = getattr(trl_ext, f"{name}Config")(
@@ -243,25 +236,17 @@ def run(cli: argparse.Namespace) -> dict:
         max_length=cli.seq_len, learning_rate=1e-5, logging_steps=10_000, save_strategy="no", report_to="none",
         seed=0, gradient_checkpointing=cli.gc == "on", bf16=on_gpu, dataloader_num_workers=0,
         # trl_ext honours an explicit choice (its default is non-reentrant); TRL passes it on to transformers
-        gradient_checkpointing_kwargs={"use_reentrant": True} if cli.reentrant else None,
+        gradient_checkpointing_kwargs={"use_reentrant": True} if reentrant else None,
     )
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if cli.tuning == "lora" else None
     extra = {}
     if cli.trainer == "dpo" and peft_config is None:  # TRL would reload the reference from the hub name: pass a copy
         extra["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
-    meter = StepMeter()
-    figures = Figures()
-    callbacks = [meter, figures]
-    profile = None
-    if cli.profile_steps:  # the last steps: the first ones build caches
-        profile = ProfileSteps(max(1, cli.steps - cli.profile_steps + 1), min(cli.profile_steps, cli.steps), on_gpu)
-        callbacks.append(profile)
+    meter = next(c for c in callbacks if isinstance(c, StepMeter))
     dataset = data(cli.trainer, cli.seq_len, rows=cli.steps * per_device)  # one epoch: no row is tokenized for nothing
-    with kept_input_grads_hook(cli.keep_input_grads_hook):
+    with kept_input_grads_hook(keep_hook):
         trainer = trainer_cls(model=model, args=args, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config, **extra)
-    figures.trainer = trainer
-
     training_step = trainer.training_step  # the same wrapper on both sides: it only reads the batch
 
     def counted_step(model, inputs, *rest, **kwargs):
@@ -269,6 +254,49 @@ def run(cli: argparse.Namespace) -> dict:
         return training_step(model, inputs, *rest, **kwargs)
 
     trainer.training_step = counted_step
+    return {"trainer": trainer, "model": model, "config": config, "params": params, "meter": meter,
+            "output_dir": args.output_dir}
+
+
+def tear_down(*output_dirs: str) -> None:
+    """After a run: its folders removed, accelerate's shared state cleared (a next run in this process builds its
+    own accelerator), its memory given back."""
+    for output_dir in output_dirs:
+        shutil.rmtree(output_dir, ignore_errors=True)
+    for cls in (AcceleratorState, GradientState):
+        cls._shared_state.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(cli: argparse.Namespace) -> dict:
+    """One workload (``cli.impl``, ``cli.trainer``, ``cli.tuning``, ``cli.gc``); returns what ``main`` prints."""
+    if cli.paired:
+        return run_paired(cli)
+    began = time.perf_counter()  # the run's whole time, its build and teardown included: what a repeat costs
+    on_gpu = torch.cuda.is_available() and not cli.smoke
+    # The peak is torch.cuda.max_memory_allocated() itself, from a peak reset here, after what an earlier run of this
+    # process left was freed. Subtracting what the process held at the start (as the 2026-11-28 --one_process run did)
+    # is only right while that memory stays held: leftovers freed during the run make room for the run's own tensors
+    # and the difference undercounts (the likely cause of that run's peaks below the weights, gradients and optimizer
+    # states alone: bench/RESULTS.md). Whatever is still held now can only raise the peak: held_before_bytes says it.
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    held_before = torch.cuda.memory_allocated() if on_gpu else 0
+    meter = StepMeter()
+    figures = Figures()
+    callbacks = [meter, figures]
+    profile = None
+    if cli.profile_steps:  # the last steps: the first ones build caches
+        profile = ProfileSteps(max(1, cli.steps - cli.profile_steps + 1), min(cli.profile_steps, cli.steps), on_gpu)
+        callbacks.append(profile)
+    ours = cli.impl == "trl_ext" and not cli.control  # the A/A control: TRL's trainer on both sides
+    side = build(cli, on_gpu, callbacks, ours, cli.reentrant, cli.keep_input_grads_hook)
+    trainer, config = side["trainer"], side["config"]
+    figures.trainer = trainer
     frozen, trained = linear_sizes(trainer.model)
     d_attn = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
 
@@ -284,24 +312,78 @@ def run(cli: argparse.Namespace) -> dict:
     result = {
         "impl": cli.impl, "trainer": cli.trainer, "tuning": cli.tuning, "gc": cli.gc,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "params": params, "trained_linear": trained, "frozen_linear": frozen,
+        "params": side["params"], "trained_linear": trained, "frozen_linear": frozen,
         "steps_timed": len(times), "step_s": statistics.median(times), "tokens_per_step": statistics.median(tokens),
         "tokens_per_s": sum(tokens) / sum(times), "model_flops_per_s": flops / sum(times),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "peak_mem_bytes": torch.cuda.max_memory_allocated() if on_gpu else None, "held_before_bytes": held_before,
         "flop_check": flop_check, "figures": figures.found, "reentrant": cli.reentrant,
-        "keep_input_grads_hook": cli.keep_input_grads_hook,
+        "keep_input_grads_hook": cli.keep_input_grads_hook, "paired": False,
         "profile": profile.summary if profile else None, "control": cli.control, "repeat": cli.repeat,
         "trainer_class": f"{type(trainer).__module__}.{type(trainer).__name__}",  # the A/A's: TRL's on both sides
         "build_s": built - began,
     }
-    shutil.rmtree(args.output_dir, ignore_errors=True)
-    del trainer, model, extra, counted_step, figures, profile, callbacks
-    for cls in (AcceleratorState, GradientState):  # a next run in this process builds its own accelerator
-        cls._shared_state.clear()
+    output_dir = side["output_dir"]
+    del trainer, side, figures, profile, callbacks
+    tear_down(output_dir)
+    result["run_s"] = time.perf_counter() - began
+    return result
+
+
+class Turns(TrainerCallback):
+    """Two trainers in one process, one step each in turn (``_pairing.Baton``): the GPU's queue drained before the
+    turn passes, so that each step runs alone, beside the other side's under the same conditions."""
+
+    def __init__(self, name: str, baton: Baton):
+        self.name, self.baton = name, baton
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.baton.pass_and_wait(self.name)
+
+
+def run_paired(cli: argparse.Namespace) -> dict:
+    """TRL's trainer and this side (``cli.impl``, its variant flags; ``control``: TRL's trainer too) built in one
+    process and trained in two threads that take turns step by step; the ratio is the median over the timed steps (after
+    ``--warmup``, the last one left out) of this side's step over TRL's step beside it. Peak memory is not measured
+    (both models are held at once)."""
+    began = time.perf_counter()
+    on_gpu = torch.cuda.is_available() and not cli.smoke
     gc.collect()
-    if on_gpu:
-        torch.cuda.empty_cache()
+    baton = Baton(["trl", "other"])
+    sides, figures = {}, {}
+    for name in ("trl", "other"):
+        figures[name] = Figures()
+        callbacks = [Turns(name, baton), StepMeter(), figures[name]]
+        ours = name == "other" and cli.impl == "trl_ext" and not cli.control
+        variant = name == "other"
+        sides[name] = build(cli, on_gpu, callbacks, ours, variant and cli.reentrant,
+                            variant and cli.keep_input_grads_hook)
+        figures[name].trainer = sides[name]["trainer"]
+    built = time.perf_counter()
+    with kept_input_grads_hook(cli.keep_input_grads_hook):  # trl_ext removes it again at train start
+        train_in_turns({name: side["trainer"] for name, side in sides.items()}, baton)
+    # Timed: after the warm-up, and not the last step, beside which the side that finished first tears down ungated
+    # (its first steps likewise ran beside the other's set-up)
+    times = {name: side["meter"].times[cli.warmup:-1] or side["meter"].times for name, side in sides.items()}
+    ratios = [b / a for a, b in zip(times["trl"], times["other"])]
+    trainer = sides["other"]["trainer"]
+    result = {
+        "impl": cli.impl, "trainer": cli.trainer, "tuning": cli.tuning, "gc": cli.gc, "paired": True,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu", "steps_timed": len(ratios),
+        "trl_step_s": statistics.median(times["trl"]), "step_s": statistics.median(times["other"]),
+        "paired_ratio": statistics.median(ratios), "ratios": ratios,
+        "figures": figures["other"].found, "trl_figures": figures["trl"].found, "reentrant": cli.reentrant,
+        "keep_input_grads_hook": cli.keep_input_grads_hook, "control": cli.control, "repeat": cli.repeat,
+        "profile": None, "trainer_class": f"{type(trainer).__module__}.{type(trainer).__name__}",
+        "build_s": built - began,
+    }
+    output_dirs = [side["output_dir"] for side in sides.values()]
+    del trainer
+    sides.clear()  # the models and trainers: freed before the teardown gives the memory back
+    figures.clear()
+    tear_down(*output_dirs)
     result["run_s"] = time.perf_counter() - began
     return result
 

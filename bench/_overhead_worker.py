@@ -21,11 +21,11 @@ import copy
 import json
 import sys
 import tempfile
-import threading
 import time
 
 import torch
 import trl
+from _pairing import Baton, train_in_turns  # bench/, on the path when this file runs
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, TrainerCallback
@@ -34,29 +34,6 @@ import trl_ext
 from trl_ext.assets import default_model_path
 
 TRAINERS = {"sft": "SFT", "reward": "Reward", "dpo": "DPO"}
-
-
-class Baton:
-    """Strict turns between named threads; a finished thread drops out of the rotation."""
-
-    def __init__(self, names: list[str]):
-        self.names, self.turn, self.finished = names, names[0], set()
-        self.cond = threading.Condition()
-
-    def pass_and_wait(self, me: str) -> None:
-        with self.cond:
-            self._advance(me)
-            self.cond.wait_for(lambda: self.turn == me)
-
-    def finish(self, me: str) -> None:
-        with self.cond:
-            self.finished.add(me)
-            self._advance(me)
-
-    def _advance(self, me: str) -> None:
-        waiting = [n for n in self.names if n != me and n not in self.finished]
-        self.turn = waiting[0] if waiting else me
-        self.cond.notify_all()
 
 
 class StepTimer(TrainerCallback):
@@ -149,27 +126,10 @@ def main():
     timers = {impl: StepTimer(impl, baton) for impl in impls}
     counter = CallCounter() if cli.count_calls else None
     trainers = {impl: build(impl, cli, timers[impl], *([counter] if counter else [])) for impl in impls}
-    errors = []
-
-    def train(impl):
-        try:
-            trainers[impl].train()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-        finally:
-            if baton is not None:
-                baton.finish(impl)
-
     if baton is None:
-        train(impls[0])
+        trainers[impls[0]].train()
     else:
-        threads = [threading.Thread(target=train, args=(impl,)) for impl in impls]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    if errors:
-        raise errors[0]
+        train_in_turns(trainers, baton)
     accelerator = trainers[impls[0]].accelerator
     if accelerator.is_main_process:
         times = {impl: timers[impl].times[cli.warmup:] for impl in impls}

@@ -7,16 +7,72 @@ bench/overhead.py (paired steps, whole runs) and by bench/gpu.py, hence the devi
   ratios are what the pairing produces from no difference at all;
 - **a ratio read beside its control**: the goal missed by no more than the control strayed from 1.00 is "within
   noise", not a miss.
+- **paired steps** (``Baton``): two trainers in one process take turns, one step each, so that every step of one
+  side has a step of the other beside it (bench/overhead.py's one-process runs, the device check's diagnose step).
 
-Pure arithmetic, no torch: tests/unit/test_pairing.py runs this file, which answers JSON requests on stdin (``main``),
+Pure Python, no torch: tests/unit/test_pairing.py runs this file, which answers JSON requests on stdin (``main``),
 since the tests do not import bench/ (tests/unit/test_layout.py).
 """
 
 import json
 import statistics
 import sys
+import threading
 
 SIDES = ("trl", "trl_ext")
+
+
+class Baton:
+    """Strict turns between named threads; a finished thread drops out of the rotation."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.turn, self.finished = names, names[0], set()
+        self.cond = threading.Condition()
+
+    def pass_and_wait(self, me: str) -> None:
+        with self.cond:
+            self._advance(me)
+            self.cond.wait_for(lambda: self.turn == me)
+
+    def finish(self, me: str) -> None:
+        with self.cond:
+            self.finished.add(me)
+            self._advance(me)
+
+    def _advance(self, me: str) -> None:
+        waiting = [n for n in self.names if n != me and n not in self.finished]
+        self.turn = waiting[0] if waiting else me
+        self.cond.notify_all()
+
+
+def train_in_turns(trainers: dict, baton: Baton) -> None:
+    """Each trainer's ``train()`` in a thread of its own, in turns through ``baton`` (their callbacks pass it at each
+    step's start); a trainer that stops drops out of the rotation, so that the other is never left waiting.
+
+    Args:
+        trainers: ``{name: trainer}``, the names ``baton`` rotates.
+        baton: the turns.
+
+    Raises:
+        BaseException: the first error a trainer raised, once both threads are done.
+    """
+    errors = []
+
+    def train(name: str) -> None:
+        try:
+            trainers[name].train()
+        except BaseException as exc:  # noqa: BLE001 - raised by the calling thread
+            errors.append(exc)
+        finally:
+            baton.finish(name)
+
+    threads = [threading.Thread(target=train, args=(name,)) for name in trainers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def order(repeat: int) -> tuple[str, str]:

@@ -24,10 +24,11 @@ The steps, in this order, so that a short stretch of GPU time still yields the f
 5. ``qlora``: 4-bit QLoRA (bitsandbytes): trains, saves, ``trl-ext merge``, and reloads on the 4-bit base, on the
    full-precision base and merged.
 6. ``diagnose``: where step 1 found trl_ext's step above 1.02x TRL's (a miss, not within noise), and on a GPU, in
-   the time left, where it is above 1.00 (a suspect): both sides again, trl_ext's run with reentrant gradient
-   checkpointing and (LoRA) with TRL's input-require-grads hook kept, and a short torch-profiler record of both sides
-   (bench/_device_diagnose.py). On the CPU only a ratio made up with ``--made_up_ratio "DPO lora=1.10"`` counts as a
-   miss, whatever the A/A control says (a test forces one).
+   the time left, where it is above 1.00 (a suspect): trl_ext beside TRL step by step (two trainers in one process
+   taking turns), the same with reentrant gradient checkpointing and (LoRA) with TRL's input-require-grads hook kept,
+   an A/A pair, and a short torch-profiler record of both sides (bench/_device_diagnose.py). On the CPU only a ratio
+   made up with ``--made_up_ratio "DPO lora=1.10"`` counts as a miss, whatever the A/A control says (a test forces
+   one).
 
 Each step runs in processes of its own with its own time limit, never past the budget; saved models are reloaded in
 one process that never imports trl_ext (bench/_device_reload.py), started at once so that its imports overlap the
@@ -70,8 +71,8 @@ STEPS = [
     ("fsdp2", "FSDP2 (one process on a GPU): saves verify and reload", 80),
     ("qlora", "QLoRA, bitsandbytes 4-bit: trains, saves, merges, reloads", 60),
     # last: it only runs where a throughput ratio missed, in the time the others left
-    ("diagnose", "Where a step ratio misses 1.02x (or, on a GPU, is above 1.00): both sides again, trl_ext with "
-     "reentrant checkpointing and with TRL's input hook, both sides profiled", 150),
+    ("diagnose", "Where a step ratio misses 1.02x (or, on a GPU, is above 1.00): trl_ext beside TRL step by step, "
+     "with reentrant checkpointing, with TRL's input hook, an A/A pair; both sides profiled", 150),
 ]
 SMOKE_LANES = [["throughput", "qlora", "diagnose"], ["checkpoint", "zero3", "fsdp2"]]  # on the CPU, two at a time
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed", "bitsandbytes",

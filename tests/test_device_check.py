@@ -127,9 +127,10 @@ def test_ratios_come_with_their_noise(smoke):
 
 def test_a_missed_ratio_is_explained(smoke):
     """A made-up miss (DPO LoRA at 1.10x TRL's step): the throughput step reports it as a missed goal, marked made up,
-    and the diagnose step records both sides again, trl_ext's reruns with reentrant checkpointing and with TRL's
-    input-require-grads hook kept (step times against TRL's beside them, the mode the layers ran, the hooks), and
-    both sides' profiles (op names, calls and times per step); the other workloads are left alone."""
+    and the diagnose step records trl_ext beside TRL step by step (two trainers in one process taking turns), the same
+    with reentrant checkpointing and with TRL's input-require-grads hook kept, an A/A pair (the mode the layers ran,
+    the hooks, each pair's ratio), and both sides' profiles (op names, calls and times per step); the other workloads
+    are left alone."""
     steps = smoke["results"]["steps"]
     throughput = steps["throughput"]
     goal = throughput["goals"]["DPO lora: step <= 1.02x TRL's"]
@@ -143,19 +144,22 @@ def test_a_missed_ratio_is_explained(smoke):
     assert list(found["diagnosed"]) == ["DPO lora"]  # on the CPU only the made-up miss counts, and no suspect
     diagnosed = found["diagnosed"]["DPO lora"]
     assert not diagnosed["suspect"]
-    reruns = diagnosed["reruns"]
-    assert list(reruns) == ["TRL, again", "trl_ext, again", "trl_ext, use_reentrant=True",
-                            "trl_ext, input-require-grads hook kept"]
-    assert diagnosed["trl_step_s"] == reruns["TRL, again"]["step_s"]  # the reruns' anchor: TRL's run beside them
-    for label, rerun in reruns.items():
-        assert 0 < rerun["step_s"] < 60 and rerun["vs_trl"] == pytest.approx(rerun["step_s"] / diagnosed["trl_step_s"])
-    assert reruns["trl_ext, use_reentrant=True"]["gradient_checkpointing"] == "reentrant (2/2 layers)"
-    assert reruns["trl_ext, again"]["gradient_checkpointing"] == "non-reentrant (2/2 layers)"
+    pairs = diagnosed["pairs"]
+    assert list(pairs) == ["trl_ext beside TRL", "trl_ext, use_reentrant=True, beside TRL",
+                           "trl_ext, input-require-grads hook kept, beside TRL", "A/A: TRL beside TRL"]
+    for label, pair in pairs.items():  # two trainers in one process, one step each in turn
+        assert pair["steps_timed"] == 3 and len(pair["ratios"]) == 3, (label, pair)
+        assert pair["paired_ratio"] == pytest.approx(sorted(pair["ratios"])[1])  # the median of the step ratios
+        assert 0 < pair["trl_step_s"] < 60 and 0 < pair["step_s"] < 60
+    assert pairs["trl_ext beside TRL"]["trainer_class"].startswith("trl_ext.")
+    assert pairs["A/A: TRL beside TRL"]["trainer_class"].startswith("trl.")  # TRL's trainer on both sides
+    assert pairs["trl_ext, use_reentrant=True, beside TRL"]["gradient_checkpointing"] == "reentrant (2/2 layers)"
+    assert pairs["trl_ext beside TRL"]["gradient_checkpointing"] == "non-reentrant (2/2 layers)"
     # TRL keeps transformers' input-require-grads hook under PEFT + checkpointing, trl_ext removes it; the variant
     # keeps it, so that its removal's cost can be read on a GPU
-    assert reruns["trl_ext, again"]["input_grad_hooks"] == 0
-    assert reruns["trl_ext, input-require-grads hook kept"]["input_grad_hooks"] >= 1
-    assert reruns["TRL, again"]["input_grad_hooks"] >= 1
+    assert pairs["trl_ext beside TRL"]["input_grad_hooks"] == 0
+    assert pairs["trl_ext beside TRL"]["trl_input_grad_hooks"] >= 1
+    assert pairs["trl_ext, input-require-grads hook kept, beside TRL"]["input_grad_hooks"] >= 1
     for side in ("trl", "trl_ext"):
         profile = diagnosed["profiles"][side]
         assert profile["steps"] == 2 and 0 < profile["step_s"] < 60
@@ -169,20 +173,18 @@ def test_a_missed_ratio_is_explained(smoke):
     for d in diagnosed["count_differences"]:
         assert d["difference"] == d["trl_ext"] - d["trl"] != 0
         assert d["trl"] == diagnosed["profiles"]["trl"]["aten_ops"].get(d["op"], 0)
-    vs = {label: f"{r['vs_trl']:.3f}x" for label, r in reruns.items()}
+    x = {label: f"{pair['paired_ratio']:.3f}x" for label, pair in pairs.items()}
     assert diagnosed["verdict"].startswith(
-        f"DPO lora: trl_ext at {MADE_UP:.3f}x TRL's step (made up); again {vs['trl_ext, again']}; with "
-        f"use_reentrant=True {vs['trl_ext, use_reentrant=True']}: reentrant "), diagnosed["verdict"]
-    assert f"; with TRL's input-require-grads hook kept {vs['trl_ext, input-require-grads hook kept']}: keeping it " \
-        in diagnosed["verdict"]
+        f"DPO lora: trl_ext at {MADE_UP:.3f}x TRL's step (made up); step by step beside TRL "
+        f"{x['trl_ext beside TRL']} (A/A {x['A/A: TRL beside TRL']}); with use_reentrant=True "
+        f"{x['trl_ext, use_reentrant=True, beside TRL']}: reentrant "), diagnosed["verdict"]
+    assert (f"; with TRL's input-require-grads hook kept {x['trl_ext, input-require-grads hook kept, beside TRL']}: "
+            "keeping it ") in diagnosed["verdict"]
     checks = found["checks"]
-    for name in ("the runs finished", "DPO lora: TRL and trl_ext again", "DPO lora: trl_ext rerun with reentrant "
-                 "checkpointing", "DPO lora: trl_ext rerun with the input-require-grads hook kept",
-                 "DPO lora: both sides profiled"):
+    for name in ["the runs finished", "DPO lora: both sides profiled", *(f"DPO lora: {label}" for label in pairs)]:
         assert checks[name]["ok"], (name, checks[name])
     table = (smoke["out"] / "table.txt").read_text()
-    for run in ("TRL, again", "trl_ext, again", "trl_ext, use_reentrant=True", "trl_ext, input-require-grads hook kept",
-                "trl_ext, profiled"):
+    for run in [*pairs, "trl_ext, profiled", "TRL, profiled"]:
         assert f"| DPO lora | {run} |" in table, run
     assert f"{MADE_UP:.3f} (made up; measured " in table and diagnosed["verdict"] in table
 
