@@ -16,7 +16,7 @@ What ``launch`` adds:
   (``"auto"`` values filled from the trainer's config). The function's code is the same as in a script.
 - rank 0's return value comes back to the caller (keep it small and picklable: losses, metrics, paths).
 - it can be called again, and after single-process training in the same kernel: the kernel's accelerate state is
-  set aside for the launch and restored afterwards, and each launch gets a free port.
+  set aside for the launch and restored afterwards, and each launch's rendezvous binds a free port of its own.
 - without a GPU the processes run on CPU with gloo (``trl_ext``'s configs pick it, fp32).
 """
 
@@ -168,7 +168,6 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
         errors.SetupError: CUDA is already initialized in this process, or it is itself a distributed process.
     """
     from accelerate import notebook_launcher
-    from accelerate.utils.other import get_free_port
 
     _refuse_what_cannot_launch(num_processes)
     ds_config = _deepspeed_config(zero_stage, deepspeed)
@@ -179,8 +178,11 @@ def launch(function, *args, num_processes: int = 2, zero_stage: int | None = Non
         print(f"[trl_ext] launch: {num_processes} processes, {what}{where}", flush=True)
         with (_environment(env), accelerate_state_set_aside(), no_import_check(),
               _without_launcher_banner()):
+            # The rendezvous store binds a free port itself and holds it, as torchrun --standalone does: a port picked
+            # beforehand is free only until the launch binds it, seconds later under load, and any process on the
+            # machine can take it meanwhile.
             notebook_launcher(_run_and_report(function, scratch), args=args, num_processes=num_processes,
-                              use_port=str(get_free_port()))  # a fresh port: a second launch never collides
+                              use_port="0", rdzv_backend="c10d", rdzv_endpoint="localhost:0")
         result_file = Path(scratch) / _RESULT_FILE
         return pickle.loads(result_file.read_bytes()) if result_file.exists() else None
 
