@@ -181,7 +181,9 @@ def workload(found: dict, name: str, ratio: dict, results: list[dict], suspect: 
     checks = found["checks"]
 
     def pair_check(label: str, condition, detail) -> None:
-        run = found_pairs.get(label)
+        if label not in found_pairs:  # not a pair of this tuning (``pairs``)
+            return
+        run = found_pairs[label]
         checks[f"{name}: {label}"] = ok(run is not None and condition(run), detail(run) if run else "no result")
 
     figures_of = lambda run: run.get("figures") or {}  # noqa: E731
@@ -190,11 +192,10 @@ def workload(found: dict, name: str, ratio: dict, results: list[dict], suspect: 
     pair_check("trl_ext, use_reentrant=True, beside TRL",
                lambda run: str(figures_of(run).get("gradient_checkpointing")).startswith("reentrant"),
                lambda run: f"{run['paired_ratio']:.3f}x, {figures_of(run).get('gradient_checkpointing')}")
-    if ratio["tuning"] == "lora":
-        pair_check("trl_ext, input-require-grads hook kept, beside TRL",
-                   lambda run: bool(figures_of(run).get("input_grad_hooks")),
-                   lambda run: f"{run['paired_ratio']:.3f}x, {figures_of(run).get('input_grad_hooks')} hook(s) on "
-                               "the input embeddings")
+    pair_check("trl_ext, input-require-grads hook kept, beside TRL",
+               lambda run: bool(figures_of(run).get("input_grad_hooks")),
+               lambda run: f"{run['paired_ratio']:.3f}x, {figures_of(run).get('input_grad_hooks')} hook(s) on the "
+                           "input embeddings")
     pair_check("A/A: TRL beside TRL", lambda run: run["trainer_class"].startswith("trl."),
                lambda run: f"{run['paired_ratio']:.3f}x: the pairing's own noise")
     both = all(p and p["aten_ops_per_step"] > 0 and p["top_cpu"] for p in profiles.values())

@@ -215,8 +215,8 @@ def kept_input_grads_hook(keep: bool):
 def build(cli: argparse.Namespace, on_gpu: bool, callbacks: list, ours: bool, reentrant: bool,
           keep_hook: bool) -> dict:
     """One side's model, config and trainer for the workload in ``cli`` (``ours``: trl_ext's trainer, else TRL's;
-    ``reentrant``, ``keep_hook``: the diagnose step's variants). Returns ``{"trainer", "model", "config", "params",
-    "meter", "output_dir"}``; the trainer's ``training_step`` counts each batch's tokens into ``meter``."""
+    ``reentrant``, ``keep_hook``: the diagnose step's variants). Returns ``{"trainer", "config", "params", "meter",
+    "output_dir"}``; the trainer's ``training_step`` counts each batch's tokens into ``meter``."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     shape = SHAPE_SMOKE if cli.smoke else SHAPE_0P5B
     config = LlamaConfig(max_position_embeddings=2 * cli.seq_len, pad_token_id=tokenizer.pad_token_id,
@@ -254,8 +254,7 @@ def build(cli: argparse.Namespace, on_gpu: bool, callbacks: list, ours: bool, re
         return training_step(model, inputs, *rest, **kwargs)
 
     trainer.training_step = counted_step
-    return {"trainer": trainer, "model": model, "config": config, "params": params, "meter": meter,
-            "output_dir": args.output_dir}
+    return {"trainer": trainer, "config": config, "params": params, "meter": meter, "output_dir": args.output_dir}
 
 
 def tear_down(*output_dirs: str) -> None:
